@@ -1,0 +1,522 @@
+"""GRPO maths: group-relative advantages, the clipped policy loss of every supported type, and their metrics.
+
+Pure tensor functions (torch only). Numerics follow TRL 1.16 ``GRPOTrainer`` (reference/trl.md sections 2.7-2.9)
+with one deliberate fix: the KL bias correction always uses the per-token ratio (TRL issue #6586 / PR #7188), so
+sequence-level importance sampling no longer adds a spurious gradient term to the KL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple, get_args
+
+import torch
+from torch import Tensor
+
+ScaleRewards = Literal["group", "batch", "none"]
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+
+STD_EPS = 1e-4
+"""Added to every standard deviation before dividing, as the reference does."""
+
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""Loss types using the PPO-style two-sided clipped surrogate (and reporting ``clip_ratio/*`` metrics)."""
+
+
+def _check_choice(name: str, value: str, literal: object) -> None:
+    choices = get_args(literal)
+    if value not in choices:
+        raise ValueError(f"`{name}={value!r}` is invalid: choose one of {', '.join(map(repr, choices))}.")
+
+
+# ----------------------------------------------------------------------------------------------- NaN-aware stats
+def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs; NaN where fewer than 2 values are valid.
+
+    Args:
+        x: values, NaN = missing.
+        dim: reduce over this dimension, or over everything when None.
+
+    Returns:
+        ``sqrt(sum((x - nanmean)^2) / (n_valid - 1))``.
+    """
+    valid = ~torch.isnan(x)
+    count = valid.sum() if dim is None else valid.sum(dim, keepdim=True)
+    mean = (torch.nansum(x) if dim is None else torch.nansum(x, dim, keepdim=True)) / count
+    sq = (x - mean).square()
+    ss = torch.nansum(sq) if dim is None else torch.nansum(sq, dim)
+    n = count if dim is None else count.squeeze(dim)
+    return (ss / (n - 1)).sqrt()
+
+
+def _prepare_rewards(
+    rewards: Tensor, num_generations: int, reward_weights: Sequence[float] | Tensor | None
+) -> tuple[Tensor, Tensor]:
+    if rewards.dim() == 1:
+        rewards = rewards.unsqueeze(1)
+    if rewards.dim() != 2:
+        raise ValueError(f"`rewards` has shape {tuple(rewards.shape)}: expected (N,) or (N, num_reward_funcs).")
+    if num_generations < 1 or rewards.shape[0] % num_generations != 0:
+        raise ValueError(
+            f"`num_generations={num_generations}` is invalid for {rewards.shape[0]} rows: the row count must be a "
+            "positive multiple of num_generations (each prompt's completions are consecutive rows)."
+        )
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    if reward_weights is None:
+        weights = torch.ones(rewards.shape[1], dtype=rewards.dtype, device=rewards.device)
+    else:
+        weights = torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device).reshape(-1)
+        if weights.numel() != rewards.shape[1]:
+            raise ValueError(
+                f"`reward_weights` has {weights.numel()} entries but there are {rewards.shape[1]} reward functions: "
+                "give one weight per function."
+            )
+    return rewards, weights
+
+
+def _weighted_nansum(values: Tensor, weights: Tensor) -> Tensor:
+    """``nansum_k w_k v_k`` per row, NaN for rows where every ``v_k`` is NaN."""
+    total = torch.nansum(values * weights, dim=1)
+    return total.masked_fill(torch.isnan(values).all(dim=1), float("nan"))
+
+
+def _group_stats(r: Tensor, g: int) -> tuple[Tensor, Tensor]:
+    """Per-row group nanmean and group nanstd of a (N,) tensor whose groups are consecutive blocks of ``g``."""
+    grouped = r.reshape(-1, g)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(g)
+    std = nanstd(grouped, dim=1).repeat_interleave(g)
+    return mean, std
+
+
+def _sigma(r: Tensor, g: int, scale_rewards: str) -> Tensor:
+    """The per-row std used to scale advantages: group std ("group", "none") or batch std ("batch")."""
+    if scale_rewards == "batch":
+        return nanstd(r).expand_as(r)
+    return _group_stats(r, g)[1]
+
+
+def _sum_then_normalize(rewards: Tensor, weights: Tensor, g: int, scale_rewards: str) -> Tensor:
+    r = _weighted_nansum(rewards, weights)
+    centred = r - _group_stats(r, g)[0]
+    if scale_rewards == "none":
+        return centred
+    return centred / (_sigma(r, g, scale_rewards) + STD_EPS)
+
+
+def _normalize_then_sum(rewards: Tensor, weights: Tensor, g: int, scale_rewards: str) -> Tensor:
+    del scale_rewards  # GDPO ignores it, as the reference does
+    grouped = rewards.reshape(-1, g, rewards.shape[1])
+    z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1).unsqueeze(1) + STD_EPS)
+    r = _weighted_nansum(z.reshape_as(rewards), weights)  # NaN on unscorable rows: their z are all NaN
+    return (r - torch.nanmean(r)) / (nanstd(r) + STD_EPS)
+
+
+_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int, str], Tensor]] = {
+    "sum_then_normalize": _sum_then_normalize,
+    "normalize_then_sum": _normalize_then_sum,
+}
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    *,
+    reward_weights: Sequence[float] | Tensor | None = None,
+    scale_rewards: ScaleRewards = "group",
+    aggregation: Aggregation = "sum_then_normalize",
+) -> Tensor:
+    """Group-relative advantages of one (gathered) generation batch.
+
+    Rows ``[k*G, (k+1)*G)`` are the ``G = num_generations`` completions of prompt ``k``. NaN = unscored.
+
+    ``sum_then_normalize``: ``r = nansum_k w_k R_k`` (NaN if the whole row is NaN); ``A = r - groupmean(r)``, always
+    centred on the group mean; then ``A /= sigma + 1e-4`` with sigma the Bessel nan-std of the group ("group") or of
+    the whole batch ("batch"), no scaling for "none".
+    ``normalize_then_sum`` (GDPO; ``scale_rewards`` ignored): ``z_k = (R_k - groupmean_k) / (groupstd_k + 1e-4)``,
+    ``r = nansum_k w_k z_k``, ``A = (r - mean(r)) / (std(r) + 1e-4)`` over the batch.
+    Finally NaN advantages (unscorable rows, all-NaN groups) become 0.
+
+    Args:
+        rewards: ``(N,)`` or ``(N, F)`` rewards of ``F`` reward functions; NaN = the function did not score the row.
+        num_generations: completions per prompt ``G``; ``N`` must be a multiple of it.
+        reward_weights: ``F`` weights, default all 1.
+        scale_rewards: "group", "batch" or "none".
+        aggregation: "sum_then_normalize" or "normalize_then_sum".
+
+    Returns:
+        ``(N,)`` advantages (float, same dtype as ``rewards`` when it is floating).
+
+    Raises:
+        ValueError: on an unknown option, a row count that is not a multiple of ``G``, or a weight count mismatch.
+
+    Example:
+        >>> grpo_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale_rewards="none")
+        tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    """
+    _check_choice("scale_rewards", scale_rewards, ScaleRewards)
+    _check_choice("aggregation", aggregation, Aggregation)
+    rewards, weights = _prepare_rewards(rewards, num_generations, reward_weights)
+    advantages = _AGGREGATIONS[aggregation](rewards, weights, num_generations, scale_rewards)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def grpo_reward_metrics(
+    rewards: Tensor,
+    num_generations: int,
+    *,
+    reward_weights: Sequence[float] | Tensor | None = None,
+    scale_rewards: ScaleRewards = "group",
+    reward_names: Sequence[str] | None = None,
+) -> dict[str, Tensor]:
+    """Reward metrics of one gathered generation batch (reference section 2.7), as 0-dim tensors (no host sync).
+
+    Keys: ``rewards/<name>/mean`` and ``rewards/<name>/std`` (nanmean / Bessel nanstd per function), ``reward``
+    (nanmean of the weighted nansum, unscorable rows excluded), ``reward_std`` (its nanstd over the batch, not per
+    group) and ``frac_reward_zero_std`` (fraction of rows whose scaling sigma, group or batch std of the weighted sum
+    per ``scale_rewards``, is close to 0; a NaN sigma counts as non-zero). The same sigma is used for both
+    aggregations.
+
+    Args:
+        rewards: ``(N,)`` or ``(N, F)``, NaN = unscored.
+        num_generations: completions per prompt.
+        reward_weights: ``F`` weights, default all 1.
+        scale_rewards: decides which sigma ``frac_reward_zero_std`` looks at.
+        reward_names: ``F`` names, default ``func_0 ... func_{F-1}``.
+
+    Returns:
+        Dict of metric name to 0-dim tensor.
+
+    Raises:
+        ValueError: as :func:`grpo_advantages`, or if the number of names differs from ``F``.
+    """
+    _check_choice("scale_rewards", scale_rewards, ScaleRewards)
+    rewards, weights = _prepare_rewards(rewards, num_generations, reward_weights)
+    names = list(reward_names) if reward_names is not None else [f"func_{k}" for k in range(rewards.shape[1])]
+    if len(names) != rewards.shape[1]:
+        raise ValueError(f"`reward_names` has {len(names)} names for {rewards.shape[1]} reward functions.")
+    metrics: dict[str, Tensor] = {}
+    for k, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, k])
+        metrics[f"rewards/{name}/std"] = nanstd(rewards[:, k])
+    r = _weighted_nansum(rewards, weights)
+    metrics["reward"] = torch.nanmean(r)
+    metrics["reward_std"] = nanstd(r)
+    sigma = _sigma(r, num_generations, scale_rewards)
+    zero = torch.isclose(sigma, torch.zeros_like(sigma))
+    metrics["frac_reward_zero_std"] = zero.to(r.dtype).mean()
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------- policy loss
+class _LossConfig(NamedTuple):
+    loss_type: str
+    eps_low: float
+    eps_high: float
+    delta: float | None
+    beta: float
+    use_bias_correction_kl: bool
+    level: str
+    max_completion_length: int | None
+    num_items_in_batch: Tensor | float | int | None
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+
+
+def _check_config(
+    c: _LossConfig, logps: Tensor, old: Tensor | None, adv: Tensor, mask: Tensor, ref: Tensor | None
+) -> None:
+    _check_choice("loss_type", c.loss_type, LossType)
+    _check_choice("importance_sampling_level", c.level, ImportanceSamplingLevel)
+    if logps.dim() != 2 or mask.shape != logps.shape:
+        raise ValueError(f"`logps` {tuple(logps.shape)} and `mask` {tuple(mask.shape)} must both be (B, T).")
+    for name, other in (("old_logps", old), ("ref_logps", ref)):
+        if other is not None and other.shape != logps.shape:
+            raise ValueError(f"`{name}` has shape {tuple(other.shape)}, expected {tuple(logps.shape)} like `logps`.")
+    if adv.numel() != logps.shape[0]:
+        raise ValueError(f"`advantages` has {adv.numel()} values for {logps.shape[0]} rows: give one per row.")
+    if c.eps_low < 0 or c.eps_high < 0:
+        raise ValueError(f"`epsilon={c.eps_low}`, `epsilon_high={c.eps_high}` are invalid: both must be >= 0.")
+    if c.delta is not None and c.delta <= 1.0:
+        raise ValueError(f"`delta={c.delta}` is invalid: it must be > 1 (recommended > 1 + epsilon_high), or None.")
+    if c.beta < 0:
+        raise ValueError(f"`beta={c.beta}` is invalid: the KL coefficient must be >= 0.")
+    if c.beta != 0 and ref is None:
+        raise ValueError(f"`beta={c.beta}` needs `ref_logps` (reference-model log-probs): pass them or set beta=0.")
+    if c.loss_type == "dr_grpo" and (c.max_completion_length is None or c.max_completion_length < 1):
+        raise ValueError(
+            f"`loss_type='dr_grpo'` needs `max_completion_length` >= 1 (got {c.max_completion_length}): pass the "
+            "generation's max_completion_length."
+        )
+    if c.loss_type == "sapo" and (c.sapo_temperature_pos <= 0 or c.sapo_temperature_neg <= 0):
+        raise ValueError(
+            f"`sapo_temperature_pos={c.sapo_temperature_pos}`, `sapo_temperature_neg={c.sapo_temperature_neg}` are "
+            "invalid: both must be > 0."
+        )
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """``x * mask`` broadcast to the mask's shape, exactly 0 where the mask is 0 even if ``x`` is inf/NaN there."""
+    x = x.expand_as(mask)
+    return torch.where(mask > 0, x * mask, torch.zeros_like(x))
+
+
+def _sequence_log_weight(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO: masked mean of the token log-ratios per row, shape (B, 1)."""
+    return (_masked(log_ratio, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+_IS_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": lambda log_ratio, mask: log_ratio,
+    "sequence": _sequence_log_weight,
+}
+
+
+def _clipped_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) -> Tensor:
+    """``-min(r A, clamp(r, 1-eps_lo, 1+eps_hi) A)``, the unclipped ``r`` capped at ``delta`` if set."""
+    clipped = torch.clamp(ratio, 1.0 - c.eps_low, 1.0 + c.eps_high)
+    if c.delta is not None:
+        ratio = torch.clamp(ratio, max=c.delta)
+    return -torch.min(ratio * adv, clipped * adv)
+
+
+def _cispo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) -> Tensor:
+    """``-sg(min(r, eps_hi)) A logp`` (the cap is eps_high itself, not 1 + eps_high, as in the reference)."""
+    return -torch.clamp(ratio, max=c.eps_high).detach() * adv * logps
+
+
+def _sapo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) -> Tensor:
+    """``-(4/tau) sigmoid(tau (r - 1)) A`` with ``tau`` = the positive temperature if A > 0, else the negative."""
+    tau = torch.where(adv > 0, c.sapo_temperature_pos, c.sapo_temperature_neg).to(ratio.dtype)
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
+
+
+_TOKEN_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor, _LossConfig], Tensor]] = {
+    **dict.fromkeys(CLIPPED_LOSS_TYPES, _clipped_token_loss),
+    "cispo": _cispo_token_loss,
+    "sapo": _sapo_token_loss,
+}
+
+
+def _row_sums(loss: Tensor, mask: Tensor) -> Tensor:
+    """``sum_t m L`` per row."""
+    return _masked(loss, mask).sum(-1)
+
+
+def _agg_sequence_mean(loss: Tensor, mask: Tensor, c: _LossConfig) -> Tensor:
+    return (_row_sums(loss, mask) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _agg_token_mean(loss: Tensor, mask: Tensor, c: _LossConfig) -> Tensor:
+    return _row_sums(loss, mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _agg_num_items(loss: Tensor, mask: Tensor, c: _LossConfig) -> Tensor:
+    if c.num_items_in_batch is None:
+        return _agg_token_mean(loss, mask, c)
+    denom = torch.as_tensor(c.num_items_in_batch, dtype=loss.dtype, device=loss.device).clamp(min=1.0)
+    return _row_sums(loss, mask).sum() / denom
+
+
+_AGGREGATORS: dict[str, Callable[[Tensor, Tensor, _LossConfig], Tensor]] = {
+    "grpo": _agg_sequence_mean,
+    "sapo": _agg_sequence_mean,
+    "bnpo": _agg_token_mean,
+    "dr_grpo": lambda loss, mask, c: _row_sums(loss, mask).sum() / (loss.shape[0] * c.max_completion_length),
+    "dapo": _agg_num_items,
+    "cispo": _agg_num_items,
+    "luspo": lambda loss, mask, c: _row_sums(loss, mask).mean(),
+}
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """Schulman's k3 estimator per token: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    diff = ref_logps - logps
+    return torch.exp(diff) - diff - 1.0
+
+
+def _kl_term(logps: Tensor, ref_logps: Tensor, log_ratio: Tensor, c: _LossConfig) -> Tensor:
+    """k3, times the PER-TOKEN ratio when bias-corrected (fix of TRL #6586: never the (B, 1) sequence ratio)."""
+    kl = k3_kl(logps, ref_logps)
+    return kl * torch.exp(log_ratio) if c.use_bias_correction_kl else kl
+
+
+def grpo_policy_loss(
+    logps: Tensor,
+    old_logps: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: LossType = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    use_bias_correction_kl: bool = True,
+    importance_sampling_level: ImportanceSamplingLevel = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: Tensor | float | int | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> Tensor:
+    """GRPO policy loss of ONE micro-batch, without any gradient-accumulation or world-size factor.
+
+    With ``lr = logps - old`` the ratio is ``r = exp(lr)`` per token ("token") or ``r = exp(masked_mean_t lr)`` per
+    row ("sequence", GSPO). Per-token loss ``L``:
+
+    * grpo, bnpo, dr_grpo, dapo, luspo: ``-min(r' A, clamp(r, 1-eps, 1+eps_high) A)`` with ``r' = min(r, delta)``
+      when ``delta`` is set (two-sided cap of the unclipped branch), else ``r' = r``;
+    * cispo: ``-sg(min(r, eps_high)) A logp`` (cap at ``eps_high`` itself; the reference docs suggest 5.0);
+    * sapo: ``-(4/tau) sigmoid(tau (r - 1)) A``, ``tau = sapo_temperature_pos`` if A > 0 else ``..._neg``.
+
+    If ``beta != 0``: ``L += beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``, multiplied by the
+    PER-TOKEN ratio ``exp(lr)`` when ``use_bias_correction_kl`` (not detached). Deliberate fix of the reference:
+    TRL 1.16 multiplies by the (B, 1) sequence ratio under ``importance_sampling_level="sequence"``, which adds a
+    spurious gradient term (TRL #6586 / PR #7188); with "token" both agree.
+
+    What the masked sum of ``L`` (m = mask, B rows) is divided by; equal to the reference with GA_cur = 1, P = 1:
+
+    * grpo, sapo: per-row token mean, then mean over all B rows (empty rows count as 0);
+    * bnpo: ``max(1, sum m)`` of this micro-batch;
+    * dr_grpo: ``B * max_completion_length``;
+    * dapo, cispo: ``max(1, num_items_in_batch)``, or the local ``max(1, sum m)`` when it is None. The reference
+      uses ``N / P * GA_cur / spg`` with N the masked-token count of the whole generation batch over all ranks; for a
+      token-exact mean over an optimizer step, pass the masked-token count of all that step's micro-batches summed
+      over ranks (and undo DDP's gradient averaging by the world size in the module);
+    * luspo: per-row token SUM, then mean over the B rows.
+
+    ``num_items_in_batch`` is ignored by the other types.
+
+    Args:
+        logps: ``(B, T)`` policy log-probs of the completion tokens (with grad), 0 at padding.
+        old_logps: ``(B, T)`` sampling-policy log-probs, or None when on-policy (then ``old = logps.detach()``: the
+            ratio is 1 but keeps its gradient).
+        advantages: ``(B,)`` or ``(B, 1)``.
+        mask: ``(B, T)`` completion mask (bool or 0/1).
+        loss_type: see above.
+        epsilon: lower clip ``eps``; also the upper one when ``epsilon_high`` is None.
+        epsilon_high: upper clip (DAPO "clip-higher"), and the CISPO cap.
+        delta: cap of the unclipped ratio (two-sided GRPO), > 1; None = off.
+        beta: KL coefficient; ``!= 0`` requires ``ref_logps``.
+        ref_logps: ``(B, T)`` reference-model log-probs.
+        use_bias_correction_kl: weight the k3 by the per-token ratio (DeepSeek-V3.2), default True as the reference.
+        importance_sampling_level: "token" or "sequence".
+        max_completion_length: the Dr. GRPO constant; required for dr_grpo.
+        num_items_in_batch: dapo/cispo normaliser (int, float or 0-dim tensor; no host sync).
+        sapo_temperature_pos: SAPO temperature for A > 0 (reference default 1.0).
+        sapo_temperature_neg: SAPO temperature for A <= 0 (reference default 1.05).
+
+    Returns:
+        0-dim loss tensor.
+
+    Raises:
+        ValueError: on an unknown option, a shape mismatch, ``beta != 0`` without ``ref_logps``, dr_grpo without
+            ``max_completion_length``, a negative epsilon or beta, ``delta <= 1`` or a non-positive SAPO temperature.
+
+    Example:
+        >>> logps = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+        >>> grpo_policy_loss(logps, None, torch.tensor([1.0]), torch.tensor([[1, 1]]))  # on-policy: -mean(r A)
+        tensor(-1., grad_fn=<DivBackward0>)
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    c = _LossConfig(
+        loss_type, epsilon, eps_high, delta, beta, use_bias_correction_kl, importance_sampling_level,
+        max_completion_length, num_items_in_batch, sapo_temperature_pos, sapo_temperature_neg,
+    )  # fmt: skip
+    _check_config(c, logps, old_logps, advantages, mask, ref_logps)
+    mask_f = mask.to(logps.dtype)
+    log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
+    ratio = torch.exp(_IS_LEVELS[c.level](log_ratio, mask_f))
+    loss = _TOKEN_LOSSES[loss_type](ratio, advantages.reshape(-1, 1).to(logps.dtype), logps, c)
+    if beta != 0:
+        loss = loss + beta * _kl_term(logps, ref_logps, log_ratio, c)
+    return _AGGREGATORS[loss_type](loss, mask_f, c)
+
+
+# ------------------------------------------------------------------------------------------------ loss metrics
+def _token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return _masked(x, mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _row_extreme(x: Tensor, mask: Tensor, *, lowest: bool) -> Tensor:
+    """Min (or max) over rows with at least one token of the per-row token fraction of ``x``; 0 if none."""
+    counts = mask.sum(-1)
+    frac = _masked(x, mask).sum(-1) / counts.clamp(min=1.0)
+    value = frac.masked_fill(counts == 0, float("inf") if lowest else float("-inf"))
+    value = value.min() if lowest else value.max()
+    return torch.where(torch.isinf(value), torch.zeros_like(value), value)
+
+
+@torch.no_grad()
+def grpo_loss_metrics(
+    logps: Tensor,
+    old_logps: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: LossType = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    use_bias_correction_kl: bool = True,
+    importance_sampling_level: ImportanceSamplingLevel = "token",
+) -> dict[str, Tensor]:
+    """Per-micro-step loss metrics (reference section 2.9) as 0-dim tensors, without grad or host sync.
+
+    Means are over this micro-batch's masked tokens; the caller averages them over micro-steps and ranks.
+
+    * clipped types (grpo, bnpo, dr_grpo, dapo, luspo), with ``r`` after the ``delta`` cap:
+      ``clip_ratio/low_mean`` = token mean of ``r < 1-eps & A < 0``, ``clip_ratio/high_mean`` = of
+      ``r > 1+eps_high & A > 0``, ``clip_ratio/region_mean`` = of either; ``clip_ratio/low_min`` /
+      ``clip_ratio/high_max`` = min / max over the rows (with at least one token) of the per-row fraction;
+    * cispo: ``cispo_clip_ratio`` = token mean of ``r > eps_high & A > 0``;
+    * ``beta != 0``: ``kl`` = token mean of k3 (times the per-token ratio if ``use_bias_correction_kl``).
+
+    Args:
+        logps: as :func:`grpo_policy_loss` (detached here).
+        old_logps: as :func:`grpo_policy_loss`.
+        advantages: as :func:`grpo_policy_loss`.
+        mask: as :func:`grpo_policy_loss`.
+        loss_type: decides which keys are returned.
+        epsilon: as :func:`grpo_policy_loss`.
+        epsilon_high: as :func:`grpo_policy_loss`.
+        delta: as :func:`grpo_policy_loss`.
+        beta: ``kl`` is returned when it is not 0.
+        ref_logps: as :func:`grpo_policy_loss`.
+        use_bias_correction_kl: as :func:`grpo_policy_loss`.
+        importance_sampling_level: as :func:`grpo_policy_loss`.
+
+    Returns:
+        Dict of metric name to 0-dim tensor (only the keys that apply to ``loss_type`` and ``beta``).
+
+    Raises:
+        ValueError: as :func:`grpo_policy_loss`.
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    # max_completion_length and the SAPO temperatures do not affect the metrics: placeholders that pass validation
+    c = _LossConfig(
+        loss_type, epsilon, eps_high, delta, beta, use_bias_correction_kl, importance_sampling_level, 1, None, 1, 1
+    )
+    _check_config(c, logps, old_logps, advantages, mask, ref_logps)
+    logps, mask_f, adv = logps.detach(), mask.to(logps.dtype), advantages.reshape(-1, 1)
+    log_ratio = logps - (logps if old_logps is None else old_logps)
+    ratio = torch.exp(_IS_LEVELS[c.level](log_ratio, mask_f))
+    metrics: dict[str, Tensor] = {}
+    if loss_type in CLIPPED_LOSS_TYPES:
+        capped = ratio if delta is None else ratio.clamp(max=delta)
+        low = ((capped < 1.0 - epsilon) & (adv < 0)).to(logps.dtype)
+        high = ((capped > 1.0 + eps_high) & (adv > 0)).to(logps.dtype)
+        metrics["clip_ratio/low_mean"] = _token_mean(low, mask_f)
+        metrics["clip_ratio/high_mean"] = _token_mean(high, mask_f)
+        metrics["clip_ratio/region_mean"] = _token_mean(torch.maximum(low, high), mask_f)
+        metrics["clip_ratio/low_min"] = _row_extreme(low, mask_f, lowest=True)
+        metrics["clip_ratio/high_max"] = _row_extreme(high, mask_f, lowest=False)
+    if loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = _token_mean(((ratio > eps_high) & (adv > 0)).to(logps.dtype), mask_f)
+    if beta != 0:
+        metrics["kl"] = _token_mean(_kl_term(logps, ref_logps, log_ratio, c), mask_f)
+    return metrics

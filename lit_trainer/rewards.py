@@ -1,0 +1,178 @@
+"""Built-in GRPO reward functions and the safe caller that turns their outputs into a reward matrix.
+
+A reward function is any callable ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``: one
+value per completion, ``None`` = "this function does not score this row" (it becomes NaN, see
+``lit_trainer.losses.grpo.grpo_advantages``). ``columns`` are the other dataset columns, one list entry per row.
+
+Example:
+    >>> arithmetic_reward(["37+45="] * 2, ["82", " 81"], [[], []], answer=[82, 82])
+    [1.0, 0.0]
+    >>> call_reward_functions([arithmetic_reward, format_reward], ["1+1="], ["2"], [[]], {"answer": ["2"]})
+    tensor([[1., 1.]])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+RewardFunc = Callable[..., Sequence[float | None]]
+"""``f(prompts, completions, completion_ids, **columns) -> list[float | None]``."""
+
+_RESERVED = ("prompts", "completions", "completion_ids")
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something other than one number (or None) per completion."""
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: a string as is, or the ``content`` of a conversational message list.
+
+    Args:
+        completion: ``"82"`` or ``[{"role": "assistant", "content": "82"}]``.
+
+    Returns:
+        The completion text.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def arithmetic_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    answer: Sequence[Any] | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """Correctness reward of the built-in arithmetic task: 1.0 if the stripped completion equals the answer, else 0.0.
+
+    Args:
+        prompts: e.g. ``"37+45="`` (unused).
+        completions: decoded completions, e.g. ``"82"``.
+        completion_ids: token ids (unused).
+        answer: the dataset's ``answer`` column (int or str per row).
+        **columns: other dataset columns (ignored).
+
+    Returns:
+        One float per completion.
+
+    Raises:
+        ValueError: if the dataset has no ``answer`` column.
+    """
+    if answer is None:
+        raise ValueError("`arithmetic_reward` needs an `answer` column in the dataset (the correct result per prompt).")
+    return [1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def format_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]], **columns: Any
+) -> list[float | None]:
+    """Format reward: 1.0 if the stripped completion is a plain integer (optional sign, digits only), else 0.0.
+
+    Args:
+        prompts: unused.
+        completions: decoded completions.
+        completion_ids: unused.
+        **columns: dataset columns (ignored).
+
+    Returns:
+        One float per completion.
+    """
+    return [1.0 if _INTEGER.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def reward_function_name(func: Callable[..., Any]) -> str:
+    """Display name of a reward function: its ``__name__``, the wrapped function's for a partial, else its class."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _to_float(value: Any, name: str, row: int) -> float:
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise RewardFunctionError(
+            f"Reward function `{name}` returned {value!r} for row {row}: each value must be a number or None."
+        ) from err
+
+
+def _call_one(func: RewardFunc, n: int, kwargs: dict[str, Any]) -> list[float]:
+    name = reward_function_name(func)
+    try:
+        values = func(**kwargs)
+    except Exception as err:  # noqa: BLE001 - re-raised with the function's name, original chained
+        raise RewardFunctionError(f"Reward function `{name}` raised {type(err).__name__}: {err}") from err
+    try:
+        length = len(values)
+    except TypeError as err:
+        raise RewardFunctionError(
+            f"Reward function `{name}` returned {type(values).__name__}, not a list with one value per completion."
+        ) from err
+    if length != n:
+        raise RewardFunctionError(
+            f"Reward function `{name}` returned {length} values for {n} completions: return one value (or None) "
+            "per completion."
+        )
+    return [_to_float(v, name, i) for i, v in enumerate(values)]
+
+
+def call_reward_functions(
+    funcs: Sequence[RewardFunc],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    extra_kwargs: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Call every reward function on the same rows and stack the results into a ``(N, F)`` float32 matrix.
+
+    Args:
+        funcs: the ``F`` reward functions, called as ``f(prompts=..., completions=..., completion_ids=...,
+            **columns, **extra_kwargs)``.
+        prompts: ``N`` prompts (the prompt repeated for each of its completions).
+        completions: ``N`` decoded completions.
+        completion_ids: ``N`` lists of completion token ids.
+        columns: other dataset columns, each a list of ``N`` values.
+        extra_kwargs: more keyword arguments for every function (for example ``trainer_state``).
+
+    Returns:
+        ``(N, F)`` float32 CPU tensor; ``None`` returns are NaN.
+
+    Raises:
+        ValueError: if ``funcs`` is empty, lengths disagree, or a column is named like a reserved argument.
+        RewardFunctionError: naming the function, if it raises (original exception chained) or does not return one
+            number or None per completion.
+    """
+    n = len(completions)
+    if not funcs:
+        raise ValueError("`funcs` is empty: give at least one reward function.")
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(
+            f"{len(prompts)} prompts, {n} completions and {len(completion_ids)} completion_ids: all must match."
+        )
+    kwargs: dict[str, Any] = {"prompts": list(prompts), "completions": list(completions)}
+    kwargs["completion_ids"] = list(completion_ids)
+    for key, values in (columns or {}).items():
+        if key in _RESERVED:
+            raise ValueError(f"Dataset column `{key}` clashes with a reward-function argument: rename the column.")
+        if len(values) != n:
+            raise ValueError(f"Column `{key}` has {len(values)} values for {n} completions: repeat it per completion.")
+        kwargs[key] = list(values)
+    kwargs.update(extra_kwargs or {})
+    table = [_call_one(func, n, kwargs) for func in funcs]
+    return torch.tensor(table, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()
