@@ -1,0 +1,181 @@
+"""Shared LightningDataModule base: sources, validation split, tokenizer, samplers and loaders.
+
+Subclasses (SFT, preference, prompt) only say how raw rows become tokenized rows (``_preprocess``), how rows become
+a batch (``_collate``) and what a loss item is (``count_items``). Everything else lives here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from datasets import Dataset
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lit_trainer.data.batch_sampler import SAMPLING_CHOICES, Sampling, make_batch_sampler
+from lit_trainer.data.loader import EvalLoader, TrainLoader, validate_loader_options
+from lit_trainer.data.sources import any_to_str, load_rows, split_validation
+from lit_trainer.models import load_tokenizer
+
+
+class BaseDataModule(pl.LightningDataModule):
+    """Common options of every lit_trainer data module.
+
+    Args:
+        tokenizer: preset name, local directory or hub id (linked to the model's name by the CLI), or a tokenizer
+            object from Python.
+        dataset: ``"builtin:addition"`` (default), a local file or directory (json/jsonl/csv/parquet/txt), a hub
+            dataset name, or a ``datasets.Dataset``/``DatasetDict`` from Python.
+        validation_dataset: an explicit validation source (same forms); otherwise the source's validation split, or
+            ``val_size`` rows held out from training.
+        val_size: fraction in (0, 1) or row count held out when the source has no validation split; 0 = none.
+        split: training split name of a hub dataset.
+        max_length: maximum tokens per row; longer rows are truncated, counted and reported.
+        batch_size: micro-batch size per device (average size for ``batch_rebalance``).
+        eval_batch_size: validation batch size (default: ``batch_size``).
+        sampling: ``random`` (default), ``sequential``, ``group_by_length`` or ``batch_rebalance``.
+        length_column_name: column holding per-row lengths (computed once at preprocessing when absent).
+        drop_last: drop incomplete training batches.
+        num_workers: DataLoader worker processes (0 = load in the main process).
+        persistent_workers: keep workers between epochs (needs ``num_workers > 0``).
+        prefetch_factor: batches prefetched per worker (needs ``num_workers > 0``).
+        pin_memory: pin host memory for faster host-to-GPU copies.
+        seed: data order seed (epoch ``e`` uses ``seed + e``).
+        trust_remote_code: passed to ``AutoTokenizer``; False unless set.
+
+    Raises:
+        ValueError: on ``max_length <= 0``, ``batch_size < 1``, an unknown ``sampling``, or invalid DataLoader options
+            (same rules as ``TrainingArguments``).
+    """
+
+    builtin: dict[str, Callable[[str], Dataset]] = {}
+
+    def __init__(
+        self,
+        tokenizer: Any = "tiny",
+        dataset: Any = "builtin:addition",
+        *,
+        validation_dataset: Any = None,
+        val_size: float | int = 0.05,
+        split: str | None = None,
+        max_length: int = 512,
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        sampling: Sampling = "random",
+        length_column_name: str = "length",
+        drop_last: bool = False,
+        num_workers: int = 0,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        seed: int = 1234,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        if max_length <= 0:
+            raise ValueError(f"`max_length={max_length}` is invalid: it must be a positive number of tokens.")
+        if batch_size < 1:
+            raise ValueError(f"`batch_size={batch_size}` is invalid: it must be >= 1.")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ValueError(f"`eval_batch_size={eval_batch_size}` is invalid: it must be >= 1 or unset.")
+        if sampling not in SAMPLING_CHOICES:
+            raise ValueError(f"`sampling={sampling!r}` is invalid: choose one of {SAMPLING_CHOICES}.")
+        validate_loader_options(num_workers, persistent_workers, prefetch_factor)
+        self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
+        self.tokenizer_source = tokenizer
+        self.dataset_source = dataset
+        self.validation_source = validation_dataset
+        self.tokenizer = tokenizer if not isinstance(tokenizer, str) else None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.stats: dict[str, int] = {}
+
+    # ----------------------------------------------------------------------------------------------- subclass API
+    def _preprocess(self, rows: Dataset, split: str) -> Dataset:
+        """Validate and tokenize raw rows; the result must have a ``length`` column. Updates ``self.stats``."""
+        raise NotImplementedError
+
+    def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> int | torch.Tensor:
+        """Loss items in a collated micro-batch (the token-exact accumulation normaliser)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------ Lightning API
+    @override
+    def setup(self, stage: str) -> None:
+        if self.train_dataset is not None:
+            return
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=self.hparams.trust_remote_code)
+        train, validation = load_rows(self.dataset_source, self.builtin, split=self.hparams.split)
+        if self.validation_source is not None:
+            validation = load_rows(self.validation_source, self.builtin)[0]
+        elif validation is None:
+            train, validation = split_validation(train, self.hparams.val_size, self.hparams.seed)
+        if len(train) == 0:
+            raise ValueError(f"The training data from {any_to_str(self.dataset_source)} is empty: nothing to train on.")
+        self.train_dataset = self._preprocess(train, "train")
+        self.val_dataset = self._preprocess(validation, "validation") if validation is not None else None
+        self._report()
+
+    def _report(self) -> None:
+        parts = [f"{len(self.train_dataset)} training rows"]
+        if self.val_dataset is not None:
+            parts.append(f"{len(self.val_dataset)} validation rows")
+        parts += [f"{v} {k.replace('_', ' ')}" for k, v in self.stats.items() if v]
+        rank_zero_info(f"[lit_trainer] data: {', '.join(parts)} (max_length={self.hparams.max_length}).")
+
+    def _replicas(self) -> tuple[int, int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0, 1
+        return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
+
+    def lengths(self) -> list[int]:
+        """Per-row lengths of the training data, from ``length_column_name`` (computed once at preprocessing)."""
+        column = self.hparams.length_column_name
+        if column not in self.train_dataset.column_names:
+            raise ValueError(f"`sampling={self.hparams.sampling!r}` needs per-row lengths but the column {column!r} "
+                             f"is missing; set `length_column_name` to a column with lengths.")
+        return list(self.train_dataset[column])
+
+    @override
+    def train_dataloader(self) -> TrainLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        world, rank, accumulate = self._replicas()
+        hp = self.hparams
+        sampler = make_batch_sampler(
+            hp.sampling, num_samples=len(self.train_dataset), lengths=self.lengths, batch_size=hp.batch_size,
+            seed=hp.seed, num_replicas=world, rank=rank, accumulate_grad_batches=accumulate, drop_last=hp.drop_last,
+        )
+        return TrainLoader(
+            self.train_dataset, sampler, lambda rows: self._collate(rows, True), count_items=self.count_items,
+            accumulate_grad_batches=accumulate, seed=hp.seed, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
+            persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
+        )
+
+    @override
+    def val_dataloader(self) -> EvalLoader | list:
+        if self.train_dataset is None:
+            self.setup("fit")
+        if self.val_dataset is None:
+            return []
+        world, rank, _ = self._replicas()
+        hp = self.hparams
+        return EvalLoader(
+            self.val_dataset, hp.eval_batch_size or hp.batch_size, lambda rows: self._collate(rows, False),
+            num_replicas=world, rank=rank, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
+            persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
+        )
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id (EOS when it has none)."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id

@@ -1,0 +1,78 @@
+"""The embedded default task: two-digit addition, generated deterministically (no download).
+
+Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuffled once with a fixed seed; the first
+``num_validation`` problems are held out and never appear in training. The same problems serve three formats:
+
+* SFT rows: ``prompt="37+45="``, ``completion="82"``, ``answer="82"``;
+* preference rows (DPO): the same prompt, ``chosen`` = the correct sum, ``rejected`` = a near miss (off by 1, 10 or
+  a swapped digit), chosen deterministically per problem;
+* prompt rows (GRPO): ``prompt`` and ``answer`` for a correctness reward.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+from datasets import Dataset
+
+Split = Literal["train", "validation"]
+BUILTIN_NAMES: tuple[str, ...] = ("builtin:addition",)
+_SEED = 1234
+
+
+def addition_problems(split: Split, *, num_validation: int = 500, low: int = 10, high: int = 99) -> list[tuple[int, int]]:
+    """The ``(a, b)`` operand pairs of one split, in a fixed shuffled order.
+
+    Raises:
+        ValueError: for an unknown split or a ``num_validation`` that leaves no training problem.
+    """
+    problems = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    if not 0 < num_validation < len(problems):
+        raise ValueError(f"`num_validation={num_validation}` is invalid: it must be in [1, {len(problems) - 1}].")
+    random.Random(_SEED).shuffle(problems)
+    if split == "validation":
+        return problems[:num_validation]
+    if split == "train":
+        return problems[num_validation:]
+    raise ValueError(f"Unknown split {split!r}: use 'train' or 'validation'.")
+
+
+def near_miss(a: int, b: int) -> int:
+    """A plausible wrong sum for ``a + b`` (deterministic per problem): off by one, off by ten, or digits swapped."""
+    total = a + b
+    options = [total + 1, total - 1, total + 10, total - 10]
+    swapped = int(str(total)[::-1])
+    if swapped != total:
+        options.append(swapped)
+    return options[(a * 31 + b) % len(options)]
+
+
+def sft_rows(split: Split, num_validation: int = 500) -> Dataset:
+    """Prompt/completion rows (loss on the completion only)."""
+    problems = addition_problems(split, num_validation=num_validation)
+    return Dataset.from_dict({
+        "prompt": [f"{a}+{b}=" for a, b in problems],
+        "completion": [str(a + b) for a, b in problems],
+        "answer": [str(a + b) for a, b in problems],
+    })
+
+
+def preference_rows(split: Split, num_validation: int = 500) -> Dataset:
+    """Prompt/chosen/rejected rows: chosen is the correct sum, rejected a near miss."""
+    problems = addition_problems(split, num_validation=num_validation)
+    return Dataset.from_dict({
+        "prompt": [f"{a}+{b}=" for a, b in problems],
+        "chosen": [str(a + b) for a, b in problems],
+        "rejected": [str(near_miss(a, b)) for a, b in problems],
+        "answer": [str(a + b) for a, b in problems],
+    })
+
+
+def prompt_rows(split: Split, num_validation: int = 500) -> Dataset:
+    """Prompt rows with the correct ``answer`` column, for reward functions."""
+    problems = addition_problems(split, num_validation=num_validation)
+    return Dataset.from_dict({
+        "prompt": [f"{a}+{b}=" for a, b in problems],
+        "answer": [str(a + b) for a, b in problems],
+    })

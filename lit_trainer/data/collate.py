@@ -1,0 +1,69 @@
+"""Padding collators: right padding for training, left padding for generation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lit_trainer.losses.logprobs import IGNORE_INDEX
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_value: int, multiple_of: int | None = None) -> torch.Tensor:
+    """Stack sequences into ``(B, T)`` padded on the right (``T`` rounded up to ``multiple_of`` when given)."""
+    width = max((len(s) for s in seqs), default=0)
+    if multiple_of:
+        width = -(-width // multiple_of) * multiple_of
+    out = torch.full((len(seqs), width), pad_value, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    return out
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad_value: int) -> torch.Tensor:
+    """Stack sequences into ``(B, T)`` padded on the left (prompts for ``generate``)."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), pad_value, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if len(seq):
+            out[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+    return out
+
+
+class SFTCollator:
+    """Right-pads ``input_ids``; labels are ``-100`` on padding and on the first ``prompt_length`` tokens.
+
+    Rows are dicts with ``input_ids`` (list of ints) and ``prompt_length`` (int, 0 for plain text).
+
+    Args:
+        pad_token_id: id used for padding ``input_ids`` (masked out by ``attention_mask``).
+        pad_to_multiple_of: round the padded length up (e.g. 8 for tensor cores).
+        generation_inputs: also emit left-padded ``prompt_input_ids``/``prompt_attention_mask`` and right-padded
+            ``completion_ids`` (``-100`` padded) for rows with a prompt: used by the exact-match validation metric.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, generation_inputs: bool = False) -> None:
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.generation_inputs = generation_inputs
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [row["input_ids"] for row in rows]
+        input_ids = pad_right(ids, self.pad_token_id, self.pad_to_multiple_of)
+        lengths = torch.tensor([len(s) for s in ids])
+        positions = torch.arange(input_ids.size(1))
+        attention_mask = (positions[None, :] < lengths[:, None]).long()
+        prompt_lengths = torch.tensor([row.get("prompt_length", 0) for row in rows])
+        is_target = attention_mask.bool() & (positions[None, :] >= prompt_lengths[:, None])
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(~is_target, IGNORE_INDEX),
+        }
+        if self.generation_inputs and any(int(p) > 0 for p in prompt_lengths):
+            prompts = [s[: int(p)] for s, p in zip(ids, prompt_lengths)]
+            batch["prompt_input_ids"] = pad_left(prompts, self.pad_token_id)
+            batch["prompt_attention_mask"] = pad_left([[1] * len(p) for p in prompts], 0)
+            batch["completion_ids"] = pad_right([s[int(p):] for s, p in zip(ids, prompt_lengths)], IGNORE_INDEX)
+        return batch

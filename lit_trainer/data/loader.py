@@ -1,0 +1,204 @@
+"""The training loader: resumable, rank-aware, and token-exact over an accumulation window.
+
+Why not a plain ``torch.utils.data.DataLoader``? Lightning rewrites a ``DataLoader`` it is given for training
+(reference/lightning.md 1.6): under DDP it forces shuffling and wraps any custom sampler in a
+``DistributedSamplerWrapper`` that re-shuffles it; on resume it replays the epoch from batch 0 (1.8, probe c); and
+every ``iter()`` draws a worker seed from the global RNG. :class:`TrainLoader` is an iterable that Lightning leaves
+alone (it only wraps ``DataLoader`` instances) but treats as stateful (``state_dict``/``load_state_dict`` are saved
+in ``loops.fit_loop.state_dict.combined_loader`` and restored before the resumed epoch starts). Inside, a normal
+``DataLoader`` does the loading, with workers, pinning and prefetching.
+
+Token-exact gradient accumulation needs the number of loss items of the whole optimizer step before the first
+micro-batch of that step runs backward (reference/hf_trainer.md 8). The loader therefore fetches the
+``accumulate_grad_batches`` micro-batches of a window ahead (as the HF Trainer does) and attaches the window's local
+count to each of them as ``batch["num_items_in_batch"]`` (a 0-dim int64 tensor). Windows are aligned like
+Lightning's: micro-batches ``[0, N)``, ``[N, 2N)``, ... of the epoch, and a shorter last window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+NUM_ITEMS_KEY = "num_items_in_batch"
+
+
+class _SkippingBatchSampler:
+    """Yields the wrapped batch sampler's micro-batches after skipping the first ``skip`` (index lists only)."""
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self.skip = self.skip, 0
+        return islice(iter(self.batch_sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+class TrainLoader:
+    """A resumable training loader that attaches window item counts for token-exact accumulation.
+
+    Args:
+        dataset: a map-style dataset returning dict rows.
+        batch_sampler: a batch sampler following the protocol of :mod:`lit_trainer.data.batch_sampler`
+            (rank-aware, ``set_epoch``, same length on every rank).
+        collate_fn: turns a list of rows into a dict of tensors.
+        count_items: returns the number of loss items in a collated micro-batch (target tokens for SFT, pairs for
+            DPO). ``None`` disables the count.
+        accumulate_grad_batches: micro-batches per optimizer step (``Trainer.accumulate_grad_batches``).
+        seed: base seed of the worker seeds (epoch ``e`` uses ``seed + e``), so no global RNG draw happens.
+        num_workers: ``DataLoader`` workers.
+        pin_memory: pin host memory.
+        persistent_workers: keep workers alive between epochs (requires ``num_workers > 0``).
+        prefetch_factor: batches prefetched per worker (requires ``num_workers > 0``).
+
+    Example::
+
+        loader = TrainLoader(ds, ShardedBatchSampler(len(ds), 8), collate, count_items=count_target_tokens)
+        for batch in loader:
+            batch["num_items_in_batch"]  # target tokens of this micro-batch's accumulation window (this rank)
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_sampler: Any,
+        collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        *,
+        count_items: Callable[[dict[str, Any]], int | torch.Tensor] | None = None,
+        accumulate_grad_batches: int = 1,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
+        validate_loader_options(num_workers, persistent_workers, prefetch_factor)
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"`accumulate_grad_batches={accumulate_grad_batches}` is invalid: it must be >= 1.")
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.count_items = count_items
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.seed = seed
+        self.epoch = 0
+        self._consumed = 0
+        self._skipper = _SkippingBatchSampler(batch_sampler)
+        self._generator = torch.Generator()
+        self._inner = DataLoader(
+            dataset,
+            batch_sampler=self._skipper,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            generator=self._generator,
+        )
+
+    @property
+    def sampler(self) -> TrainLoader:
+        """Lightning calls ``loader.sampler.set_epoch(e)`` at every epoch start; route it to :meth:`set_epoch`."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; a pending resume position only applies to the epoch it was saved in."""
+        if epoch != self.epoch:
+            self._skipper.skip = 0
+        self.epoch = epoch
+        self.batch_sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.batch_sampler.set_epoch(self.epoch)
+        self._generator.manual_seed(self.seed + self.epoch)
+        self._consumed = self._skipper.skip
+        batches = iter(self._inner)
+        window = self.accumulate_grad_batches
+        while True:
+            # the first window after a mid-window resume is completed up to the next boundary
+            chunk = list(islice(batches, window - self._consumed % window))
+            if not chunk:
+                return
+            if self.count_items is not None:
+                total = sum(int(self.count_items(batch)) for batch in chunk)
+                count = torch.tensor(total, dtype=torch.int64)
+                for batch in chunk:
+                    batch[NUM_ITEMS_KEY] = count
+            for batch in chunk:
+                self._consumed += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position"}``: the micro-batches of ``epoch`` already handed to the training loop."""
+        return {"epoch": self.epoch, "position": self._consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration of epoch ``state["epoch"]`` starts at micro-batch ``state["position"]``."""
+        self.epoch = int(state["epoch"])
+        self._skipper.skip = int(state["position"])
+        self.batch_sampler.set_epoch(self.epoch)
+
+
+def validate_loader_options(num_workers: int, persistent_workers: bool, prefetch_factor: int | None) -> None:
+    """Reject DataLoader option combinations early, with the fix in the message (as ``TrainingArguments`` does).
+
+    Raises:
+        ValueError: negative ``num_workers``; ``prefetch_factor`` or ``persistent_workers`` without workers;
+            ``prefetch_factor < 1``.
+    """
+    if num_workers < 0:
+        raise ValueError(f"`num_workers={num_workers}` is invalid: it must be >= 0 (0 loads in the main process).")
+    if prefetch_factor is not None and num_workers == 0:
+        raise ValueError(
+            f"`prefetch_factor={prefetch_factor}` can only be set when data is loaded in worker processes: "
+            "set `num_workers` > 0 or leave `prefetch_factor` unset."
+        )
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ValueError(f"`prefetch_factor={prefetch_factor}` is invalid: it must be >= 1.")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("`persistent_workers=True` needs worker processes: set `num_workers` > 0 or turn it off.")
+
+
+class EvalLoader:
+    """Sequential evaluation batches over this rank's strided shard ``rank::num_replicas`` (no duplicates).
+
+    Like :class:`TrainLoader`, it is not a ``DataLoader``, so Lightning does not inject a ``DistributedSampler``
+    (which would repeat samples to even out ranks and bias the metrics). Ranks may get one batch more or less; the
+    evaluation loop has no gradient sync, and the metrics are reduced once at the end.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
+        validate_loader_options(num_workers, persistent_workers, prefetch_factor)
+        self.dataset = Subset(dataset, range(rank, len(dataset), num_replicas))
+        self._inner = DataLoader(
+            self.dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn, num_workers=num_workers,
+            pin_memory=pin_memory, persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+        )
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._inner)

@@ -1,0 +1,281 @@
+"""Shared base of the lit_trainer LightningModules: model loading, optimizer/scheduler wiring, token-exact
+gradient accumulation and step logging.
+
+Token-exact accumulation (DESIGN rule 1, reference/lightning.md 1.7, hf_trainer.md 8). Lightning divides every
+micro-batch loss by ``accumulate_grad_batches`` (N) and DDP averages gradients over the W ranks, so the optimizer sees
+the mean of per-micro-batch means. Our training loader attaches to every micro-batch the number of loss items of its
+whole accumulation window (``num_items_in_batch``); the first micro-batch of each window all-reduces it over ranks (one
+collective per optimizer step). A subclass returns ``sum(item losses) / global_count`` for its micro-batch, and the
+base returns that times ``N * W`` to Lightning, cancelling both divisions: the step's gradient is exactly the
+full-batch mean gradient, including a short last window (where Lightning still divides by N) and uneven lengths.
+
+Logging (reference/lightning.md 1.12). Lightning logs the last micro-batch's value; we keep device-side sums over the
+logging window (no per-step ``.item()``) and log, on the steps Lightning writes logs, the mean step loss of the
+window, the subclass's metrics averaged over the window's micro-steps, the learning rate, the pre-clipping gradient
+norm, real (non-padding) tokens per second and the padding fraction, reduced over ranks once per logging step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from transformers import PreTrainedModel
+from typing_extensions import override
+
+from lit_trainer.data.loader import NUM_ITEMS_KEY
+from lit_trainer.models import load_model, load_tokenizer
+
+SchedulerName = Literal["cosine", "linear", "constant"]
+_NO_DECAY = ("bias", "norm")
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An in-memory, eval-mode, gradient-free copy of ``model`` (the DPO/GRPO reference model)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def warmup_schedule(name: SchedulerName, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier per optimizer step: linear warmup over ``warmup`` steps, then cosine/linear/constant decay."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if name == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if name == "cosine" else 1.0 - progress
+        return min_ratio + (1.0 - min_ratio) * decay
+
+    return factor
+
+
+class BaseModule(pl.LightningModule):
+    """Base LightningModule for causal-LM training recipes.
+
+    Args:
+        model: a preset name (``"tiny"``), a local directory, a hub id, or a ``PreTrainedModel`` from Python.
+        tokenizer: a tokenizer object (default: loaded from ``model`` when it is a string); used for export and
+            generation.
+        trust_remote_code: passed to ``from_pretrained``; False unless you set it.
+        optimizer: an ``OptimizerCallable`` (``params -> Optimizer``) from the CLI; default AdamW with
+            ``learning_rate``/``weight_decay`` (no decay on biases and norms, as HF).
+        lr_scheduler: an ``LRSchedulerCallable`` (``optimizer -> scheduler``), stepped per optimizer step; default:
+            linear warmup then ``scheduler`` decay over ``trainer.estimated_stepping_batches``.
+        learning_rate: peak learning rate of the default optimizer.
+        weight_decay: weight decay of the default optimizer.
+        warmup_steps: warmup length in optimizer steps, or a fraction (< 1) of the total steps.
+        scheduler: decay after warmup: ``cosine``, ``linear`` or ``constant``.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+        max_grad_norm: gradient clipping by global norm when the Trainer sets no ``gradient_clip_val`` (HF's default
+            1.0); None or 0 disables clipping (the norm is still logged).
+
+    Raises:
+        ValueError: on a negative learning rate, warmup or ``max_grad_norm``.
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = "tiny",
+        *,
+        tokenizer: Any = None,
+        trust_remote_code: bool = False,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        learning_rate: float = 5e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int | float = 0,
+        scheduler: SchedulerName = "cosine",
+        min_lr_ratio: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+    ) -> None:
+        super().__init__()
+        if learning_rate < 0 or weight_decay < 0:
+            raise ValueError(f"`learning_rate={learning_rate}`, `weight_decay={weight_decay}`: both must be >= 0.")
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps={warmup_steps}` is invalid: use steps >= 0 or a fraction in [0, 1).")
+        if max_grad_norm is not None and max_grad_norm < 0:
+            raise ValueError(f"`max_grad_norm={max_grad_norm}` is invalid: use a positive norm, or 0/None to disable.")
+        if scheduler not in ("cosine", "linear", "constant"):
+            raise ValueError(f"`scheduler={scheduler!r}` is invalid: use 'cosine', 'linear' or 'constant'.")
+        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
+        self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        self.model = load_model(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
+        if tokenizer is None and isinstance(model, str):
+            tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
+        self.tokenizer = tokenizer
+        self._optimizer_fn = optimizer
+        self._scheduler_fn = lr_scheduler
+        self._window_items: Tensor | None = None
+        self._warned_no_items = False
+        self._reset_log_window()
+
+    # --------------------------------------------------------------------------------------------- subclass API
+    def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Return ``(loss, metrics)`` for one micro-batch.
+
+        ``loss`` must be ``sum of item losses / num_items_in_batch`` when the count is given (the global count of the
+        accumulation window), or the micro-batch mean when it is None. ``metrics`` are detached 0-dim tensors,
+        averaged over the micro-steps of the logging window and over ranks.
+        """
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------------------- accumulation core
+    def _global_num_items(self, local: Tensor | None, batch_idx: int) -> Tensor | None:
+        if local is None:
+            if not self._warned_no_items and self.trainer.accumulate_grad_batches * self.trainer.world_size > 1:
+                rank_zero_warn("[lit_trainer] The training batches carry no `num_items_in_batch` (not produced by a "
+                               "lit_trainer data module): falling back to per-micro-batch means, which is NOT "
+                               "token-exact under gradient accumulation or DDP.")
+                self._warned_no_items = True
+            return None
+        if self._window_items is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+            count = local.to(self.device, torch.float32)
+            self._window_items = self.trainer.strategy.reduce(count, reduce_op="sum") if self.trainer.world_size > 1 else count
+        return self._window_items
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        num_items = self._global_num_items(batch.pop(NUM_ITEMS_KEY, None), batch_idx)
+        loss, metrics = self.compute_loss(batch, num_items)
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+        contribution = loss if num_items is not None else loss / scale
+        self._track(contribution.detach(), metrics, batch)
+        return contribution * scale
+
+    # ------------------------------------------------------------------------------------------------- logging
+    def _reset_log_window(self) -> None:
+        self._log_loss: Tensor | float = 0.0
+        self._log_steps = 0
+        self._log_metrics: dict[str, Tensor] = {}
+        self._log_micro_steps = 0
+        self._log_real = 0
+        self._log_padded = 0
+        self._log_started = time.perf_counter()
+        self._excluded_time = 0.0
+        self._grad_norm: Tensor | None = None
+        self._last_global_step = -1
+
+    def _track(self, contribution: Tensor, metrics: dict[str, Tensor], batch: dict[str, Any]) -> None:
+        self._log_loss = self._log_loss + contribution
+        for key, value in metrics.items():
+            self._log_metrics[key] = self._log_metrics.get(key, 0.0) + value.detach().float()
+        self._log_micro_steps += 1
+        for key, value in batch.items():
+            if key.endswith("attention_mask") and isinstance(value, Tensor):
+                self._log_real = self._log_real + value.sum()
+                self._log_padded += value.numel()
+
+    def _should_write_logs(self) -> bool:
+        connector = getattr(self.trainer, "_logger_connector", None)
+        flag = getattr(connector, "should_update_logs", None)
+        if flag is None:  # pragma: no cover - guard against Lightning internals moving
+            return self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0
+        return bool(flag)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == self._last_global_step:
+            return  # still accumulating: no optimizer step happened on this micro-batch
+        self._last_global_step = self.trainer.global_step
+        self._log_steps += 1
+        if not self._should_write_logs() or self._log_steps == 0:
+            return
+        self._write_logs()
+
+    def _write_logs(self) -> None:
+        elapsed = max(1e-9, time.perf_counter() - self._log_started - self._excluded_time)
+        world = self.trainer.world_size
+        device = self.device
+        names = sorted(self._log_metrics)
+        local = torch.stack([
+            torch.as_tensor(self._log_loss, dtype=torch.float32, device=device),
+            torch.as_tensor(self._log_real, dtype=torch.float32, device=device),
+            torch.as_tensor(float(self._log_padded), device=device),
+            *[torch.as_tensor(self._log_metrics[n], dtype=torch.float32, device=device) / self._log_micro_steps
+              for n in names],
+        ])
+        total = self.trainer.strategy.reduce(local, reduce_op="sum") if world > 1 else local
+        values: dict[str, Tensor | float] = {
+            "train_loss": total[0] / self._log_steps,
+            "tokens_per_sec": total[1] / elapsed,
+            "padding_fraction": 1.0 - total[1] / total[2].clamp(min=1.0),
+        }
+        values.update({name: total[3 + i] / world for i, name in enumerate(names)})
+        optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
+        if optimizer is not None:
+            values["learning_rate"] = float(optimizer.param_groups[0]["lr"])
+        if self._grad_norm is not None:
+            values["grad_norm"] = self._grad_norm
+        self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
+        self.log("loss", values["train_loss"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
+                 rank_zero_only=True)
+        self.log("tok/s", values["tokens_per_sec"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
+                 rank_zero_only=True)
+        last = self._last_global_step
+        self._reset_log_window()
+        self._last_global_step = last
+
+    @override
+    def on_validation_start(self) -> None:
+        self._validation_started = time.perf_counter()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._excluded_time += time.perf_counter() - getattr(self, "_validation_started", time.perf_counter())
+
+    # -------------------------------------------------------------------------------------- optimizer / clipping
+    def trainable_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        """Named parameters that receive gradients (frozen ones, e.g. a reference model, are excluded)."""
+        return ((n, p) for n, p in self.named_parameters() if p.requires_grad)
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        named = list(self.trainable_parameters())
+        if not named:
+            raise ValueError("The module has no trainable parameter: nothing to optimize.")
+        if self._optimizer_fn is not None:
+            optimizer = self._optimizer_fn([p for _, p in named])
+        else:
+            decay = [p for n, p in named if not any(k in n.lower() for k in _NO_DECAY) and p.ndim > 1]
+            no_decay = [p for n, p in named if any(k in n.lower() for k in _NO_DECAY) or p.ndim <= 1]
+            groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}]
+            optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.learning_rate)
+        if self._scheduler_fn is not None:
+            scheduler = self._scheduler_fn(optimizer)
+        else:
+            total = max(1, int(self.trainer.estimated_stepping_batches))
+            warmup = self.hparams.warmup_steps
+            warmup = int(math.ceil(total * warmup)) if isinstance(warmup, float) and warmup < 1 else int(warmup)
+            factor = warmup_schedule(self.hparams.scheduler, warmup, total, self.hparams.min_lr_ratio)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        if gradient_clip_algorithm not in (None, "norm") or type(self.trainer.strategy).__name__ not in (
+            "SingleDeviceStrategy", "DDPStrategy"
+        ):
+            # value clipping, FSDP and DeepSpeed keep Lightning's own implementation
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        max_norm = gradient_clip_val if gradient_clip_val is not None else self.hparams.max_grad_norm
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:
+            # returns the pre-clipping total norm as a device tensor (no host sync); inf = measure only
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf)

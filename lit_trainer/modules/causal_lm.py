@@ -1,0 +1,127 @@
+"""CausalLMModule: supervised fine-tuning of a causal LM (the HF Trainer's default loss, token-exact)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric, MetricCollection
+from typing_extensions import override
+
+from lit_trainer.losses.causal_lm import causal_lm_loss
+from lit_trainer.metrics import CausalLMEvalMetrics, greedy_exact_match
+from lit_trainer.modules.base import BaseModule
+
+LossFunc = Callable[..., Tensor]
+
+
+class CausalLMModule(BaseModule):
+    """Fine-tune a causal LM on batches of ``input_ids``/``attention_mask``/``labels``.
+
+    The loss is :func:`~lit_trainer.losses.causal_lm_loss` normalised by the accumulation window's global target
+    count, so gradient accumulation and DDP give the full-batch token-mean gradient. A user ``compute_loss_func``
+    replaces it and then owns normalisation, exactly as the HF Trainer's: it is called as
+    ``compute_loss_func(outputs, labels, num_items_in_batch=N)`` with the model outputs (``.logits``), the UNSHIFTED
+    labels and ``N`` = target tokens of the whole optimizer step over all ranks (``None`` when the batches do not come
+    from a lit_trainer data module); its return value is what gets backpropagated (times the accumulation/world
+    factor that cancels Lightning's and DDP's averaging).
+
+    Validation logs ``val_loss`` (global token mean), ``val_perplexity``, ``val_token_accuracy`` and, with
+    ``eval_exact_match=True``, ``val_exact_match``: greedy generation of each prompt's completion compared with the
+    reference (only rows that have a prompt). ``preprocess_logits_for_metrics(logits, labels) -> Tensor`` and
+    ``eval_metrics`` add user metrics, streamed batch by batch (``metric.update(preds, labels)``) instead of
+    concatenating logits.
+
+    Args:
+        model: preset name, local directory, hub id, or a ``PreTrainedModel``.
+        compute_loss_func: optional ``(outputs, labels, num_items_in_batch) -> loss``.
+        eval_exact_match: add the greedy exact-match metric (costs a ``generate`` per validation batch).
+        eval_max_new_tokens: generation budget of the exact-match metric.
+        preprocess_logits_for_metrics: optional ``(logits, labels) -> preds`` applied per validation batch.
+        eval_metrics: optional torchmetrics (a ``Metric``, a ``MetricCollection`` or a dict of them) updated with
+            ``(preds, labels)``; logged with a ``val_`` prefix.
+        **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
+
+    Example::
+
+        module = CausalLMModule("tiny", learning_rate=1e-3, warmup_steps=50, eval_exact_match=True)
+        trainer = lightning.Trainer(max_steps=800, accumulate_grad_batches=1)
+        trainer.fit(module, datamodule=SFTDataModule(batch_size=64, max_length=32))
+    """
+
+    def __init__(
+        self,
+        model: Any = "tiny",
+        *,
+        compute_loss_func: LossFunc | None = None,
+        eval_exact_match: bool = False,
+        eval_max_new_tokens: int = 8,
+        preprocess_logits_for_metrics: Callable[[Tensor, Tensor], Tensor] | None = None,
+        eval_metrics: Metric | MetricCollection | dict[str, Metric] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, **kwargs)
+        if eval_max_new_tokens < 1:
+            raise ValueError(f"`eval_max_new_tokens={eval_max_new_tokens}` is invalid: it must be >= 1.")
+        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler", "compute_loss_func",
+                                          "preprocess_logits_for_metrics", "eval_metrics"])
+        self.compute_loss_func = compute_loss_func
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.val_metrics = CausalLMEvalMetrics()
+        if isinstance(eval_metrics, dict):
+            eval_metrics = MetricCollection(eval_metrics)
+        self.user_metrics = eval_metrics
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
+        """Run the wrapped model (logits only; the loss is computed by the module)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+    @override
+    def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        outputs = self(batch["input_ids"], batch.get("attention_mask"))
+        labels = batch["labels"]
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            loss = causal_lm_loss(outputs.logits, labels, num_items_in_batch)
+        return loss, {}
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        outputs = self(batch["input_ids"], batch.get("attention_mask"))
+        labels = batch["labels"]
+        self.val_metrics.update_from_logits(outputs.logits, labels)
+        if self.user_metrics is not None:
+            preds = outputs.logits
+            if self.preprocess_logits_for_metrics is not None:
+                preds = self.preprocess_logits_for_metrics(outputs.logits, labels)
+            self.user_metrics.update(preds, labels)
+        if self.hparams.eval_exact_match and "prompt_input_ids" in batch:
+            self.val_metrics.update_exact_match(self._greedy_matches(batch))
+
+    @torch.no_grad()
+    def _greedy_matches(self, batch: dict[str, Any]) -> Tensor:
+        prompts, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+        has_prompt = mask.sum(-1) > 0
+        pad_id = self.model.generation_config.pad_token_id
+        eos_id = self.model.generation_config.eos_token_id
+        generated = self.model.generate(
+            input_ids=prompts[has_prompt], attention_mask=mask[has_prompt], do_sample=False,
+            max_new_tokens=self.hparams.eval_max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
+        )[:, prompts.size(1):]
+        eos = eos_id[0] if isinstance(eos_id, list) else eos_id
+        return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_metrics.compute()
+        if self.user_metrics is not None:
+            computed = self.user_metrics.compute()
+            computed = computed if isinstance(computed, dict) else {type(self.user_metrics).__name__.lower(): computed}
+            values.update({f"val_{k}": v for k, v in computed.items()})
+            self.user_metrics.reset()
+        self.val_metrics.reset()
+        if values:
+            self.log_dict(values, prog_bar=False)
