@@ -1,0 +1,39 @@
+"""2-process DDP (gloo): the step gradient with accumulation equals the full-batch token-mean gradient.
+
+Usage: python ddp_grad_accum.py OUT_DIR. Each rank writes rank<k>.pt with its captured gradient and rows seen.
+"""
+
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+if __name__ == "__main__":
+    import lightning.pytorch as pl
+    import torch
+    from transformers import ByT5Tokenizer
+
+    from conftest import tiny_llama
+    from _accum_common import GradCapture, accum_datamodule
+    from lit_trainer.modules.causal_lm import CausalLMModule
+
+    out_dir = sys.argv[1]
+    torch.set_num_threads(1)
+    tokenizer = ByT5Tokenizer()
+    model = tiny_llama(seed=1)
+    initial = copy.deepcopy(model.state_dict())
+    module = CausalLMModule(model, tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
+    capture = GradCapture()
+    seen = []
+
+    class Recorder(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch["input_ids"].clone())
+
+    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=1, accumulate_grad_batches=2,
+                         callbacks=[capture, Recorder()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=accum_datamodule(tokenizer, batch_size=2))
+    torch.save({"grads": capture.grads, "seen": seen, "initial": initial, "world": trainer.world_size},
+               os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))

@@ -1,0 +1,62 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_trainer.models import PRESETS, build_preset_model, load_model, load_tokenizer
+
+
+def test_presets_build_with_expected_sizes():
+    torch.manual_seed(0)
+    model = load_model("tiny")
+    n_params = sum(p.numel() for p in model.parameters())
+    # hidden 128: embeddings 384*128 = 49,152 (tied) + 2 layers * (4*128*128 attn + 3*128*512 mlp + 2*128 norms)
+    # = 2 * (65,536 + 196,608 + 256) = 524,800, + final norm 128 -> 574,080
+    assert n_params == 574_080
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 128
+    assert sorted(PRESETS) == ["tiny", "tiny-256", "tiny-64"]
+
+
+def test_unknown_preset_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"Unknown model preset 'tiny-9'.*'tiny', 'tiny-256', 'tiny-64'"):
+        load_model("tiny-9")
+    with pytest.raises(ValueError, match="Unknown model preset"):
+        build_preset_model("nope")
+
+
+def test_missing_local_path_and_file_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "missing_model"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer("./no/such/dir")
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file"):
+        load_model(str(file))
+
+
+def test_local_directory_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model, tok = load_model("tiny-64"), load_tokenizer("tiny-64")
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again, tok2 = load_model(str(tmp_path)), load_tokenizer(str(tmp_path))
+    assert type(tok2).__name__ == "ByT5Tokenizer"
+    ids = torch.tensor([tok("37+45=")["input_ids"]])
+    assert tok2("37+45=")["input_ids"] == tok("37+45=")["input_ids"]
+    assert torch.equal(model(ids).logits, again(ids).logits)
+    # and with the plain transformers Auto classes
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+    assert type(AutoTokenizer.from_pretrained(tmp_path)).__name__ == "ByT5Tokenizer"
+
+
+def test_trust_remote_code_defaults_to_false(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_from_pretrained(path, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    with pytest.raises(RuntimeError, match="stop"):
+        load_model(str(tmp_path))
+    assert seen["trust_remote_code"] is False
