@@ -1,0 +1,86 @@
+"""The main job through the real console script, and the CLI's defaults."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_trainer.cli import LitTrainerCLI
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT = ROOT / "configs" / "sft.yaml"
+FAST = ["--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.log_every_n_steps", "3",
+        "--data.init_args.eval_batch_size", "100", "--trainer.limit_val_batches", "1"]
+
+
+def _console_script() -> str:
+    exe = Path(sys.executable).with_name("lit-trainer")
+    return str(exe) if exe.exists() else "lit-trainer"
+
+
+def test_main_job_end_to_end_in_subprocess(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([_console_script(), "fit", "--config", str(SFT), *FAST,
+                           "--trainer.enable_progress_bar", "false"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "lit_trainer" / "version_0"
+    metrics = (run / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    for key in ("train_loss", "learning_rate", "grad_norm", "tokens_per_sec", "padding_fraction", "val_loss",
+                "val_exact_match", "val_perplexity", "val_token_accuracy"):
+        assert key in header, key
+    assert (run / "config.yaml").exists()
+    assert any(p.name.startswith("events.out.tfevents") for p in run.iterdir())  # TensorBoard in the same dir
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 12
+    # the HF export reloads with plain transformers and gives the checkpoint's logits
+    export = run / "hf_model"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert (export / "model.safetensors").exists()
+    ids = torch.tensor([tokenizer("37+45=")["input_ids"]])
+    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    reference = AutoModelForCausalLM.from_config(model.config)
+    reference.load_state_dict(state, strict=False)
+    reference.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        LitTrainerCLI(args=["fit", "--config", str(SFT), "--print_config"])
+    printed = capsys.readouterr().out
+    config = yaml.safe_load(printed)
+    assert config["model"]["class_path"].endswith("CausalLMModule")
+    assert "tokenizer" not in config["data"]["init_args"]  # a link target: derived from model.init_args.model
+    assert config["seed_everything"] == 1234
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert config["trainer"]["max_steps"] == 1500 and config["trainer"]["gradient_clip_val"] == 1.0
+    cli = LitTrainerCLI(args=["fit", "--config", "printed.yaml", "--trainer.max_steps", "2",
+                              "--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 2
+    assert cli.model.hparams.learning_rate == pytest.approx(0.003)
+    assert cli.datamodule.tokenizer_source == "tiny"
+
+
+def test_fit_without_a_bound_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="Set `trainer.max_steps`"):
+        LitTrainerCLI(args=["fit", "--config", str(SFT), "--trainer.max_steps", "-1", "--trainer.max_epochs", "null"])
+
+
+def test_default_seed_is_fixed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(SFT.read_text())
+    config.pop("seed_everything")
+    (tmp_path / "noseed.yaml").write_text(yaml.safe_dump(config))
+    cli = LitTrainerCLI(args=["--config", "noseed.yaml"], run=False)
+    assert cli.config["seed_everything"] == 1234
