@@ -1,5 +1,9 @@
 """Lightning callbacks that work on any LightningModule."""
 
+from lit_trainer.callbacks.bema import BEMA
+from lit_trainer.callbacks.checkpointing import BestCheckpoint
+from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.hf_export import HFExport
+from lit_trainer.callbacks.neftune import NEFTune
 
-__all__ = ["HFExport"]
+__all__ = ["BEMA", "BestCheckpoint", "EvalOnStart", "HFExport", "NEFTune"]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,35 +11,32 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lit_trainer.callbacks._atomic import atomic_directory
 
-def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike) -> Path:
+
+def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None) -> Path:
     """``save_pretrained`` the model (safetensors) and tokenizer into ``target`` atomically.
 
-    Everything is written into a temporary sibling directory that is renamed onto ``target`` only once complete, so a
-    crash never leaves a directory that looks like a finished export.
+    Everything is written into a temporary sibling directory that replaces ``target`` only once complete
+    (:func:`~lit_trainer.callbacks._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
+    finished export.
+
+    Args:
+        model: a transformers model.
+        tokenizer: its tokenizer, or None.
+        target: the export directory.
+        state_dict: weights to save instead of the model's current ones (e.g. a best or averaged copy).
 
     Raises:
         TypeError: when ``model`` has no ``save_pretrained``.
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"Cannot export {type(model).__name__} in HF format: it has no `save_pretrained`.")
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return Path(target)
 
 
 class HFExport(Callback):

@@ -1,0 +1,244 @@
+"""Atomic writes for checkpoints and exports: write under a temporary name, then rename.
+
+A reader (a resume, a ``from_pretrained`` call, a person listing the run folder) must never mistake a half-written
+file for a complete one. Every helper here follows one protocol:
+
+1. the data is written under a *partial* name in the same folder as the target (``.<name>.partial``), a hidden
+   name that no checkpoint glob (``*.ckpt``, ``checkpoint-*``) matches;
+2. the partial file or folder is flushed to disk (``fsync``);
+3. it is renamed onto the target name with ``os.replace``, which is atomic on POSIX and Windows for files on one
+   file system, and the parent folder is flushed so the rename itself survives a power loss.
+
+A crash before step 3 leaves only the partial name behind; :func:`is_partial` recognises it, so resume logic can
+skip it, and :func:`remove_partials` cleans such leftovers up.
+
+Folders (an HF ``save_pretrained`` export, a sharded checkpoint) cannot be renamed over a non-empty folder in
+one step. :func:`commit` therefore moves the old folder aside to ``.<name>.old`` first, renames the new one into
+place, then deletes the old one. A crash between the two renames leaves *no* folder at the target name (never a
+partial one) and the previous complete folder at ``.<name>.old``.
+
+The partial name is deterministic (no random suffix) so that every rank of a distributed job computes the same
+name without communicating; it assumes one writer per target at a time, which is how checkpoint callbacks work
+(only global rank 0 writes).
+
+These helpers only handle local paths; :func:`is_local_path` tells callers when to fall back to their default
+(for example fsspec's own transactions for object stores).
+
+Example:
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> target = os.path.join(folder, "weights.bin")
+    >>> with atomic_write(target) as tmp:
+    ...     with open(tmp, "wb") as f:
+    ...         _ = f.write(b"complete")
+    >>> sorted(os.listdir(folder))
+    ['weights.bin']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec.utils
+
+PARTIAL_SUFFIX = ".partial"
+OLD_SUFFIX = ".old"
+
+_PathLike = str | os.PathLike
+
+
+def is_local_path(path: _PathLike) -> bool:
+    """Whether ``path`` is on the local file system (no ``s3://``-style protocol).
+
+    Args:
+        path: A file or folder path, possibly an fsspec URL.
+
+    Returns:
+        True for plain paths and ``file://`` URLs.
+    """
+    return fsspec.utils.get_protocol(str(path)) in ("file", "local")
+
+
+def partial_path(final: _PathLike) -> Path:
+    """The temporary name used while ``final`` is being written: ``<dir>/.<name>.partial``.
+
+    Args:
+        final: The path the data will have once complete.
+
+    Returns:
+        A sibling path in the same folder (so the final rename stays on one file system).
+    """
+    final = Path(final)
+    return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
+
+
+def is_partial(path: _PathLike) -> bool:
+    """Whether ``path`` is an unfinished write (a partial name or a moved-aside old folder).
+
+    Args:
+        path: Any path.
+
+    Returns:
+        True when the name was produced by :func:`partial_path` or by :func:`commit`'s move-aside step.
+    """
+    name = Path(path).name
+    return name.startswith(".") and (name.endswith(PARTIAL_SUFFIX) or name.endswith(OLD_SUFFIX))
+
+
+def _fsync_one(path: Path) -> None:
+    """Flush one file or one folder entry table to disk; silently skipped where the OS does not support it."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # e.g. folders cannot be opened on Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush a file, or every file and sub-folder of a folder, to disk."""
+    if not path.is_dir():
+        _fsync_one(path)
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync_one(Path(root) / name)
+        _fsync_one(Path(root))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def commit(tmp: _PathLike, final: _PathLike, *, fsync: bool = True) -> None:
+    """Move a finished temporary file or folder onto its final name.
+
+    Args:
+        tmp: The completely written temporary file or folder (usually :func:`partial_path` of ``final``).
+        final: The target name. An existing file is replaced atomically; an existing folder is moved aside to
+            ``.<name>.old``, replaced, then deleted.
+        fsync: Flush the data and the parent folder to disk before and after the rename.
+
+    Raises:
+        FileNotFoundError: If ``tmp`` does not exist.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if not (tmp.exists() or tmp.is_symlink()):
+        raise FileNotFoundError(f"commit({str(tmp)!r}, {str(final)!r}): the temporary path does not exist.")
+    if fsync:
+        _fsync_tree(tmp)
+    if tmp.is_dir() and final.is_dir() and not final.is_symlink():
+        old = final.with_name(f".{final.name}{OLD_SUFFIX}")
+        _remove(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        _remove(old)
+    else:
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    if fsync:
+        _fsync_one(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_write(final: _PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Context manager giving a temporary file path that becomes ``final`` only if the block succeeds.
+
+    Args:
+        final: The file to create or replace.
+        fsync: See :func:`commit`.
+
+    Yields:
+        The temporary path to write to (its folder exists; the file does not).
+
+    Raises:
+        Exception: Whatever the block raises; the temporary file is then removed and ``final`` is untouched.
+
+    Example:
+        >>> import os, tempfile
+        >>> target = os.path.join(tempfile.mkdtemp(), "a.txt")
+        >>> with atomic_write(target) as tmp:
+        ...     _ = tmp.write_text("hello")
+        >>> open(target).read()
+        'hello'
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(final)
+    _remove(tmp)
+    try:
+        yield tmp
+        commit(tmp, final, fsync=fsync)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(final: _PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Context manager giving an empty temporary folder that becomes ``final`` only if the block succeeds.
+
+    Use it for multi-file outputs such as ``model.save_pretrained(tmp)`` + ``tokenizer.save_pretrained(tmp)``.
+
+    Args:
+        final: The folder to create or replace as a whole (its old content is not merged).
+        fsync: See :func:`commit`.
+
+    Yields:
+        The temporary folder (created, empty).
+
+    Raises:
+        Exception: Whatever the block raises; the temporary folder is then removed and ``final`` is untouched.
+
+    Example:
+        >>> import os, tempfile
+        >>> target = os.path.join(tempfile.mkdtemp(), "best")
+        >>> with atomic_directory(target) as tmp:
+        ...     _ = (tmp / "config.json").write_text("{}")
+        >>> os.listdir(target)
+        ['config.json']
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(final)
+    _remove(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        commit(tmp, final, fsync=fsync)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def remove_partials(folder: _PathLike) -> list[Path]:
+    """Delete leftovers of interrupted writes (names for which :func:`is_partial` is true) directly in ``folder``.
+
+    Call it only where no write is in progress (for example on global rank 0 before training starts).
+
+    Args:
+        folder: The folder to clean; a missing folder is fine.
+
+    Returns:
+        The removed paths.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = [p for p in folder.iterdir() if is_partial(p)]
+    for p in removed:
+        _remove(p)
+    return removed

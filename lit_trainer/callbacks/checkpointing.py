@@ -1,0 +1,298 @@
+"""BestCheckpoint: save only on improvement, keep the N newest, load the best at the end, export it for HF.
+
+Reference: ``transformers`` ``save_strategy="best"`` + ``save_total_limit`` + ``load_best_model_at_end``
+(``shared/reference/hf_trainer.md`` section 5), built on Lightning's ``ModelCheckpoint`` (``lightning.md`` 1.2).
+
+Semantics (same as the reference unless noted):
+
+* A checkpoint is written only when the monitored metric strictly improves on the best so far (ties and NaN are
+  not improvements). There is no end-of-training save.
+* ``mode=None`` infers the direction from the name, as the reference's ``greater_is_better``: ``"min"`` when the
+  monitor ends with ``"loss"``, else ``"max"``.
+* ``save_total_limit=N`` keeps the N most recently saved checkpoints (save order, not mtime) and never deletes
+  the best one. Since only improvements are saved, the newest checkpoint is the best one.
+* ``load_best_at_end=True`` loads the best checkpoint's ``state_dict`` into the module in ``on_train_end`` on
+  every rank (every rank reads the same file, after a barrier); nothing is loaded (a warning) when no checkpoint
+  was saved. Checkpoint callbacks run last, so it wins over weight-averaging callbacks' end-of-training swap.
+* ``export_hf=True`` writes the module's ``.model`` (and ``.tokenizer`` when it has ``save_pretrained``) with
+  ``save_pretrained`` into ``<dirpath>/best/`` after every new best. The weights come from the checkpoint file
+  just written, so the export always equals the best checkpoint (also when a callback such as
+  ``EMAWeightAveraging`` puts averaged weights into checkpoints).
+
+Differences from plain ``ModelCheckpoint``:
+
+* Writes are atomic (``lit_trainer.callbacks._atomic``): a checkpoint is written as ``.<name>.partial`` and
+  renamed when complete, so a crash mid-save never leaves a file with the final name. The ``best/`` export is
+  written in a temporary folder and renamed likewise. Object-store paths and ``AsyncCheckpointIO`` fall back to
+  Lightning's own writing.
+* Under DDP the monitored value of global rank 0 decides (it is broadcast), so all ranks keep identical
+  bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
+  torchmetrics metric) to make the decision on the global value.
+* Checkpoint and export loads use ``torch.load(weights_only=True)``.
+* ``load_best_at_end`` and ``export_hf`` refuse sharded strategies (FSDP, DeepSpeed, ModelParallel) at setup.
+
+Resume: the best path and score, and the list of kept checkpoints, are part of the callback state (Lightning's
+``ModelCheckpoint.state_dict``, tensors and primitives only); they are restored when ``dirpath`` is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Literal
+from weakref import proxy
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer.callbacks.hf_export import export_hf
+
+_IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
+_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
+HF_EXPORT_DIRNAME = "best"
+
+
+def infer_mode(monitor: str) -> Literal["min", "max"]:
+    """The reference's default direction: lower is better for names ending in ``"loss"``.
+
+    Args:
+        monitor: The monitored metric name.
+
+    Returns:
+        ``"min"`` or ``"max"``.
+    """
+    return "min" if monitor.endswith("loss") else "max"
+
+
+def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The module ``state_dict`` stored in a Lightning checkpoint file, loaded safely (``weights_only=True``).
+
+    Args:
+        path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``.
+
+    Returns:
+        The ``"state_dict"`` entry (CPU tensors, memory-mapped).
+
+    Raises:
+        RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the fix
+        raise RuntimeError(
+            f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
+            "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."
+        ) from err
+    return checkpoint["state_dict"]
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Save a checkpoint only when ``monitor`` improves; optionally keep N, load the best at the end, export for HF.
+
+    Args:
+        dirpath: Folder for checkpoints (default: the logger's ``checkpoints`` folder, as ``ModelCheckpoint``).
+        filename: Checkpoint name template, as ``ModelCheckpoint`` (default ``"{epoch}-{step}"``).
+        monitor: Logged metric to track (the reference's ``metric_for_best_model``).
+        mode: ``"min"`` or ``"max"``; ``None`` infers it from the name (``"min"`` for names ending in ``"loss"``).
+        save_total_limit: Keep at most this many checkpoints (the newest), never deleting the best; ``None`` keeps
+            all. Must be >= 1.
+        load_best_at_end: Load the best checkpoint's weights into the module when training ends, on every rank.
+        export_hf: Also write ``.model`` (and ``.tokenizer``) with ``save_pretrained`` to ``<dirpath>/best/`` at each
+            new best, loadable by ``from_pretrained``.
+        save_weights_only: Save only the module weights (the checkpoint cannot resume training).
+        every_n_train_steps: Check for a new best every N optimizer steps (deferred to the next validation when the
+            metric comes from validation), as ``ModelCheckpoint``.
+        every_n_epochs: Check every N epochs (default 1 when no other trigger is given), as ``ModelCheckpoint``.
+        save_on_train_epoch_end: As ``ModelCheckpoint``.
+        auto_insert_metric_name: As ``ModelCheckpoint``.
+        verbose: Log each decision.
+
+    Raises:
+        ValueError: For a bad ``mode`` or ``save_total_limit``; at setup, for ``export_hf`` without a
+            ``.model.save_pretrained`` or for ``load_best_at_end``/``export_hf`` under a sharded strategy.
+
+    Example:
+        >>> cb = BestCheckpoint(monitor="val_loss", save_total_limit=2, load_best_at_end=True)
+        >>> cb.mode
+        'min'
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        filename: str | None = None,
+        monitor: str = "val_loss",
+        mode: Literal["min", "max"] | None = None,
+        save_total_limit: int | None = None,
+        load_best_at_end: bool = False,
+        export_hf: bool = False,
+        save_weights_only: bool = False,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        auto_insert_metric_name: bool = True,
+        verbose: bool = False,
+    ) -> None:
+        if mode is not None and mode not in _IMPROVES:
+            raise ValueError(f"`BestCheckpoint(mode={mode!r})` is invalid: use 'min', 'max' or None (inferred).")
+        if save_total_limit is not None and (isinstance(save_total_limit, bool) or save_total_limit < 1):
+            raise ValueError(
+                f"`BestCheckpoint(save_total_limit={save_total_limit!r})` is invalid: use an int >= 1, or None to "
+                "keep every checkpoint."
+            )
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_top_k=-1,
+            save_weights_only=save_weights_only,
+            mode=mode or infer_mode(monitor),
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+        )
+        self.save_total_limit = save_total_limit
+        self.load_best_at_end = load_best_at_end
+        self.export_hf = export_hf
+        self._decided_score: float = math.nan
+
+    @property
+    def hf_export_dir(self) -> str | None:
+        """Where ``export_hf`` writes (``<dirpath>/best``), once ``dirpath`` is known."""
+        return os.path.join(self.dirpath, HF_EXPORT_DIRNAME) if self.dirpath else None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if (self.load_best_at_end or self.export_hf) and isinstance(trainer.strategy, _SHARDED):
+            raise ValueError(
+                f"`BestCheckpoint(load_best_at_end={self.load_best_at_end}, export_hf={self.export_hf})` does not "
+                f"support {type(trainer.strategy).__name__} (sharded weights); set both to False, or use DDP."
+            )
+        if self.export_hf and not callable(getattr(getattr(pl_module, "model", None), "save_pretrained", None)):
+            raise ValueError(
+                f"`BestCheckpoint(export_hf=True)` needs `{type(pl_module).__name__}.model` with a `save_pretrained` "
+                "method (a transformers model); set export_hf=False for other modules."
+            )
+
+    @override
+    def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
+        """Whether ``current`` (global rank 0's value, broadcast) strictly improves on the best score."""
+        if current is None:
+            return False
+        value = float(trainer.strategy.broadcast(float(current)))
+        self._decided_score = value
+        if math.isnan(value):
+            return False
+        if self.best_model_score is None:
+            return True
+        return bool(_IMPROVES[self.mode](value, float(self.best_model_score)))
+
+    @override
+    def _save_monitor_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        current = monitor_candidates.get(self.monitor)
+        if self.check_monitor_top_k(trainer, current):
+            score = torch.tensor(self._decided_score, dtype=torch.float64)
+            self._update_best_and_save(score, trainer, monitor_candidates)
+        elif self.verbose:
+            rank_zero_info(
+                f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={self._decided_score:.6g} did not "
+                f"improve on the best {self.best_model_score}; nothing saved."
+            )
+
+    @override
+    def _update_best_and_save(
+        self, current: Tensor, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+    ) -> None:
+        score = current.detach().to("cpu", torch.float64)
+        candidates = {**monitor_candidates, self.monitor: score}
+        filepath = trainer.strategy.broadcast(self._get_metric_interpolated_filepath_name(candidates, trainer))
+        self.current_score = score
+        self.best_k_models[filepath] = score
+        self.best_model_path, self.best_model_score = filepath, score
+        if self.verbose:
+            rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best {self.monitor}={float(score):.6g}, "
+                           f"saving {filepath!r}")
+        self._save_checkpoint(trainer, filepath)
+        if self.export_hf:
+            self._export_hf(trainer, filepath)
+        self._rotate(trainer)
+
+    def _rotate(self, trainer: pl.Trainer) -> None:
+        """Drop the oldest kept checkpoints beyond ``save_total_limit``, sparing the newest and the best."""
+        saved = list(self.best_k_models)  # insertion order == save order (kept across resume)
+        if self.save_total_limit is not None:
+            protected = {saved[-1], self.best_model_path}
+            excess = len(saved) - max(self.save_total_limit, len(protected))
+            for path in [p for p in saved if p not in protected][: max(excess, 0)]:
+                self.best_k_models.pop(path)
+                if self._should_remove_checkpoint(trainer, path, self.best_model_path):
+                    self._remove_checkpoint(trainer, path)
+        worst = (max if self.mode == "min" else min)(self.best_k_models, key=lambda p: float(self.best_k_models[p]))
+        self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Write to ``.<name>.partial`` then rename (global rank 0), so no incomplete file has the final name."""
+        if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        tmp = str(partial_path(filepath))
+        trainer.save_checkpoint(tmp, self.save_weights_only)
+        if trainer.is_global_zero:
+            commit(tmp, filepath)
+        trainer.strategy.barrier("BestCheckpoint._save_checkpoint")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _export_hf(self, trainer: pl.Trainer, checkpoint_path: str) -> None:
+        """Write the checkpoint's ``model.*`` weights with ``save_pretrained`` (+ tokenizer) to ``best/``."""
+        if trainer.is_global_zero:
+            module = trainer.lightning_module
+            prefix = "model."
+            state = load_checkpoint_state_dict(checkpoint_path)
+            weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            export_hf(module.model, getattr(module, "tokenizer", None), self.hf_export_dir, state_dict=weights)
+        trainer.strategy.barrier("BestCheckpoint._export_hf")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.load_best_at_end:
+            self.load_best(trainer, pl_module)
+
+    def load_best(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Load the best checkpoint's weights into ``pl_module`` on every rank.
+
+        Args:
+            trainer: The trainer (its strategy provides broadcast and barrier).
+            pl_module: The module to load into.
+
+        Returns:
+            Whether weights were loaded (False, with a warning, when there is no best checkpoint file).
+        """
+        path = trainer.strategy.broadcast(self.best_model_path)
+        trainer.strategy.barrier("BestCheckpoint.load_best")
+        found = trainer.strategy.reduce_boolean_decision(bool(path) and os.path.isfile(path), all=True)
+        if not found:
+            rank_zero_warn(
+                f"BestCheckpoint(load_best_at_end=True): no best checkpoint file ({path!r}) on every rank; the module "
+                f"keeps its final weights. Was `{self.monitor}` logged during validation?"
+            )
+            return False
+        pl_module.load_state_dict(load_checkpoint_state_dict(path), strict=True)
+        rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) from {path}")
+        return True

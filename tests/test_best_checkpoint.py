@@ -1,0 +1,303 @@
+"""BestCheckpoint callback (+ the atomic-write helper): scripted metrics, rotation, load-best, HF export, resume,
+crash safety, DDP agreement (2 processes), CLI, and the three reusable callbacks used together."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_trainer.callbacks import _atomic
+from lit_trainer.callbacks.checkpointing import BestCheckpoint
+from lit_trainer.callbacks.eval_on_start import EvalOnStart
+from lit_trainer.callbacks.neftune import NEFTune
+
+# scripted monitored values by optimizer step: improves, worsens, NaN, improves, ties, worsens, improves, improves
+SCORES = {2: 3.0, 4: 4.0, 6: math.nan, 8: 2.0, 10: 2.0, 12: 5.0, 14: 1.5, 16: 1.0}
+
+
+def _data(seed: int, n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+class Regressor(pl.LightningModule):
+    """A plain regression MLP (not from lit_trainer) that logs a scripted `val_score`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+        self.log("val_score", SCORES[self.global_step])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class WeightsAtTrainEnd(Callback):
+    """Runs before checkpoint callbacks (Lightning moves those last): the weights before load_best_at_end."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def _trainer(tmp_path: Path, callbacks: list, max_steps: int, **kw) -> pl.Trainer:
+    base = dict(accelerator="cpu", max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None,
+                logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=tmp_path)
+    return pl.Trainer(callbacks=callbacks, **{**base, **kw})
+
+
+def _fit(trainer: pl.Trainer, model: pl.LightningModule, **kw) -> None:
+    trainer.fit(model, DataLoader(_data(0), batch_size=4), DataLoader(_data(1), batch_size=16), **kw)
+
+
+def _ckpt_state(path: str | Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("limit", [None, 1])
+def test_scripted_metric_saves_only_improvements_and_loads_best(tmp_path: Path, limit: int | None) -> None:
+    pl.seed_everything(0)
+    before = WeightsAtTrainEnd()
+    cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_score", mode="min",
+                        save_total_limit=limit, load_best_at_end=True)
+    model = Regressor()
+    _fit(_trainer(tmp_path, [before, cb], max_steps=10), model)
+    # steps 2 (3.0: first), 4 (4.0: worse), 6 (NaN: never), 8 (2.0: better), 10 (2.0: a tie is no improvement)
+    expected = ["step=2.ckpt", "step=8.ckpt"] if limit is None else ["step=8.ckpt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == expected  # no partial files either
+    assert cb.best_model_path == str(tmp_path / "ckpt" / "step=8.ckpt") and float(cb.best_model_score) == 2.0
+    assert list(cb.best_k_models) == [str(tmp_path / "ckpt" / name) for name in expected]
+    best = _ckpt_state(cb.best_model_path)
+    final = model.state_dict()
+    assert all(torch.equal(final[k], best[k]) for k in best)  # load_best_at_end
+    assert any(not torch.equal(before.weights[k], best[k]) for k in best)  # 2 more steps were trained after step 8
+    assert all(isinstance(v, (str, int, float, dict, torch.Tensor, type(None))) for v in cb.state_dict().values())
+
+
+def test_resume_restores_best_and_rotation_never_deletes_the_best(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    dirpath = tmp_path / "ckpt"
+    first = _trainer(tmp_path, [BestCheckpoint(dirpath=dirpath, filename="{step}", monitor="val_score", mode="min")],
+                     max_steps=8)
+    _fit(first, Regressor())
+    first.save_checkpoint(tmp_path / "resume.ckpt")
+    assert sorted(os.listdir(dirpath)) == ["step=2.ckpt", "step=8.ckpt"]
+    cb = BestCheckpoint(dirpath=dirpath, filename="{step}", monitor="val_score", mode="min", save_total_limit=2)
+    _fit(_trainer(tmp_path, [cb], max_steps=16), Regressor(), ckpt_path=tmp_path / "resume.ckpt")
+    # restored best 2.0 (step 8): 10 (2.0 tie) and 12 (5.0) are not saved; 14 (1.5) is saved and rotation drops
+    # the oldest (step 2); 16 (1.0) is saved and drops step 8 (no longer the best)
+    assert sorted(os.listdir(dirpath)) == ["step=14.ckpt", "step=16.ckpt"]
+    assert float(cb.best_model_score) == 1.0 and cb.best_model_path.endswith("step=16.ckpt")
+
+
+class CrashingIO(TorchCheckpointIO):
+    """Writes half a file, then dies, like a process killed mid-save."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(b"PK\x03\x04 truncated")
+        raise OSError("No space left on device (simulated mid-save crash)")
+
+
+def test_crash_mid_save_leaves_no_file_with_a_complete_name(tmp_path: Path) -> None:
+    cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_score", mode="min")
+    trainer = _trainer(tmp_path, [cb], max_steps=4, plugins=[CrashingIO()])
+    with pytest.raises(OSError, match="simulated"):
+        _fit(trainer, Regressor())
+    names = os.listdir(tmp_path / "ckpt")
+    assert names == [".step=2.ckpt.partial"] and all(_atomic.is_partial(n) for n in names)
+    assert _atomic.remove_partials(tmp_path / "ckpt") and os.listdir(tmp_path / "ckpt") == []
+
+
+def test_atomic_helpers(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError), _atomic.atomic_write(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["f.bin"]
+    folder = tmp_path / "best"
+    for content in ("v1", "v2"):
+        with _atomic.atomic_directory(folder) as tmp:
+            (tmp / "weights").write_text(content)
+            assert not (folder / "weights").exists() or (folder / "weights").read_text() == "v1"
+    assert (folder / "weights").read_text() == "v2" and sorted(os.listdir(tmp_path)) == ["best", "f.bin"]
+    assert _atomic.partial_path(folder).name == ".best.partial" and not _atomic.is_partial(folder)
+    assert _atomic.is_local_path(tmp_path) and not _atomic.is_local_path("s3://bucket/x.ckpt")
+
+
+class TinyHFModule(pl.LightningModule):
+    """A plain LightningModule exposing a transformers model as `.model` and a tokenizer as `.tokenizer`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
+            eos_token_id=1, bos_token_id=None,
+        )
+        self.model = transformers.LlamaForCausalLM(config)
+        self.tokenizer = transformers.ByT5Tokenizer()
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss)
+        self.log("val_score", SCORES[self.global_step])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_export_hf_writes_the_best_model_loadable_by_from_pretrained(tmp_path: Path) -> None:
+    import transformers
+
+    pl.seed_everything(0)
+    module = TinyHFModule()
+    ids = torch.randint(3, 259, (16, 12), generator=torch.Generator().manual_seed(0))
+    cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_score", mode="min", export_hf=True)
+    trainer = _trainer(tmp_path, [cb], max_steps=6)
+    trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=4), DataLoader(TensorDataset(ids[:4]), batch_size=4))
+    # scores 3.0 at step 2 (best), 4.0, NaN: the export is step 2's weights although training went on to step 6
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["best", "step=2.ckpt"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "best")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "best")
+    assert type(tokenizer).__name__ == "ByT5Tokenizer" and tokenizer("7+5=").input_ids == [58, 46, 56, 64, 1]
+    best = {k[len("model."):]: v for k, v in _ckpt_state(tmp_path / "ckpt" / "step=2.ckpt").items()}
+    exported = loaded.state_dict()
+    assert set(exported) == set(best) and all(torch.equal(exported[k], best[k]) for k in best)
+    assert not torch.equal(module.model.lm_head.weight.detach(), best["lm_head.weight"])
+
+
+def test_validation_errors(tmp_path: Path) -> None:
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match=f"save_total_limit={limit}"):
+            BestCheckpoint(save_total_limit=limit)
+    with pytest.raises(ValueError, match="mode='avg'"):
+        BestCheckpoint(mode="avg")  # type: ignore[arg-type]
+    assert BestCheckpoint(monitor="eval_loss").mode == "min" and BestCheckpoint(monitor="accuracy").mode == "max"
+    with pytest.raises(ValueError, match=r"needs `Regressor.model` with a `save_pretrained`"):
+        _fit(_trainer(tmp_path, [BestCheckpoint(monitor="val_score", export_hf=True)], max_steps=2), Regressor())
+
+
+def test_relies_only_on_present_model_checkpoint_internals() -> None:
+    # BestCheckpoint overrides/uses these private ModelCheckpoint members (lightning>=2.6,<2.7)
+    for name in ("_save_monitor_checkpoint", "_update_best_and_save", "_save_checkpoint", "_remove_checkpoint",
+                 "_should_remove_checkpoint", "_get_metric_interpolated_filepath_name", "check_monitor_top_k"):
+        assert callable(getattr(ModelCheckpoint, name)), name
+    fresh = ModelCheckpoint()
+    assert hasattr(fresh, "_last_global_step_saved") and hasattr(fresh, "_last_checkpoint_saved")
+
+
+def test_configurable_from_lightning_cli() -> None:
+    def parse(init_args: dict) -> LightningCLI:
+        return LightningCLI(Regressor, run=False, args={"trainer": {"logger": False, "enable_progress_bar": False,
+                            "callbacks": [{"class_path": "lit_trainer.callbacks.checkpointing.BestCheckpoint",
+                                           "init_args": init_args}]}})
+
+    cli = parse({"monitor": "val_score", "mode": "max", "save_total_limit": 2, "load_best_at_end": True})
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, BestCheckpoint)]
+    assert (cb.monitor, cb.mode, cb.save_total_limit, cb.load_best_at_end, cb.export_hf) == ("val_score", "max", 2,
+                                                                                            True, False)
+    with pytest.raises(SystemExit):  # Literal["min", "max"] is checked when the config is parsed
+        parse({"monitor": "val_score", "mode": "avg"})
+
+
+class TinyLM(pl.LightningModule):
+    """Embedding + linear next-token model (not from lit_trainer) for the combined run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+        self.train_noise: list[float] = []
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.embed(ids))[:, :-1].reshape(-1, 16), ids[:, 1:].reshape(-1))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        self.train_noise.append((self.embed(ids) - F.embedding(ids, self.embed.weight)).abs().max().item())
+        return self._loss(ids)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        ids = batch[0]
+        assert torch.equal(self.embed(ids), F.embedding(ids, self.embed.weight))  # no noise in validation
+        self.log("val_loss", self._loss(ids))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_three_callbacks_together(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    ids = torch.randint(0, 16, (32, 6), generator=torch.Generator().manual_seed(0))
+    model = TinyLM()
+    cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_total_limit=1, load_best_at_end=True)
+    trainer = _trainer(tmp_path, [NEFTune(noise_alpha=5.0), EvalOnStart(), cb], max_steps=6,
+                       logger=CSVLogger(tmp_path, name="csv"))
+    trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=4), DataLoader(TensorDataset(ids), batch_size=8))
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        rows = [line.split(",") for line in f.read().splitlines()]
+    header = rows[0]
+    val_steps = [int(r[header.index("step")]) for r in rows[1:] if r[header.index("val_loss")]]
+    assert val_steps == [0, 1, 3, 5]  # the start evaluation, then after steps 2, 4, 6
+    assert len(model.train_noise) == 6 and all(0 < v <= 5 / math.sqrt(6 * 8) + 1e-6 for v in model.train_noise)
+    assert not model.embed._forward_hooks
+    names = os.listdir(tmp_path / "ckpt")
+    assert len(names) == 1 and names[0] != "step=0.ckpt" and cb.best_model_path.endswith(names[0])
+    best = _ckpt_state(cb.best_model_path)
+    assert all(torch.equal(model.state_dict()[k], best[k]) for k in best)
+
+
+def test_ddp_two_processes_agree(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "scripts" / "ddp_best_checkpoint.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=180, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    weights = [torch.load(tmp_path / f"rank{r}_weights.pt", weights_only=True) for r in (0, 1)]
+    # rank 0 logs 3, 4, 2, 5 (steps 2..8) and rank 1 logs 1, 0, 9, 0 without sync_dist: rank 0's values decide,
+    # so both ranks keep step=6 (2.0) as the best, and save_total_limit=1 leaves only it
+    for info in ranks:
+        assert info["best_model_path"].endswith("step=6.ckpt") and info["best_model_score"] == 2.0
+        assert info["best_k_models"] == [ranks[0]["best_model_path"]]
+        assert info["files"] == ["step=6.ckpt"]
+        assert info["start_eval_steps"] == [0]  # EvalOnStart ran on both ranks, before any step
+        assert info["hooks_left"] == 0 and info["noise_max"] > 0  # NEFTune noised training, then detached
+    best = _ckpt_state(ranks[0]["best_model_path"])
+    for w in weights:  # load_best_at_end on every rank
+        assert all(torch.equal(w[k], best[k]) for k in best)
+    first_noise = [torch.load(tmp_path / f"rank{r}_noise.pt", weights_only=True) for r in (0, 1)]
+    assert not torch.equal(first_noise[0], first_noise[1])  # ranks draw different noise
