@@ -163,3 +163,21 @@ def test_window_counts_and_rank_sharding():
     flat = [i for batches in per_rank for b in batches for i in b["x"].tolist()]
     # 5 global batches dealt to 2 ranks: the 6th slot re-uses the first 2 indices of the epoch
     assert len(flat) == 12 and set(flat) == set(range(10))
+
+
+def test_hub_dataset_names_go_to_load_dataset(tokenizer, monkeypatch):
+    from datasets import DatasetDict
+
+    import lit_trainer.data.sources as sources
+
+    calls = []
+
+    def fake_load_dataset(name, *args, **kwargs):
+        calls.append(name)
+        return DatasetDict({"train": Dataset.from_dict({"text": ["a", "b", "c"]}),
+                            "test": Dataset.from_dict({"text": ["d"]})})
+
+    monkeypatch.setattr(sources, "load_dataset", fake_load_dataset)
+    dm = _dm_path(tokenizer, "someorg/some-dataset")
+    assert calls == ["someorg/some-dataset"]
+    assert len(dm.train_dataset) == 3 and len(dm.val_dataset) == 1  # the hub's "test" split validates
