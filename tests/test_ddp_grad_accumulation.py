@@ -1,11 +1,13 @@
 """A real 2-process DDP run on CPU (gloo): token-exact accumulation across ranks."""
 
 import copy
+import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import ByT5Tokenizer
 
@@ -36,3 +38,11 @@ def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
     for r in ranks:
         assert len(r["grads"]) == 1
         assert relative_error(r["grads"][0], reference) < 1e-5
+    # the logged spread of padded-token cost between ranks: (max - min) / max of the two ranks' step costs
+    costs = []
+    for r in ranks:
+        masks = [(batch != 0).long() for batch in r["seen"]]
+        costs.append(sum(m.shape[0] * m.shape[1] * (1 + 0.001 * m.shape[1]) for m in masks))
+    row = [line for line in csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")) if line["cost_spread"]]
+    assert len(row) == 1
+    assert float(row[0]["cost_spread"]) == pytest.approx((max(costs) - min(costs)) / max(costs), rel=1e-5)

@@ -137,12 +137,15 @@ class BaseDataModule(pl.LightningDataModule):
         return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
 
     def lengths(self) -> list[int]:
-        """Per-row lengths of the training data, from ``length_column_name`` (computed once at preprocessing)."""
-        column = self.hparams.length_column_name
-        if column not in self.train_dataset.column_names:
-            raise ValueError(f"`sampling={self.hparams.sampling!r}` needs per-row lengths but the column {column!r} "
-                             f"is missing; set `length_column_name` to a column with lengths.")
-        return list(self.train_dataset[column])
+        """Per-row lengths of the training data, from ``length_column_name`` (computed once at preprocessing).
+
+        Raises:
+            ValueError: when the column is missing or incomplete; the message names ``sampling``,
+                ``length_column_name`` and the fix.
+        """
+        from lit_trainer.data.samplers import require_lengths
+
+        return require_lengths(self.train_dataset, self.hparams.length_column_name, sampling=self.hparams.sampling)
 
     @override
     def train_dataloader(self) -> TrainLoader:

@@ -32,7 +32,8 @@ if __name__ == "__main__":
             seen.append(batch["input_ids"].clone())
 
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=1, accumulate_grad_batches=2,
-                         callbacks=[capture, Recorder()], logger=False, enable_checkpointing=False,
+                         callbacks=[capture, Recorder()], enable_checkpointing=False, log_every_n_steps=1,
+                         logger=pl.loggers.CSVLogger(out_dir, name="logs", version=0),
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=accum_datamodule(tokenizer, batch_size=2))
     torch.save({"grads": capture.grads, "seen": seen, "initial": initial, "world": trainer.world_size},
