@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_trainer.callbacks.resume import resolve_resume
 
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
@@ -43,6 +46,17 @@ def default_loggers(run_name: str = "lit_trainer", save_dir: str = "runs") -> li
         loggers.append({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                         "init_args": {**common, "default_hp_metric": False}})
     return loggers
+
+
+def checkpoint_dirs(trainer: Any) -> list[str]:
+    """Where ``--ckpt_path last`` looks: the explicit ``dirpath`` of every checkpointing callback, and the
+    ``checkpoints/`` folders of every version of this run name (the default location of ``ModelCheckpoint``)."""
+    dirs = [str(d) for cb in trainer.callbacks if (d := getattr(cb, "dirpath", None))]
+    for logger in trainer.loggers:
+        save_dir, name = getattr(logger, "save_dir", None), getattr(logger, "name", None)
+        if save_dir and name:
+            dirs += sorted(str(p) for p in (Path(save_dir) / name).glob("version_*/checkpoints"))
+    return list(dict.fromkeys(dirs))
 
 
 class LitTrainerCLI(LightningCLI):
@@ -71,11 +85,19 @@ class LitTrainerCLI(LightningCLI):
         parser.link_arguments("model.init_args.model", "data.init_args.tokenizer", apply_on="parse")
 
     def before_fit(self) -> None:
-        """Refuse an unbounded run."""
+        """Refuse an unbounded run; resolve ``ckpt_path`` explicitly (never a silent resume)."""
         trainer = self.trainer
         if trainer.max_steps == -1 and trainer.max_epochs in (None, -1):
             raise ValueError("Set `trainer.max_steps` (or `trainer.max_epochs`): without either, Lightning would run "
                              "1000 epochs.")
+        config = self.config_init[self.config_init.subcommand]
+        requested = config.get("ckpt_path")
+        resume = "never" if requested is None else "auto" if requested in ("last", "auto") else requested
+        config["ckpt_path"] = resolve_resume(resume, checkpoint_dirs(trainer), trainer)
+        if resume == "auto":
+            found = config["ckpt_path"]
+            rank_zero_info(f"[lit_trainer] resuming from {found}" if found else
+                           "[lit_trainer] --ckpt_path last: no complete checkpoint found, starting fresh")
 
 
 def main(args: Any = None) -> None:

@@ -10,6 +10,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lit_trainer.callbacks.resume import write_sentinel
 from lit_trainer.cli import LitTrainerCLI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +85,41 @@ def test_default_seed_is_fixed(tmp_path, monkeypatch):
     (tmp_path / "noseed.yaml").write_text(yaml.safe_dump(config))
     cli = LitTrainerCLI(args=["--config", "noseed.yaml"], run=False)
     assert cli.config["seed_everything"] == 1234
+
+
+def _fit(args, *, every=500, extra_callbacks=()):
+    config = yaml.safe_load(SFT.read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = every
+    config["trainer"]["callbacks"] += list(extra_callbacks)
+    Path("variant.yaml").write_text(yaml.safe_dump(config))
+    return LitTrainerCLI(args=["fit", "--config", "variant.yaml", "--trainer.enable_progress_bar", "false",
+                               "--trainer.val_check_interval", "1000", "--trainer.limit_val_batches", "0", *args])
+
+
+def test_resume_policy_last_picks_newest_complete_and_fresh_never_resumes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = _fit(["--trainer.max_steps", "4"], every=2)
+    ckpts = tmp_path / "runs" / "lit_trainer" / "version_0" / "checkpoints"
+    assert first.trainer.global_step == 4 and (ckpts / "last.ckpt").exists()
+    # a fresh run (no --ckpt_path) starts from step 0 even though checkpoints exist
+    fresh = _fit(["--trainer.max_steps", "1"])
+    assert fresh.trainer.global_step == 1
+    # the fresh run's checkpoint (version_1, step 1) is the newest: mark it incomplete, so `last` must skip it
+    # (with a warning naming it) and resume from the first run's step-4 checkpoint
+    newer = tmp_path / "runs" / "lit_trainer" / "version_1" / "checkpoints"
+    write_sentinel(newer, "last.ckpt", step=1)
+    with pytest.warns(UserWarning, match="last.ckpt"):
+        resumed = _fit(["--trainer.max_steps", "6", "--ckpt_path", "last"])
+    assert Path(resumed.trainer.ckpt_path).resolve().parent == ckpts.resolve()
+    assert torch.load(resumed.trainer.ckpt_path, weights_only=True)["global_step"] == 4
+    assert resumed.trainer.global_step == 6
+
+
+def test_fresh_run_refuses_lightnings_silent_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exc").mkdir()
+    torch.save({"global_step": 3}, tmp_path / "exc" / "on_exception.ckpt")
+    on_exception = {"class_path": "lightning.pytorch.callbacks.OnExceptionCheckpoint",
+                    "init_args": {"dirpath": str(tmp_path / "exc")}}
+    with pytest.raises(ValueError, match="on_exception.ckpt"):
+        _fit(["--trainer.max_steps", "1"], extra_callbacks=[on_exception])

@@ -4,6 +4,19 @@ from lit_trainer.callbacks.bema import BEMA
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.hf_export import HFExport
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.callbacks.neftune import NEFTune
+from lit_trainer.callbacks.resume import ExactResume, resolve_resume, resolve_resume_checkpoint
 
-__all__ = ["BEMA", "BestCheckpoint", "EvalOnStart", "HFExport", "NEFTune"]
+__all__ = [
+    "BEMA",
+    "BestCheckpoint",
+    "EvalOnStart",
+    "ExactResume",
+    "HFExport",
+    "JITCheckpoint",
+    "JITCheckpointExit",
+    "NEFTune",
+    "resolve_resume",
+    "resolve_resume_checkpoint",
+]

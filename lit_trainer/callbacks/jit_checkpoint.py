@@ -1,0 +1,278 @@
+"""Just-in-time checkpoint on SIGTERM (preemption), safe across DDP ranks.
+
+Reference: ``transformers`` ``enable_jit_checkpoint`` (reference/hf_trainer.md 3); Lightning's own SIGTERM handling
+(reference/lightning.md 1.5, probes b, b2, e). What is the same as the reference: only the handler's signal is
+recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, the sentinel
+``checkpoint-is-incomplete.txt`` is written before the save and removed after it. What differs, on purpose:
+
+* **Step boundary.** The request is acted on only right after an optimizer step (``on_train_batch_end`` when
+  ``trainer.global_step`` changed), never inside an accumulation window, and the checkpoint holds exactly the
+  updates that were applied (the reference saves step N, then applies step N+1 anyway).
+* **Every rank agrees.** At each optimizer step all ranks reduce their flags (any-rank semantics: one tiny
+  all-reduce per optimizer step, nothing inside the signal handler). A signal that reaches one rank, some ranks or
+  every rank stops all of them at the same step. Lightning's handler (a broadcast inside the handler, only rank 0's
+  flag counts) deadlocks in two of these cases, and so does the reference; this callback replaces it for the
+  handled signals while training runs (from ``on_sanity_check_start``/``on_train_start``, since Lightning
+  re-registers its handler at the start of every ``fit``) and puts the previous handlers back at the end.
+* **Validation.** A signal that arrives during a validation run inside ``fit`` is acted on when that validation
+  ends (``on_validation_end``, all ranks agree there too) if the last training batch closed an optimizer step;
+  otherwise (validation scheduled mid-window) at the next optimizer step. The validation in progress finishes,
+  and every other callback's ``on_validation_end`` (which swaps EMA/BEMA weights back) has run before the save.
+* **Ordering.** At setup the callback moves itself behind every other non-``Checkpoint`` callback, so its save
+  sees their end-of-step state (an EMA/BEMA update made in their ``on_train_batch_end``).
+* **Atomic.** The file is written under a hidden partial name and renamed into place (``_atomic.commit``), so a
+  reader never sees half a checkpoint; ``lit_trainer.callbacks.resume.resolve_resume_checkpoint`` skips the one a
+  left-over sentinel names. An ``AsyncCheckpointIO`` is flushed before the rename.
+* **Exit status.** After the save every rank raises :class:`JITCheckpointExit`, a ``SystemExit`` with
+  ``exit_code`` (default 143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM, so Slurm,
+  Kubernetes ``OnFailure`` and torchrun treat the job as failed/preempted and can requeue it). Lightning's
+  ``SIGTERMException`` exits with status 0, which schedulers read as "finished". ``exit_code=None`` sets
+  ``trainer.should_stop`` instead and ``fit`` returns normally.
+
+Sizing the grace period: a save starts at the first optimizer-step boundary at least ``kill_wait`` seconds after
+the signal, so the worst case from signal to exit is ``kill_wait + one optimizer step (all micro-batches of the
+window, plus a validation run if one is in progress) + the save time + process teardown``. Set the scheduler's
+grace period (Kubernetes ``terminationGracePeriodSeconds``, Slurm ``--signal=TERM@<seconds>``) above that.
+``kill_wait`` exists to tell "SIGTERM then SIGKILL right away" (no grace period: do not start a save that cannot
+finish) from a real grace period; ``kill_wait=0`` saves at the next boundary.
+
+Launchers: every rank exits with ``exit_code`` after the rename (all ranks wait for it, so a launcher that kills
+the others when one rank exits, such as torchrun, cannot cut the save short). Under Lightning's own subprocess
+launcher (``strategy="ddp"`` started as a script) rank 0's watchdog may SIGKILL rank 0 if rank 1 exits first, so
+rank 0 can report 137 instead of 143; the checkpoint is complete either way. Under Slurm, ``--signal=TERM@<s>``
+fits the default; to use Slurm's ``SIGUSR1`` instead pass ``signals=["SIGUSR1", "SIGTERM"]`` (this replaces
+Lightning's SIGUSR1 handler, which saves from inside the handler, while training runs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer.callbacks.resume import SENTINEL_NAME, sentinel_target, write_sentinel
+
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+class JITCheckpointExit(SystemExit):
+    """Raised on every rank after a just-in-time checkpoint was saved; ``code`` is ``JITCheckpoint.exit_code``.
+
+    Lightning runs every callback's ``on_exception`` and its teardown, then ``fit`` re-raises it; uncaught, the
+    process exits with ``code``. ``checkpoint_path`` is the saved checkpoint.
+    """
+
+    def __init__(self, code: int, checkpoint_path: str) -> None:
+        super().__init__(code)
+        self.checkpoint_path = checkpoint_path
+
+
+def _signal_numbers(signals: Sequence[str]) -> list[signal.Signals]:
+    if isinstance(signals, str) or not signals:
+        raise ValueError(f"`JITCheckpoint(signals={signals!r})` is invalid: pass a non-empty list such as ['SIGTERM'].")
+    valid = {s.name for s in signal.Signals} - _UNCATCHABLE
+    bad = [s for s in signals if s not in valid]
+    if bad:
+        raise ValueError(
+            f"`JITCheckpoint(signals={list(signals)!r})` is invalid: {bad} cannot be handled on this platform. "
+            f"Use names such as 'SIGTERM', 'SIGUSR1' or 'SIGINT' (SIGKILL and SIGSTOP cannot be caught)."
+        )
+    return [signal.Signals[s] for s in dict.fromkeys(signals)]
+
+
+class JITCheckpoint(Callback):
+    """Save the full training state at the next optimizer step after a signal, on every rank, then stop.
+
+    See the module docstring for the protocol, the exit status and how to size the grace period.
+
+    Args:
+        kill_wait: seconds between the signal and the earliest save (the reference's ``kill_wait``, fixed at 3 there).
+        signals: names of the signals that request a checkpoint (``SIGKILL``/``SIGSTOP`` cannot be caught).
+        dirpath: folder of the checkpoints; ``None`` is ``<trainer.default_root_dir>/checkpoints`` (where a default
+            ``ModelCheckpoint`` writes when there is no logger). Local paths only (the rename must be atomic).
+        filename: name of the checkpoint without ``.ckpt``; ``{epoch}`` and ``{step}`` are filled in.
+        exit_code: status of :class:`JITCheckpointExit` raised after the save (0-255); ``None`` sets
+            ``trainer.should_stop`` instead, so ``fit`` returns (Lightning then runs one validation and the
+            epoch-end hooks, as for ``EarlyStopping``, and ``min_steps``/``min_epochs`` can veto the stop).
+
+    Raises:
+        ValueError: for a negative or non-finite ``kill_wait``, unknown or uncatchable ``signals``, a remote
+            ``dirpath``, an ``exit_code`` outside 0-255, or a ``filename`` with other placeholders.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ExactResume(), JITCheckpoint(kill_wait=3.0)], use_distributed_sampler=False)
+        trainer.fit(module, datamodule, ckpt_path=resolve_resume("auto", "runs/x/checkpoints"))
+        # on SIGTERM: runs/x/checkpoints/jit-epoch=E-step=S.ckpt, then the process exits with status 143
+    """
+
+    def __init__(
+        self,
+        kill_wait: float = 3.0,
+        signals: Sequence[str] = ("SIGTERM",),
+        dirpath: str | os.PathLike | None = None,
+        filename: str = "jit-epoch={epoch}-step={step}",
+        exit_code: int | None = 143,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(kill_wait, (int, float)) and math.isfinite(kill_wait) and kill_wait >= 0):
+            raise ValueError(f"`JITCheckpoint(kill_wait={kill_wait!r})` is invalid: kill_wait must be a number >= 0.")
+        if exit_code is not None and not (isinstance(exit_code, int) and 0 <= exit_code <= 255):
+            raise ValueError(f"`JITCheckpoint(exit_code={exit_code!r})` is invalid: use an int in 0-255 or None.")
+        if dirpath is not None and not is_local_path(dirpath):
+            raise ValueError(f"`JITCheckpoint(dirpath={str(dirpath)!r})` is invalid: use a local (or mounted) folder.")
+        try:
+            filename.format(epoch=0, step=0)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"`JITCheckpoint(filename={filename!r})` is invalid: only the placeholders {{epoch}} and {{step}} "
+                "are filled in."
+            ) from err
+        self.kill_wait = float(kill_wait)
+        self.signals = _signal_numbers(signals)
+        self._dirpath_arg = None if dirpath is None else str(dirpath)
+        self.dirpath = self._dirpath_arg
+        self.filename = filename
+        self.exit_code = exit_code
+        self.checkpoint_path: str | None = None
+        self.save_seconds: float | None = None
+        self._requested_at: float | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._last_step: int | None = None
+        self._at_boundary = False
+        self._done = False
+
+    @property
+    def requested(self) -> bool:
+        """Whether a handled signal arrived (the save may still wait for ``kill_wait`` and the next step)."""
+        return self._requested_at is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # only record: no I/O, no logging, no collective (any of them can deadlock inside a signal handler)
+        if self._requested_at is None:
+            self._requested_at = time.monotonic()
+
+    def _due(self) -> bool:
+        return self._requested_at is not None and time.monotonic() - self._requested_at >= self.kill_wait
+
+    def _install(self) -> None:
+        if self._previous:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            rank_zero_warn("JITCheckpoint: fit is not running in the main thread, so no signal handler is installed.")
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _uninstall(self) -> None:
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != TrainerFn.FITTING:
+            return
+        self._requested_at, self._done, self._at_boundary = None, False, False
+        self.dirpath = self._dirpath_arg or str(Path(trainer.default_root_dir) / "checkpoints")
+        if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
+            rank_zero_warn("JITCheckpoint(exit_code=None) stops through `trainer.should_stop`, which Lightning ignores "
+                           "until `min_steps`/`min_epochs` are reached; set an exit_code to stop right after the save.")
+        # behind every other non-Checkpoint callback (rebinding, not mutating: the running hook loop is unaffected)
+        others = [cb for cb in trainer.callbacks if cb is not self]
+        at = next((i for i, cb in enumerate(others) if isinstance(cb, Checkpoint)), len(others))
+        trainer.callbacks = others[:at] + [self] + others[at:]
+
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._at_boundary = trainer.global_step != self._last_step
+        if self._at_boundary:
+            self._last_step = trainer.global_step
+            self._maybe_stop(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._at_boundary:
+            self._maybe_stop(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._uninstall()
+
+    def _maybe_stop(self, trainer: pl.Trainer) -> None:
+        if self._done or not trainer.strategy.reduce_boolean_decision(self._due(), all=False):
+            return
+        self._done = True
+        path = self._save(trainer)
+        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
+        if self.exit_code is None:
+            trainer.should_stop = True
+            return
+        raise JITCheckpointExit(self.exit_code, path)
+
+    def _save(self, trainer: pl.Trainer) -> str:
+        """Sentinel, save under a partial name on every rank, flush, rename on rank 0, remove the sentinel."""
+        assert self.dirpath is not None  # set in setup
+        start = time.perf_counter()
+        name = self.filename.format(epoch=trainer.current_epoch, step=trainer.global_step) + ".ckpt"
+        final = Path(self.dirpath) / name
+        tmp = partial_path(final)
+        strategy = trainer.strategy
+        if trainer.is_global_zero:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _remove_leftover(final.parent, tmp)
+            write_sentinel(final.parent, name, trainer.global_step)
+        strategy.barrier("JITCheckpoint.start")
+        trainer.save_checkpoint(tmp, weights_only=False)
+        strategy.checkpoint_io.teardown()  # waits for an AsyncCheckpointIO writer (a no-op otherwise)
+        strategy.barrier("JITCheckpoint.written")
+        if trainer.is_global_zero:
+            commit(tmp, final)
+            (final.parent / SENTINEL_NAME).unlink(missing_ok=True)
+        # every rank waits for the rename: a launcher such as torchrun kills the others when one rank exits
+        strategy.barrier("JITCheckpoint.committed")
+        self.checkpoint_path = str(final)
+        self.save_seconds = time.perf_counter() - start
+        return self.checkpoint_path
+
+
+def _remove_leftover(folder: Path, tmp: Path) -> None:
+    """Delete this save's stale partial file and the partial of an earlier interrupted save (named by its sentinel)."""
+    stale = [tmp]
+    previous = sentinel_target(folder)
+    if previous is not None:
+        stale.append(partial_path(folder / previous))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
