@@ -358,7 +358,7 @@ def test_refuses_sharded_strategies_and_early_access():
 def test_ddp_two_ranks(tmp_path):
     script = Path(__file__).parent / "scripts" / "ddp_bema.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=180, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, env=env, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]

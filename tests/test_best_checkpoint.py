@@ -283,7 +283,7 @@ def test_three_callbacks_together(tmp_path: Path) -> None:
 def test_ddp_two_processes_agree(tmp_path: Path) -> None:
     script = Path(__file__).parent / "scripts" / "ddp_best_checkpoint.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=180, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, env=env, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -28,7 +28,7 @@ def test_main_job_end_to_end_in_subprocess(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([_console_script(), "fit", "--config", str(SFT), *FAST,
                            "--trainer.enable_progress_bar", "false"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "lit_trainer" / "version_0"
     metrics = (run / "metrics.csv").read_text().splitlines()

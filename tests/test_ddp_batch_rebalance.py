@@ -27,7 +27,7 @@ import ddp_batch_rebalance as script  # noqa: E402  (constants and the row lengt
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_rebalance")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], timeout=180, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], timeout=900, env=env, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
