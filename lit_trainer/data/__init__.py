@@ -1,6 +1,8 @@
 """LightningDataModules, collators and samplers over `datasets`."""
 
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.repeat_sampler import RepeatSampler
+from lit_trainer.data.samplers import BatchRebalanceSampler, LengthGroupedSampler
 from lit_trainer.data.sft import SFTDataModule
 
-__all__ = ["BaseDataModule", "SFTDataModule"]
+__all__ = ["BaseDataModule", "BatchRebalanceSampler", "LengthGroupedSampler", "RepeatSampler", "SFTDataModule"]

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from lit_trainer.data.batch_sampler import ShardedBatchSampler, resolve_replicas
+from lit_trainer.data.repeat_sampler import RepeatSampler  # noqa: F401 (re-exported, DESIGN.md layout)
 from lit_trainer.data.rebalance import QUADRATIC_COST_COEF, balance_step, microbatch_cost  # noqa: F401 (re-exported)
 
 _MEGA_BATCH_STEPS = 50  # group_by_length: at most this many optimizer steps per mega-batch (the reference's 50)
