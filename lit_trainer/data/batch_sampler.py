@@ -24,7 +24,31 @@ Sampling = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
 SAMPLING_CHOICES: tuple[str, ...] = ("random", "sequential", "group_by_length", "batch_rebalance")
 
 
-class ShardedBatchSampler:
+class EpochPosition:
+    """Shared ``set_epoch``/``state_dict``/``load_state_dict`` of the samplers: ``{"epoch", "position"}``.
+
+    ``position`` counts the items (indices or micro-batches) already yielded in the current epoch; a loaded position
+    is consumed by the next iteration of that epoch, which then starts at it.
+    """
+
+    epoch: int = 0
+    position: int = 0
+    _resume_at: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields."""
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position"}``: the items already yielded in this epoch."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration yields epoch ``state["epoch"]`` from item ``state["position"]``."""
+        self.epoch = int(state["epoch"])
+        self._resume_at = int(state["position"])
+
+class ShardedBatchSampler(EpochPosition):
     """Shuffled (or sequential) micro-batches, dealt round-robin to ranks.
 
     The epoch's index order is ``randperm(n)`` from a generator seeded with ``seed + epoch`` (or ``range(n)`` when
@@ -106,19 +130,6 @@ class ShardedBatchSampler:
         full, rest = divmod(self.num_samples, self.batch_size)
         batches = full + (1 if rest and not self.drop_last else 0)
         return batches // self.num_replicas if self.drop_last else math.ceil(batches / self.num_replicas)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields."""
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position"}``: ``position`` is the number of micro-batches already yielded this epoch."""
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration yields epoch ``state["epoch"]`` from micro-batch ``state["position"]``."""
-        self.epoch = int(state["epoch"])
-        self._resume_at = int(state["position"])
 
 
 def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_trainer.data.batch_sampler import ShardedBatchSampler, resolve_replicas
+from lit_trainer.data.batch_sampler import EpochPosition, ShardedBatchSampler, resolve_replicas
 from lit_trainer.data.repeat_sampler import RepeatSampler  # noqa: F401 (re-exported, DESIGN.md layout)
 from lit_trainer.data.rebalance import QUADRATIC_COST_COEF, balance_step, microbatch_cost  # noqa: F401 (re-exported)
 
@@ -46,8 +46,7 @@ def _check_lengths(lengths: Any, owner: str) -> list[int]:
         raise ValueError(f"`{owner}` got no lengths: the training dataset is empty. Check the data source.")
     return [int(length) for length in out]
 
-
-class LengthGroupedSampler(torch.utils.data.Sampler[int]):
+class LengthGroupedSampler(EpochPosition, torch.utils.data.Sampler[int]):
     """Dataset indices in mega-batches sorted by length, the longest sample first (``sampling: group_by_length``).
 
     Epoch ``e``: ``randperm(n)`` from a private generator seeded with ``seed + e`` (the reference draws from the
@@ -109,20 +108,6 @@ class LengthGroupedSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields."""
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position"}``: ``position`` is the number of indices already yielded this epoch."""
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration yields epoch ``state["epoch"]`` from index ``state["position"]``."""
-        self.epoch = int(state["epoch"])
-        self._resume_at = int(state["position"])
-
-
 class LengthGroupedBatchSampler(ShardedBatchSampler):
     """:class:`LengthGroupedSampler` order cut into micro-batches and dealt round-robin to ranks.
 
@@ -178,8 +163,7 @@ def make_length_grouped_batch_sampler(
     return LengthGroupedBatchSampler(index_sampler, batch_size, num_replicas=num_replicas, rank=rank,
                                      drop_last=drop_last)
 
-
-class BatchRebalanceSampler:
+class BatchRebalanceSampler(EpochPosition):
     """Per optimizer step, micro-batches whose padded-token cost is balanced across ranks (``batch_rebalance``).
 
     Epoch ``e``: ``randperm(n)`` seeded with ``seed + e`` is cut into steps of ``batch_size * accumulate_grad_batches
@@ -269,19 +253,6 @@ class BatchRebalanceSampler:
 
     def __len__(self) -> int:
         return sum(slots for _, _, slots in self.steps)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields."""
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position"}``: ``position`` is the number of micro-batches already yielded this epoch."""
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration yields epoch ``state["epoch"]`` from micro-batch ``state["position"]``."""
-        self.epoch = int(state["epoch"])
-        self._resume_at = int(state["position"])
 
 
 def _plan_steps(n: int, step_size: int, replicas: int, slots: int, drop_last: bool) -> list[tuple[int, int, int]]:
