@@ -48,6 +48,7 @@ class EpochPosition:
         self.epoch = int(state["epoch"])
         self._resume_at = int(state["position"])
 
+
 class ShardedBatchSampler(EpochPosition):
     """Shuffled (or sequential) micro-batches, dealt round-robin to ranks.
 

@@ -46,6 +46,7 @@ def _check_lengths(lengths: Any, owner: str) -> list[int]:
         raise ValueError(f"`{owner}` got no lengths: the training dataset is empty. Check the data source.")
     return [int(length) for length in out]
 
+
 class LengthGroupedSampler(EpochPosition, torch.utils.data.Sampler[int]):
     """Dataset indices in mega-batches sorted by length, the longest sample first (``sampling: group_by_length``).
 
@@ -108,6 +109,7 @@ class LengthGroupedSampler(EpochPosition, torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return len(self.lengths)
 
+
 class LengthGroupedBatchSampler(ShardedBatchSampler):
     """:class:`LengthGroupedSampler` order cut into micro-batches and dealt round-robin to ranks.
 
@@ -162,6 +164,7 @@ def make_length_grouped_batch_sampler(
     index_sampler = LengthGroupedSampler(lengths, batch_size, seed=seed, mega_batch_mult=mult)
     return LengthGroupedBatchSampler(index_sampler, batch_size, num_replicas=num_replicas, rank=rank,
                                      drop_last=drop_last)
+
 
 class BatchRebalanceSampler(EpochPosition):
     """Per optimizer step, micro-batches whose padded-token cost is balanced across ranks (``batch_rebalance``).
