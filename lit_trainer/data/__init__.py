@@ -1,8 +1,16 @@
 """LightningDataModules, collators and samplers over `datasets`."""
 
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.data.repeat_sampler import RepeatSampler
 from lit_trainer.data.samplers import BatchRebalanceSampler, LengthGroupedSampler
 from lit_trainer.data.sft import SFTDataModule
 
-__all__ = ["BaseDataModule", "BatchRebalanceSampler", "LengthGroupedSampler", "RepeatSampler", "SFTDataModule"]
+__all__ = [
+    "BaseDataModule",
+    "BatchRebalanceSampler",
+    "LengthGroupedSampler",
+    "PromptDataModule",
+    "RepeatSampler",
+    "SFTDataModule",
+]

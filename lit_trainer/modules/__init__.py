@@ -2,5 +2,6 @@
 
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.causal_lm import CausalLMModule
+from lit_trainer.modules.grpo import GRPOModule
 
-__all__ = ["BaseModule", "CausalLMModule"]
+__all__ = ["BaseModule", "CausalLMModule", "GRPOModule"]

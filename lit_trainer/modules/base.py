@@ -133,6 +133,9 @@ class BaseModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         self.model = load_model(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
+        # from_pretrained returns eval-mode models and Lightning 2.6 keeps each submodule's mode: train the policy in
+        # train mode (dropout on), as the HF Trainer does
+        self.model.train()
         if tokenizer is None and isinstance(model, str):
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer

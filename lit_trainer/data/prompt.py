@@ -1,0 +1,255 @@
+"""PromptDataModule: prompts (plus reward columns) for online RL (GRPO), in the reference's RepeatSampler order.
+
+The training loader yields, for every micro-step, the prompts of this rank's whole **local generation batch**
+(``per_device_batch_size x steps_per_generation`` rows, each prompt repeated ``num_generations`` times in a row), and
+the same batch ``num_iterations x steps_per_generation`` times in a row, exactly as the reference's dataloader
+(reference/trl.md 2.3). The module generates on the first micro-step of each round and serves the following
+micro-steps from its buffer. The loader is a :class:`~lit_trainer.data.loader.TrainLoader`, so it is resumable and
+Lightning does not re-shard it; under DDP each rank gets its contiguous slice of every generation batch and
+generates for its own prompts.
+
+The geometry (``num_generations``, ``steps_per_generation``, ``num_iterations``) belongs to the LightningModule (as
+in the reference's ``GRPOConfig``): :meth:`PromptDataModule.train_dataloader` reads the module's
+``rollout_geometry`` attribute (a :class:`RolloutGeometry`, duck-typed) once the Trainer is attached;
+:meth:`PromptDataModule.generation_loader` builds the same loader from explicit values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from datasets import Dataset
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lit_trainer.data import builtin
+from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.collate import pad_left
+from lit_trainer.data.loader import TrainLoader
+from lit_trainer.data.repeat_sampler import RepeatSampler
+from lit_trainer.data.sources import describe_columns
+
+PROMPT_IDS = "prompt_input_ids"
+PROMPT_MASK = "prompt_attention_mask"
+PROMPTS = "prompts"
+REWARD_COLUMNS = "reward_columns"
+_EXCLUDED_COLUMNS = ("completion", "completion_ids", PROMPT_IDS)  # never passed to reward functions (as reference)
+
+
+class RolloutGeometry(NamedTuple):
+    """Resolved GRPO batch geometry (reference/trl.md 2.2), published by the module as ``rollout_geometry``."""
+
+    num_generations: int
+    steps_per_generation: int
+    generation_batch_size: int
+    num_iterations: int
+
+
+class GenerationBatchSampler:
+    """Cuts this rank's :class:`RepeatSampler` stream into micro-batches of one local generation batch each.
+
+    Follows the batch-sampler protocol of :mod:`lit_trainer.data.batch_sampler` (rank-aware, equal length on every
+    rank, ``set_epoch``, ``state_dict``).
+
+    Args:
+        sampler: the rank's RepeatSampler (``repeat_count = num_iterations * steps_per_generation``).
+        rows: ``per_device_batch_size * steps_per_generation`` (indices per yielded list).
+    """
+
+    def __init__(self, sampler: RepeatSampler, rows: int) -> None:
+        self.sampler = sampler
+        self.rows = rows
+        self.position = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = self.sampler.indices()
+        for self.position, start in enumerate(range(0, len(indices), self.rows), start=1):
+            yield indices[start : start + self.rows]
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.rows
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch``."""
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position"}`` in micro-batches (the TrainLoader keeps its own, authoritative copy)."""
+        return {"epoch": self.sampler.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Select the saved epoch (skipping is done by the TrainLoader)."""
+        self.sampler.set_epoch(int(state["epoch"]))
+
+
+def _is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
+
+
+class PromptDataModule(BaseDataModule):
+    """Prompts for GRPO: a prompt column, plus any other columns, passed to the reward functions row by row.
+
+    * Standard prompts (strings) are tokenized with the tokenizer's default special tokens (a BOS is kept), except
+      that an EOS the tokenizer appends (ByT5 does) is dropped: a prompt must not end the text before the
+      completion starts. The reference keeps that EOS (reference/trl.md 2.5), which makes a byte-level model trained
+      by SFT on ``prompt + completion`` see an unfamiliar ``</s>`` before its answer.
+    * Conversational prompts (lists of ``{"role", "content"}`` messages) go through the tokenizer's chat template
+      with ``add_generation_prompt=True``; a tokenizer without a template is an error.
+    * Prompts are never truncated (as the reference); prompts longer than ``max_length`` tokens are dropped and
+      counted (``stats["train_prompts_too_long"]``), as are empty ones.
+    * Every other column (e.g. ``answer``) reaches the reward functions as a keyword argument, one entry per
+      completion; ``completion``/``completion_ids`` columns are not passed (as the reference).
+
+    ``batch_size`` is the reference's ``per_device_train_batch_size``: completions per micro-batch per rank. Only
+    ``sampling="random"`` (the reference's shuffled ``RepeatSampler``, seeded with ``seed``, epoch ``e`` drawing the
+    ``e+1``-th permutation) and ``"sequential"`` (``shuffle_dataset=False``) apply to prompts.
+
+    Args:
+        prompt_column: name of the prompt column.
+        **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
+            ``max_length`` (longest prompt kept), ``batch_size``, ``eval_batch_size``, ``sampling``, ``seed``, ...).
+
+    Raises:
+        ValueError: for a ``sampling`` other than random/sequential; at setup, for a missing prompt column, a
+            conversational dataset with a tokenizer without chat template, or no prompt within ``max_length``.
+
+    Example::
+
+        dm = PromptDataModule(tokenizer="tiny", dataset="builtin:addition", batch_size=64, max_length=16)
+        trainer.fit(GRPOModule("tiny", reward_funcs=["lit_trainer.rewards.arithmetic_reward"]), datamodule=dm)
+    """
+
+    builtin = {"builtin:addition": builtin.prompt_rows}
+
+    def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.hparams.sampling not in ("random", "sequential"):
+            raise ValueError(
+                f"`sampling={self.hparams.sampling!r}` does not apply to GRPO prompts: use 'random' (the reference's "
+                "shuffled RepeatSampler) or 'sequential'."
+            )
+        self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
+        self.conversational = False
+
+    # ------------------------------------------------------------------------------------------- preprocessing
+    def _prompt_ids(self, prompts: list[Any]) -> list[list[int]]:
+        tok = self.tokenizer
+        if self.conversational:
+            out = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True) for p in prompts]
+            return [list(o["input_ids"]) if isinstance(o, Mapping) else list(o) for o in out]
+        ids = tok(prompts)["input_ids"]
+        return [row[:-1] for row in ids] if self._appends_eos() else ids
+
+    def _appends_eos(self) -> bool:
+        """Whether the tokenizer ends every encoding with an EOS it adds itself (ByT5 does): probed once."""
+        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
+        if eos is None:
+            return False
+        with_special, plain = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
+        return with_special == plain + [eos]
+
+    def _check_format(self, rows: Dataset, split: str) -> None:
+        column = self.hparams.prompt_column
+        if column not in rows.column_names:
+            raise ValueError(f"The {split} data has no {column!r} column (it has {describe_columns(rows)}). Rename "
+                             "your prompt column or set `prompt_column`.")
+        if len(rows) == 0:
+            raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
+        self.conversational = _is_conversational(rows[0][column])
+        if self.conversational and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"The {split} prompts are conversational (lists of messages) but the tokenizer has no "
+                             "chat template: set `tokenizer.chat_template`, or use plain-string prompts.")
+
+    @override
+    def _preprocess(self, rows: Dataset, split: str) -> Dataset:
+        self._check_format(rows, split)
+        column, limit = self.hparams.prompt_column, self.hparams.max_length
+
+        def tokenize(batch: dict[str, list]) -> dict[str, list]:
+            ids = self._prompt_ids(batch[column])
+            return {PROMPT_IDS: ids, "length": [len(i) for i in ids]}
+
+        data = rows.map(tokenize, batched=True, desc=f"Tokenizing {split} prompts")
+        lengths = data["length"]
+        self.stats[f"{split}_prompts_too_long"] = sum(n > limit for n in lengths)
+        self.stats[f"{split}_prompts_empty"] = sum(n == 0 for n in lengths)
+        if any(n > limit or n == 0 for n in lengths):
+            rank_zero_warn(f"[lit_trainer] {split}: dropped {self.stats[f'{split}_prompts_too_long']} prompts longer "
+                           f"than max_length={limit} tokens (prompts are never truncated) and "
+                           f"{self.stats[f'{split}_prompts_empty']} empty prompts.")
+            data = data.filter(lambda b: [0 < n <= limit for n in b["length"]], batched=True)
+        if len(data) == 0:
+            raise ValueError(f"No {split} prompt fits within max_length={limit} tokens: raise max_length.")
+        return data
+
+    # ----------------------------------------------------------------------------------------------- batches
+    @override
+    def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, Any]:
+        """Left-padded prompt ids and mask (for ``generate``), the raw prompts and the reward columns (lists)."""
+        ids = [row[PROMPT_IDS] for row in rows]
+        internal = {self.hparams.prompt_column, "length", *_EXCLUDED_COLUMNS}
+        extras = [c for c in rows[0] if c not in internal]
+        return {
+            PROMPT_IDS: pad_left(ids, self.pad_token_id),
+            PROMPT_MASK: pad_left([[1] * len(i) for i in ids], 0),
+            PROMPTS: [row[self.hparams.prompt_column] for row in rows],
+            REWARD_COLUMNS: {c: [row[c] for row in rows] for c in extras},
+        }
+
+    @override
+    def count_items(self, batch: dict[str, Any]) -> int:
+        """Prompt rows. Not the GRPO normaliser: completion tokens are only known after generation (the module
+        computes that count itself)."""
+        return len(batch[PROMPTS])
+
+    def generation_loader(
+        self,
+        geometry: RolloutGeometry,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        accumulate_grad_batches: int = 1,
+    ) -> TrainLoader:
+        """The training loader for an explicit geometry (what :meth:`train_dataloader` builds).
+
+        Args:
+            geometry: num_generations, steps_per_generation, generation_batch_size (over all ranks), num_iterations.
+            num_replicas: world size.
+            rank: this rank.
+            accumulate_grad_batches: micro-batches per optimizer step.
+
+        Returns:
+            A resumable :class:`TrainLoader` yielding one local generation batch per micro-step.
+
+        Raises:
+            ValueError: (from :class:`RepeatSampler`) when there are fewer prompts than one generation batch needs.
+        """
+        if self.train_dataset is None:
+            self.setup("fit")
+        hp = self.hparams
+        sampler = RepeatSampler(
+            len(self.train_dataset), mini_repeat_count=geometry.num_generations,
+            batch_size=geometry.generation_batch_size // geometry.num_generations,
+            repeat_count=geometry.num_iterations * geometry.steps_per_generation,
+            shuffle=hp.sampling == "random", seed=hp.seed, num_replicas=num_replicas, rank=rank,
+        )  # fmt: skip
+        batches = GenerationBatchSampler(sampler, geometry.generation_batch_size // num_replicas)
+        return TrainLoader(
+            self.train_dataset, batches, lambda rows: self._collate(rows, True), count_items=None,
+            accumulate_grad_batches=accumulate_grad_batches, seed=hp.seed, num_workers=hp.num_workers,
+            pin_memory=hp.pin_memory, persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
+        )
+
+    @override
+    def train_dataloader(self) -> TrainLoader:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        geometry = getattr(module, "rollout_geometry", None)
+        if not isinstance(geometry, tuple) or len(geometry) != 4:
+            raise ValueError(
+                "PromptDataModule.train_dataloader() needs a LightningModule with a resolved `rollout_geometry` (a "
+                "GRPOModule, after setup). Outside a Trainer, call `generation_loader(RolloutGeometry(...))`."
+            )
+        world, rank, accumulate = self._replicas()
+        return self.generation_loader(RolloutGeometry(*geometry), num_replicas=world, rank=rank,
+                                      accumulate_grad_batches=accumulate)

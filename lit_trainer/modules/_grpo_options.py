@@ -1,0 +1,50 @@
+"""Validation of the GRPOModule options: ranges and choices, each error naming the value and a valid setting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, get_args
+
+from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType
+from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
+
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num_generations": (lambda v: v >= 2, "GRPO compares completions of a prompt: use >= 2, e.g. 8"),
+    "num_iterations": (lambda v: v >= 1, "use >= 1"),
+    "steps_per_generation": (lambda v: v is None or v >= 1, "use >= 1, or None"),
+    "generation_batch_size": (lambda v: v is None or v >= 1, "use >= 1, or None"),
+    "max_completion_length": (lambda v: v >= 1, "use >= 1 new tokens"),
+    "temperature": (lambda v: v > 0, "it must be > 0 (e.g. 0.7 or 1.0)"),
+    "top_p": (lambda v: 0 < v <= 1, "it must be in (0, 1]; 1.0 disables it"),
+    "top_k": (lambda v: v >= 0, "it must be >= 0; 0 disables it"),
+    "min_p": (lambda v: v is None or 0 <= v <= 1, "it must be in [0, 1], or None"),
+    "repetition_penalty": (lambda v: v > 0, "it must be > 0; 1.0 disables it"),
+    "epsilon": (lambda v: v >= 0, "it must be >= 0"),
+    "epsilon_high": (lambda v: v is None or v >= 0, "it must be >= 0, or None (= epsilon)"),
+    "delta": (lambda v: v is None or v > 1, "it must be > 1 (e.g. 1 + epsilon_high + 1), or None"),
+    "beta": (lambda v: v >= 0, "it must be >= 0; 0 disables the KL term and the reference model"),
+    "sapo_temperature_pos": (lambda v: v > 0, "it must be > 0"),
+    "sapo_temperature_neg": (lambda v: v > 0, "it must be > 0"),
+}
+_CHOICES = {"loss_type": LossType, "importance_sampling_level": ImportanceSamplingLevel,
+            "scale_rewards": ScaleRewards, "multi_objective_aggregation": Aggregation}
+OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES)
+"""The ``GRPOModule`` arguments :func:`check_grpo_options` expects."""
+
+
+def check_grpo_options(options: dict[str, Any]) -> None:
+    """Validate GRPO options; every message names the value and a valid setting.
+
+    Raises:
+        ValueError: on an out-of-range value, an unknown choice, or both ``steps_per_generation`` and
+            ``generation_batch_size``.
+    """
+    for name, (valid, fix) in _RANGES.items():
+        if not valid(options[name]):
+            raise ValueError(f"`GRPOModule({name}={options[name]!r})` is invalid: {fix}.")
+    for name, literal in _CHOICES.items():
+        if options[name] not in get_args(literal):
+            raise ValueError(f"`GRPOModule({name}={options[name]!r})` is invalid: choose one of {get_args(literal)}.")
+    if options["steps_per_generation"] is not None and options["generation_batch_size"] is not None:
+        raise ValueError("`steps_per_generation` and `generation_batch_size` are mutually exclusive: set only one "
+                         "(generation_batch_size = batch_size x world_size x steps_per_generation).")

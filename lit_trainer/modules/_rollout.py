@@ -1,0 +1,203 @@
+"""GRPO rollouts: sample completions in one batched ``generate`` call, cut them after EOS, decode and measure them.
+
+Small functions used by :class:`~lit_trainer.modules.grpo.GRPOModule` (reference/trl.md 2.5 and 2.9). Nothing here
+knows about Lightning; scoring and advantages live in :mod:`lit_trainer.losses.grpo` and :mod:`lit_trainer.rewards`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig
+
+_MASK64 = (1 << 64) - 1
+
+
+class Completions(NamedTuple):
+    """Completions of one generation batch, right-padded.
+
+    ``ids``: (R, C) token ids (pad after the first EOS); ``mask``: (R, C) 1 on kept tokens (EOS included);
+    ``truncated``: (R,) bool, True when no EOS was produced within ``max_completion_length``.
+    """
+
+    ids: Tensor
+    mask: Tensor
+    truncated: Tensor
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def rollout_seed(seed: int, round_index: int, rank: int, stream: int = 0) -> int:
+    """A 63-bit seed for one generation round on one rank (``stream`` 0 = sampling, 1 = buffer shuffle).
+
+    A hash, so every (round, rank, stream) gets an unrelated stream, and a resumed run regenerates the same one.
+    """
+    h = _splitmix64(seed & _MASK64)
+    for part in (round_index, rank, stream):
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h >> 1
+
+
+@contextmanager
+def seeded_rng(seed: int, device: torch.device):
+    """Run the block on the CPU (and ``device``'s CUDA) RNG seeded with ``seed``, then restore the previous states.
+
+    ``generate`` samples from the global RNG; forking it keeps sampling reproducible per round and leaves the
+    training stream (dropout, data order) exactly where it was.
+    """
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        yield
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (reference: both end a completion)."""
+    ids: list[int] = []
+    for value in (getattr(tokenizer, "eos_token_id", None), model.generation_config.eos_token_id):
+        for eos in value if isinstance(value, (list, tuple)) else [value]:
+            if eos is not None and int(eos) not in ids:
+                ids.append(int(eos))
+    if not ids:
+        raise ValueError("Neither the tokenizer nor the model's generation_config has an EOS token id: GRPO needs one "
+                         "to end completions. Set `tokenizer.eos_token` or `model.generation_config.eos_token_id`.")
+    return ids
+
+
+def sampling_config(
+    pad_token_id: int,
+    eos_ids: list[int],
+    *,
+    max_completion_length: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float | None,
+    repetition_penalty: float,
+    generation_kwargs: dict[str, Any] | None = None,
+) -> GenerationConfig:
+    """The sampling ``GenerationConfig`` of the reference's transformers path (``generation_kwargs`` win)."""
+    options = {
+        "max_new_tokens": max_completion_length, "do_sample": True, "temperature": temperature, "top_p": top_p,
+        "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty, "pad_token_id": pad_token_id,
+        "eos_token_id": eos_ids, "use_cache": True,
+    }  # fmt: skip
+    options.update(generation_kwargs or {})
+    return GenerationConfig(**options)
+
+
+def cut_after_eos(ids: Tensor, eos_ids: Sequence[int], pad_token_id: int) -> Completions:
+    """Keep each row up to and including its first EOS; pad the rest (reference/trl.md 2.5).
+
+    Args:
+        ids: (R, C) generated tokens (everything after the prompt).
+        eos_ids: ids that end a completion.
+        pad_token_id: written after the first EOS.
+
+    Returns:
+        :class:`Completions`. Example: eos=1, ``[[5, 1, 7], [5, 6, 7]]`` -> mask ``[[1, 1, 0], [1, 1, 1]]``, ids
+        ``[[5, 1, pad], [5, 6, 7]]``, truncated ``[False, True]``.
+    """
+    is_eos = torch.isin(ids, torch.as_tensor(list(eos_ids), device=ids.device))
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, ids.shape[1], dtype=torch.long))
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    mask = (positions[None, :] <= first[:, None]).long()
+    return Completions(ids.masked_fill(mask == 0, pad_token_id), mask, ~has_eos)
+
+
+@torch.no_grad()
+def generate_completions(
+    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig, eos_ids: Sequence[int]
+) -> Completions:
+    """One batched ``generate`` call (KV cache, left-padded prompts) and the EOS cut.
+
+    The model is NOT switched to eval mode (as the reference); ``no_grad`` also keeps NEFTune noise off.
+    """
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    completion = out[:, prompt_ids.shape[1] :]
+    if completion.shape[1] == 0:  # every row stopped at once (cannot happen with max_new_tokens >= 1)
+        completion = torch.full_like(prompt_ids[:, :1], config.pad_token_id)
+    return cut_after_eos(completion, eos_ids, config.pad_token_id)
+
+
+def decode_completions(tokenizer: Any, completions: Completions, conversational: bool) -> tuple[list, list[list[int]]]:
+    """Decoded completions for the reward functions, and the kept ids as lists.
+
+    Standard prompts get ``batch_decode(skip_special_tokens=True)`` strings; conversational prompts get
+    ``[{"role": "assistant", "content": text}]``, as the reference.
+    """
+    kept = [row[m.bool()].tolist() for row, m in zip(completions.ids.cpu(), completions.mask.cpu())]
+    texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+    if conversational:
+        return [[{"role": "assistant", "content": t}] for t in texts], kept
+    return texts, kept
+
+
+def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, Tensor]:
+    """``completions/*`` metrics of one (gathered) generation batch (reference/trl.md 2.9), 0-dim float tensors.
+
+    Args:
+        lengths: (R,) kept tokens per completion (EOS included), before truncation masking.
+        truncated: (R,) bool.
+
+    Returns:
+        mean/min/max length, the clipped (truncated) ratio, and mean/min/max over terminated completions only (0 if
+        there are none).
+    """
+    lengths = lengths.float()
+    done = lengths[~truncated]
+    empty = lengths.new_zeros(())
+    return {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": truncated.float().mean(),
+        "completions/mean_terminated_length": done.mean() if done.numel() else empty,
+        "completions/min_terminated_length": done.min() if done.numel() else empty,
+        "completions/max_terminated_length": done.max() if done.numel() else empty,
+    }
+
+
+def as_list(funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any]) -> list[Any]:
+    """A single reward function (or path) as a one-item list; a sequence as a list."""
+    return [funcs] if isinstance(funcs, str) or callable(funcs) else list(funcs)
+
+
+def resolve_reward_funcs(funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any]) -> list[Callable]:
+    """Reward callables from callables or import paths (``"lit_trainer.rewards.arithmetic_reward"``).
+
+    Only what the user's config or code names is imported (DESIGN rule 6).
+
+    Raises:
+        ValueError: on an empty list, a path that does not import, or an object that is not callable.
+    """
+    items = as_list(funcs)
+    if not items:
+        raise ValueError("`reward_funcs` is empty: give at least one reward function, e.g. "
+                         "['lit_trainer.rewards.arithmetic_reward'].")
+    resolved = []
+    for item in items:
+        if isinstance(item, str):
+            module_name, _, attr = item.rpartition(".")
+            try:
+                item = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError, ValueError) as err:
+                raise ValueError(f"Reward function {item!r} cannot be imported ({err}): give 'package.module.function'"
+                                 " of an importable function.") from err
+        if not callable(item):
+            raise ValueError(f"Reward function {item!r} is not callable: give a function or its import path.")
+        resolved.append(item)
+    return resolved

@@ -1,0 +1,380 @@
+"""GRPOModule: online RL with group-relative advantages, generating once per ``steps_per_generation`` micro-steps.
+
+Data flow (reference/trl.md 2.3-2.8). The :class:`~lit_trainer.data.prompt.PromptDataModule` loader yields, on every
+micro-step, the prompts of this rank's local generation batch (each prompt ``num_generations`` times), the same batch
+``steps_per_generation * num_iterations`` times in a row. On the first micro-step of a round the module samples all
+completions in ONE batched ``generate`` call, scores them (rewards gathered over ranks, advantages per group),
+computes old/reference log-probs only when needed, shuffles the rows with a seeded generator and cuts them into
+``steps_per_generation`` micro-batches; the other micro-steps of the round are served from that buffer.
+
+Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
+``dapo``/``cispo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
+after truncation masking: when ``steps_per_generation`` is a multiple of ``accumulate_grad_batches`` (the default
+makes them equal) the step's rows are all in the buffer, and the count is exact, so the step gradient equals the
+full-batch token-mean gradient on those rollouts. Otherwise (one step spans several generation rounds) the count is
+the reference's ``N * GA_cur / steps_per_generation`` with N the generation batch's tokens over all ranks. The other
+loss types are per-micro-batch means as in the reference, averaged over the window's micro-batches and the ranks.
+
+Randomness and resume. Sampling runs on the global RNG forked and seeded with a hash of ``(generation_seed, round,
+rank)``, and the buffer shuffle uses its own generator, so the training RNG stream is untouched and a resumed run
+regenerates identical rounds. Checkpoints store the round counters and, on a single process, the buffered rollouts
+(tensors only), so resuming in the middle of a round is exact. Under DDP rank 0 cannot hold the other ranks' buffers:
+a mid-round resume regenerates the round's completions on every rank for the same prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import GenerationConfig
+from typing_extensions import Self, override
+
+from lit_trainer.data.loader import NUM_ITEMS_KEY
+from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, REWARD_COLUMNS, RolloutGeometry
+from lit_trainer.data.repeat_sampler import needs_old_logps, resolve_generation_geometry
+from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss_metrics, grpo_policy_loss
+from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
+from lit_trainer.losses.logprobs import selective_log_softmax
+from lit_trainer.modules import _rollout as rollout
+from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
+from lit_trainer.modules._rollout_buffer import RolloutBuffer
+from lit_trainer.modules.base import BaseModule, frozen_copy
+from lit_trainer.rewards import call_reward_functions, reward_function_name
+
+_STATE_KEY = "grpo_rollouts"
+_TOKEN_NORMALISED = ("dapo", "cispo")
+
+
+class GRPOModule(BaseModule):
+    """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
+
+    Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
+    ``per_device_train_batch_size`` (completions per micro-batch per rank).
+
+    Args:
+        model: preset name, local directory, hub id, or a ``PreTrainedModel``.
+        reward_funcs: callables ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` or their
+            import paths (``"lit_trainer.rewards.arithmetic_reward"``); only these run.
+        reward_weights: one weight per function (default all 1.0).
+        num_generations: completions per prompt ``G`` (>= 2).
+        steps_per_generation: micro-steps served by one generation (default: ``accumulate_grad_batches``).
+        generation_batch_size: completions per generation over all ranks (exclusive with the above).
+        num_iterations: passes over each generation batch (``mu``; > 1 stores old log-probs).
+        max_completion_length: new-token budget per completion (also the Dr. GRPO constant).
+        temperature: sampling temperature; log-probs and entropy use logits divided by it, as the reference.
+        top_p: nucleus sampling (1.0 = off).
+        top_k: top-k sampling (0 = off).
+        min_p: min-p sampling (None = off).
+        repetition_penalty: 1.0 = off.
+        generation_kwargs: extra ``GenerationConfig`` fields (win over the options above).
+        mask_truncated_completions: drop completions without EOS from the loss (their rewards still count).
+        loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo.
+        epsilon: lower clip; also the upper one when ``epsilon_high`` is None.
+        epsilon_high: upper clip (and the CISPO cap).
+        delta: two-sided cap of the unclipped ratio (> 1), None = off.
+        beta: KL coefficient; != 0 keeps a frozen in-memory copy of the initial policy as reference model.
+        use_bias_correction_kl: weight the k3 KL by the per-token ratio.
+        importance_sampling_level: "token" or "sequence" (GSPO).
+        scale_rewards: "group", "batch" or "none".
+        multi_objective_aggregation: "sum_then_normalize" or "normalize_then_sum" (GDPO).
+        sapo_temperature_pos: SAPO temperature for positive advantages.
+        sapo_temperature_neg: SAPO temperature for non-positive advantages.
+        generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
+            torch initial seed when fitting starts (the CLI's ``seed_everything``).
+        **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
+
+    Raises:
+        ValueError: on any invalid option (see :func:`check_grpo_options`), a bad reward function or weight count; at
+            setup, on a batch geometry the reference rejects (the message gives a valid one).
+
+    Example::
+
+        module = GRPOModule("tiny", reward_funcs=[arithmetic_reward], num_generations=8, temperature=0.7,
+                            max_completion_length=8, learning_rate=1e-4)
+        trainer = lightning.Trainer(max_steps=200, accumulate_grad_batches=1)
+        trainer.fit(module, datamodule=PromptDataModule(batch_size=64, max_length=16))
+    """
+
+    def __init__(
+        self,
+        model: Any = "tiny",
+        *,
+        reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 8,
+        steps_per_generation: int | None = None,
+        generation_batch_size: int | None = None,
+        num_iterations: int = 1,
+        max_completion_length: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict[str, Any] | None = None,
+        mask_truncated_completions: bool = False,
+        loss_type: LossType = "dapo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        beta: float = 0.0,
+        use_bias_correction_kl: bool = True,
+        importance_sampling_level: ImportanceSamplingLevel = "token",
+        scale_rewards: ScaleRewards = "group",
+        multi_objective_aggregation: Aggregation = "sum_then_normalize",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        generation_seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
+        check_grpo_options(options)
+        super().__init__(model, **kwargs)
+        self.reward_funcs = rollout.resolve_reward_funcs(reward_funcs)
+        self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
+        if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
+                             "functions: give one weight per function (or none for all 1.0).")
+        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs"])
+        self.hparams["reward_funcs"] = [f if isinstance(f, str) else reward_function_name(f)
+                                        for f in rollout.as_list(reward_funcs)]  # names only: checkpoint-safe
+        self.ref_model = frozen_copy(self.model) if beta != 0 else None
+        self.rollout_geometry: RolloutGeometry | None = None
+        self._buffer: RolloutBuffer | None = None
+        self._restored: dict[str, Any] | None = None
+        self._needs_old_logps = False
+        self._seed = generation_seed
+        self.val_reward = MeanMetric(nan_strategy="ignore")
+        self.val_reward_means = torch.nn.ModuleList(MeanMetric(nan_strategy="ignore") for _ in self.reward_funcs)
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        batch_size = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
+        if batch_size is None:
+            raise ValueError("GRPOModule needs a PromptDataModule passed as `trainer.fit(module, datamodule=...)`: its "
+                             "`batch_size` is the per-device train batch size.")
+        hp = self.hparams
+        spg, gbs = resolve_generation_geometry(batch_size, hp.num_generations, self.trainer.world_size,
+                                               self.trainer.accumulate_grad_batches, hp.steps_per_generation,
+                                               hp.generation_batch_size)
+        self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
+        self._buffer = RolloutBuffer(spg, hp.num_iterations)
+        self._needs_old_logps = needs_old_logps(self.trainer.accumulate_grad_batches, spg, hp.num_iterations)
+
+    @override
+    def on_fit_start(self) -> None:
+        if self._restored is not None and self._buffer is not None:
+            state, self._restored = self._restored, None
+            self._seed = int(state["seed"])
+            keep = int(state["world_size"]) == 1 == self.trainer.world_size
+            self._buffer.load_state_dict(state if keep else {k: state[k] for k in ("served", "rounds")}, self.device)
+        if self._seed is None:
+            self._seed = torch.initial_seed()
+
+    @override
+    def train(self, mode: bool = True) -> Self:
+        super().train(mode)
+        if self.ref_model is not None:
+            self.ref_model.eval()  # the frozen reference never runs dropout
+        return self
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._buffer is not None:
+            world = self.trainer.world_size
+            state = self._buffer.state_dict(with_rollouts=world == 1)
+            checkpoint[_STATE_KEY] = {"seed": self._seed, "world_size": world, **state}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._restored = checkpoint.get(_STATE_KEY)
+
+    # ---------------------------------------------------------------------------------------------- training
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        batch.pop(NUM_ITEMS_KEY, None)
+        if batch_idx == 0:
+            self._buffer.end_round()  # an epoch always starts a round (even if the last one was cut short)
+        if self._buffer.needs_refill:
+            self._make_rollouts(batch)
+        micro, slice_index = self._buffer.next()
+        num_items = self._num_items(slice_index, batch_idx)
+        loss, metrics = self.compute_loss(micro, num_items)
+        world = self.trainer.world_size
+        contribution = loss if num_items is not None else loss / (self._window_length(batch_idx) * world)
+        masks = {"prompt_attention_mask": micro["prompt_mask"], "completion_attention_mask": micro["completion_mask"]}
+        self._track(contribution.detach(), {**metrics, **self._buffer.metrics}, masks)
+        return contribution * self.trainer.accumulate_grad_batches * world
+
+    def _window_length(self, batch_idx: int) -> int:
+        """Micro-batches in this optimizer step: ``accumulate_grad_batches``, fewer in a short last window."""
+        accumulate, total = self.trainer.accumulate_grad_batches, self.trainer.num_training_batches
+        start = batch_idx - batch_idx % accumulate
+        return accumulate if total == float("inf") else max(1, min(accumulate, int(total) - start))
+
+    def _num_items(self, slice_index: int, batch_idx: int) -> Tensor | None:
+        """The dapo/cispo normaliser of this micro-step (module docstring); None for per-micro-batch-mean types."""
+        if self.hparams.loss_type not in _TOKEN_NORMALISED:
+            return None
+        tokens, accumulate = self._buffer.slice_tokens, self.trainer.accumulate_grad_batches
+        spg = self.rollout_geometry.steps_per_generation
+        if spg % accumulate == 0:
+            start = slice_index - slice_index % accumulate
+            return tokens[start : start + accumulate].sum()
+        return tokens.sum() * self._window_length(batch_idx) / spg
+
+    @override
+    def compute_loss(
+        self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Policy loss of one buffered micro-batch (``grpo_policy_loss``) and its ``grpo_loss_metrics`` + entropy."""
+        hp = self.hparams
+        logps, entropy = self.completion_logps(self.model, batch, with_entropy=True)
+        mask = batch["completion_mask"]
+        options = {"loss_type": hp.loss_type, "epsilon": hp.epsilon, "epsilon_high": hp.epsilon_high,
+                   "delta": hp.delta, "beta": hp.beta, "ref_logps": batch.get("ref_logps"),
+                   "use_bias_correction_kl": hp.use_bias_correction_kl,
+                   "importance_sampling_level": hp.importance_sampling_level}
+        old, advantages = batch.get("old_logps"), batch["advantages"]
+        loss = grpo_policy_loss(logps, old, advantages, mask, max_completion_length=hp.max_completion_length,
+                                num_items_in_batch=num_items_in_batch, sapo_temperature_pos=hp.sapo_temperature_pos,
+                                sapo_temperature_neg=hp.sapo_temperature_neg, **options)
+        metrics = grpo_loss_metrics(logps, old, advantages, mask, **options)
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        return loss, metrics
+
+    def completion_logps(
+        self, model: Any, rows: dict[str, Tensor], with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs (B, C) of the completion tokens under ``model``, logits divided by the temperature.
+
+        The input is ``[left-padded prompt ; right-padded completion]`` with position ids from the attention mask
+        (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy (no grad) when asked.
+        """
+        completion = rows["completion_ids"]
+        ids = torch.cat([rows["prompt_ids"], completion], dim=1)
+        attention = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
+                       logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+        temperature = self.hparams.temperature
+        logps = selective_log_softmax(logits, completion, temperature)
+        if not with_entropy:
+            return logps, None
+        with torch.no_grad():
+            z = logits.float() / temperature
+            entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+        return logps, entropy
+
+    # ---------------------------------------------------------------------------------------------- rollouts
+    def _gather_rows(self, local: Tensor) -> Tensor:
+        """Rows of every rank, rank order (the reference gathers rewards before normalising)."""
+        if self.trainer.world_size == 1:
+            return local
+        return self.all_gather(local).reshape(-1, *local.shape[1:])
+
+    @torch.no_grad()
+    def _make_rollouts(self, batch: dict[str, Any]) -> None:
+        """Generate, score and buffer one round (see the module docstring)."""
+        rank, seed, round_index = self.global_rank, self._seed, self._buffer.rounds
+        prompt_ids, prompt_mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
+        eos = rollout.eos_token_ids(self.model, self.tokenizer)
+        hp = self.hparams
+        config = rollout.sampling_config(
+            self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
+            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
+            repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
+        )  # fmt: skip
+        with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
+            completions = rollout.generate_completions(self.model, prompt_ids, prompt_mask, config, eos)
+        advantages, metrics = self._score(batch, completions)
+        mask = completions.mask
+        if hp.mask_truncated_completions:
+            mask = mask * (~completions.truncated).unsqueeze(1).long()
+        rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids,
+                "completion_mask": mask, "advantages": advantages}
+        if self._needs_old_logps:
+            rows["old_logps"] = self._chunked_logps(self.model, rows)
+        if self.ref_model is not None:
+            rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
+        shuffler = torch.Generator().manual_seed(rollout.rollout_seed(seed, round_index, rank, stream=1))
+        slices = self._buffer.shuffle(rows, shuffler)
+        tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()
+        if self.trainer.world_size > 1:
+            tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
+        self._buffer.fill(slices, tokens, metrics)
+
+    def _score(self, batch: dict[str, Any], completions: rollout.Completions) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics)."""
+        hp = self.hparams
+        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+        rewards = call_reward_functions(self.reward_funcs, batch[PROMPTS], texts, kept, batch[REWARD_COLUMNS])
+        lengths = completions.mask.sum(1, keepdim=True).float()
+        local = torch.cat([rewards.to(self.device), lengths, completions.truncated.float().unsqueeze(1)], dim=1)
+        table = self._gather_rows(local)
+        all_rewards, all_lengths, all_truncated = table[:, :-2], table[:, -2], table[:, -1].bool()
+        if torch.isnan(all_rewards).all(dim=1).any():
+            rank_zero_warn("[lit_trainer] Every reward function returned None for some completions: their advantage "
+                           "is 0.")
+        weights = hp.reward_weights
+        advantages = grpo_advantages(all_rewards, hp.num_generations, reward_weights=weights,
+                                     scale_rewards=hp.scale_rewards, aggregation=hp.multi_objective_aggregation)
+        rows = rewards.shape[0]
+        metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_weights=weights,
+                                      scale_rewards=hp.scale_rewards, reward_names=self.reward_names)
+        metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
+        return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
+
+    def _pad_token_id(self, eos: list[int]) -> int:
+        """Padding id for generation: the model's generation config, else the tokenizer's, else the first EOS."""
+        for pad in (self.model.generation_config.pad_token_id, getattr(self.tokenizer, "pad_token_id", None)):
+            if pad is not None:
+                return int(pad[0] if isinstance(pad, (list, tuple)) else pad)
+        return eos[0]
+
+    def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
+        """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
+        size = rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        chunks = [self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
+                  for i in range(0, rows["prompt_ids"].shape[0], size)]
+        return torch.cat(chunks)
+
+    # -------------------------------------------------------------------------------------------- validation
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Greedy completion of each held-out prompt, scored by the reward functions (``val_reward``)."""
+        eos = rollout.eos_token_ids(self.model, self.tokenizer)
+        config = GenerationConfig(max_new_tokens=self.hparams.max_completion_length, do_sample=False,
+                                  pad_token_id=self._pad_token_id(eos), eos_token_id=eos, use_cache=True)
+        completions = rollout.generate_completions(self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos)
+        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+        rewards = call_reward_functions(self.reward_funcs, batch[PROMPTS], texts, kept, batch[REWARD_COLUMNS])
+        rewards = rewards.to(self.device)
+        weights = torch.as_tensor(self.hparams.reward_weights or [1.0] * rewards.shape[1], device=self.device)
+        total = torch.nansum(rewards * weights, dim=1).masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
+        self.val_reward.update(total)
+        for metric, column in zip(self.val_reward_means, rewards.T):
+            metric.update(column)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        values = {"val_reward": self.val_reward.compute()}
+        for name, metric in zip(self.reward_names, self.val_reward_means):
+            values[f"val_rewards/{name}/mean"] = metric.compute()
+            metric.reset()
+        self.val_reward.reset()
+        self.log_dict(values, prog_bar=False)
+
+
+def _conversational(prompts: Sequence[Any]) -> bool:
+    return bool(prompts) and not isinstance(prompts[0], str)

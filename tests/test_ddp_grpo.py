@@ -1,0 +1,100 @@
+"""2-process DDP GRPO on CPU (gloo): see ``tests/scripts/ddp_grpo.py`` for the geometry and what is recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_grpo.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import ddp_grpo as script  # noqa: E402  (constants and helpers; nothing runs on import)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_grpo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], timeout=900, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _facts(run: Path, phase: str) -> list[dict]:
+    return [json.loads((run / f"{phase}_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _tensors(run: Path, phase: str) -> list[dict]:
+    return [torch.load(run / f"{phase}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_each_rank_generates_for_its_own_prompts(run: Path):
+    facts = _facts(run, "full")
+    prompts = script.prompt_texts()
+    for r, f in enumerate(facts):
+        assert (f["world_size"], f["sampler_rank"], f["loader"], f["global_step"]) == (2, r, "TrainLoader", 4)
+        assert len(f["calls"]) == 2  # 4 optimizer steps, a round = spg 4 micro-steps = 2 optimizer steps
+    for k in range(2):
+        # round k: prompts 3k..3k+2 (sequential order), 8 copies each, 24 rows cut in two contiguous halves of 12
+        expected = [p for p in prompts[3 * k : 3 * k + 3] for _ in range(8)]
+        assert facts[0]["calls"][k] == expected[:12] and facts[1]["calls"][k] == expected[12:]
+
+
+def _group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Independent reference: (r - group mean) / (Bessel group std + 1e-4), groups of 8 consecutive rows."""
+    out = []
+    for group in rewards.reshape(-1, 8):
+        mean = group.sum() / 8
+        std = ((group - mean) ** 2).sum().div(7).sqrt()
+        out.append((group - mean) / (std + 1e-4))
+    return torch.cat(out)
+
+
+def test_advantages_use_the_rewards_gathered_over_ranks(run: Path):
+    ranks = _tensors(run, "full")
+    first = [t["rounds"][0] for t in ranks]
+    ids = [row[m.bool()].tolist() for f in first for row, m in zip(f["ids"], f["mask"])]  # rank 0 rows, then rank 1
+    rewards = torch.tensor(script.length_reward([], [], ids))
+    expected = _group_advantages(rewards)
+    got = torch.cat([f["advantages"] for f in first])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # prompt 1's group (rows 8-15) is split: rank 0's last four rows and rank 1's first four
+    assert first[0]["ids"].shape[0] == 12 and first[1]["ids"].shape[0] == 12
+    assert rewards[8:16].std() > 0  # the split group has a signal, so gathering matters
+    assert torch.allclose(first[0]["reward"], rewards.mean()) and torch.allclose(first[1]["reward"], rewards.mean())
+
+
+def test_synced_step_gradient_equals_the_full_batch_token_mean_gradient(run: Path):
+    ranks = _tensors(run, "full")
+    model = script.build_model()
+    temperature = 1.0
+    # step 0 used slices 0 and 1 of each rank's buffer (accumulate 2): 2 x 3 rows per rank, 12 rows in all
+    rows = [{k: s[k][i] for k in s} for t in ranks for s in t["step0"]["slices"][:2] for i in range(script.BATCH)]
+    tokens = sum(int(r["completion_mask"].sum()) for r in rows)
+    loss = 0.0
+    for r in rows:
+        prompt = r["prompt_ids"][r["prompt_mask"].bool()]
+        kept = r["completion_ids"][r["completion_mask"].bool()]
+        logits = model(input_ids=torch.cat([prompt, kept]).unsqueeze(0)).logits[0, prompt.numel() - 1 : -1]
+        lp = torch.log_softmax(logits / temperature, -1).gather(-1, kept.unsqueeze(-1)).squeeze(-1)
+        loss = loss + (-r["advantages"] * torch.exp(lp - lp.detach())).sum() / tokens  # dapo, on-policy
+    loss.backward()
+    for name, p in model.named_parameters():
+        for t in ranks:
+            torch.testing.assert_close(t["step0"]["grads"][name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    torch.testing.assert_close(ranks[0]["weights"]["model.norm.weight"], ranks[1]["weights"]["model.norm.weight"])
+
+
+def test_resume_in_the_middle_of_a_round_regenerates_on_every_rank(run: Path):
+    full, resumed = _facts(run, "full"), _facts(run, "resumed")
+    for f, g in zip(full, resumed):
+        assert g["global_step"] == 2  # no rank hung on a collective the other rank skipped
+        # step 1 is half-way through round 0: the buffer is not in a DDP checkpoint, so both ranks regenerate
+        # round 0's prompts (the loader resumed at the same position) and finish the round from the buffer
+        assert g["calls"] == f["calls"][:1]
