@@ -307,6 +307,10 @@ class NEFTune(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active_seed is None:
+            # every rank must use rank 0's seed: only rank 0's callback state is checkpointed, so a per-rank
+            # torch.initial_seed() would give the other ranks a different noise stream after a resume
+            self._active_seed = int(trainer.strategy.broadcast(int(torch.initial_seed()), src=0))
         self.attach(pl_module, rank=trainer.global_rank)
 
     @override
