@@ -1,6 +1,7 @@
 """LightningDataModules, collators and samplers over `datasets`."""
 
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.data.repeat_sampler import RepeatSampler
 from lit_trainer.data.samplers import BatchRebalanceSampler, LengthGroupedSampler
@@ -10,6 +11,7 @@ __all__ = [
     "BaseDataModule",
     "BatchRebalanceSampler",
     "LengthGroupedSampler",
+    "PreferenceDataModule",
     "PromptDataModule",
     "RepeatSampler",
     "SFTDataModule",

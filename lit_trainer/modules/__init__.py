@@ -2,6 +2,7 @@
 
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.causal_lm import CausalLMModule
+from lit_trainer.modules.dpo import DPOModule
 from lit_trainer.modules.grpo import GRPOModule
 
-__all__ = ["BaseModule", "CausalLMModule", "GRPOModule"]
+__all__ = ["BaseModule", "CausalLMModule", "DPOModule", "GRPOModule"]

@@ -1,0 +1,327 @@
+"""PreferenceDataModule: prompt/chosen/rejected rows for DPO, preprocessed and collated as TRL 1.16's DPOTrainer.
+
+Preprocessing (reference/trl.md 1.2), in order: rows are validated (a malformed row raises an error naming its index
+and column); an implicit prompt (no ``prompt`` column) is extracted as the common prefix of chosen and rejected;
+standard (string) rows get the tokenizer's EOS string appended to each completion; then
+``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat template with
+``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common prefix. With
+``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and counted.
+
+Collation (1.3): a micro-batch of B pairs becomes 2B right-padded rows, chosen rows ``0..B-1`` then rejected rows
+``B..2B-1``, each truncated to ``max_length`` on its own (first or last tokens), with ``input_ids``,
+``attention_mask`` and the unshifted ``completion_mask``; precomputed reference log-probs travel along as
+``ref_chosen_logps``/``ref_rejected_logps`` (B,) when the dataset has them (see :meth:`set_reference_logps`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from datasets import Dataset
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lit_trainer.data import builtin
+from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.collate import pad_right
+from lit_trainer.data.loader import EvalLoader
+from lit_trainer.data.sources import describe_columns
+
+TruncationMode = Literal["keep_start", "keep_end"]
+REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+_TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:]}
+_DOUBLE_EOS_WARNING = r"This sequence already has"  # ByT5's notice when the text already ends with "</s>"
+
+
+def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list, str | list, str | list]:
+    """Split an implicit prompt off a pair: ``(prompt, chosen, rejected)`` (reference 1.2 step 1).
+
+    Walks ``min(len)`` elements (characters or messages) to the first mismatch ``i``; when ``chosen[i-1]`` is a space
+    the split moves one left, so the space goes to the completions. When nothing differs, ``i`` stops at the last
+    compared element, which stays in the completions (as TRL: no completion is left empty). Fixed from TRL: a
+    mismatch at ``i = 0`` does not look at ``chosen[-1]``.
+
+    Example:
+        >>> extract_prompt("The sky is blue", "The sky is green")
+        ('The sky is', ' blue', ' green')
+    """
+    i = 0
+    for i in range(min(len(chosen), len(rejected))):
+        if chosen[i] != rejected[i]:
+            if i > 0 and chosen[i - 1] == " ":
+                i -= 1
+            break
+    return chosen[:i], chosen[i:], rejected[i:]
+
+
+def _row_error(split: str, index: int, column: str, problem: str) -> ValueError:
+    return ValueError(f"Malformed preference row {index} of the {split} data, column {column!r}: {problem}. Fix or "
+                      "drop that row (chosen and rejected must be non-empty strings, or lists of "
+                      "{'role': str, 'content': str} messages).")
+
+
+def _check_value(value: Any, split: str, index: int, column: str, allow_empty: bool) -> bool:
+    """Validate one cell; return True when it is a conversation (a list of messages)."""
+    if value is None:
+        raise _row_error(split, index, column, "the value is missing")
+    if isinstance(value, str):
+        if not value and not allow_empty:
+            raise _row_error(split, index, column, "the value is empty")
+        return False
+    if not isinstance(value, list):
+        raise _row_error(split, index, column, f"expected a string or a list of messages, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise _row_error(split, index, column, "the message list is empty")
+    for m, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _row_error(split, index, column, f"message {m} is not a {{'role': str, 'content': str}} dict")
+        if not isinstance(message.get("content"), str):
+            raise _row_error(split, index, column,
+                             f"message {m} has non-string content ({type(message.get('content')).__name__})")
+    return True
+
+
+class PreferenceCollator:
+    """Collate preference rows into one batch of 2B rows (chosen then rejected), right-padded.
+
+    Args:
+        pad_token_id: id used for padding ``input_ids`` (masked out by ``attention_mask``).
+        max_length: per-row token budget, applied to each of the 2B rows on its own.
+        truncation_mode: ``keep_start`` keeps a row's first ``max_length`` tokens, ``keep_end`` its last.
+        pad_to_multiple_of: round the padded length up.
+    """
+
+    def __init__(self, pad_token_id: int, max_length: int, truncation_mode: TruncationMode = "keep_start",
+                 pad_to_multiple_of: int | None = None) -> None:
+        self.pad_token_id, self.max_length = pad_token_id, max_length
+        self.truncate, self.pad_to_multiple_of = _TRUNCATE[truncation_mode], pad_to_multiple_of
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids, masks = [], []
+        for key in ("chosen_ids", "rejected_ids"):
+            for row in rows:
+                prompt, completion = row["prompt_ids"], row[key]
+                ids.append(self.truncate(prompt + completion, self.max_length))
+                masks.append(self.truncate([0] * len(prompt) + [1] * len(completion), self.max_length))
+        batch = {
+            "input_ids": pad_right(ids, self.pad_token_id, self.pad_to_multiple_of),
+            "attention_mask": pad_right([[1] * len(s) for s in ids], 0, self.pad_to_multiple_of),
+            "completion_mask": pad_right(masks, 0, self.pad_to_multiple_of),
+        }
+        if all(REF_CHOSEN_KEY in row for row in rows):
+            batch[REF_CHOSEN_KEY] = torch.tensor([row[REF_CHOSEN_KEY] for row in rows], dtype=torch.float32)
+            batch[REF_REJECTED_KEY] = torch.tensor([row[REF_REJECTED_KEY] for row in rows], dtype=torch.float32)
+        return batch
+
+
+class PreferenceDataModule(BaseDataModule):
+    """Preference pairs for :class:`~lit_trainer.modules.dpo.DPOModule` (TRL 1.16 preprocessing and collation).
+
+    Rows are ``{"prompt", "chosen", "rejected"}`` (explicit prompt) or ``{"chosen", "rejected"}`` (implicit prompt,
+    split off as the common prefix); each is standard (strings) or conversational (lists of ``{"role", "content"}``
+    messages, rendered with ``tokenizer.chat_template``; optional ``tools`` and ``chat_template_kwargs`` columns are
+    forwarded). ``count_items`` is the number of PAIRS (DPO's loss is a per-pair mean). The ``length`` column holds
+    the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
+    Counters in ``self.stats``: ``<split>_rows_truncated`` and ``<split>_rows_dropped_prompt_too_long``.
+
+    Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
+    instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
+    inside the tokenizer or training on empty completions.
+
+    Args:
+        truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
+            or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
+        pad_to_multiple_of: round padded lengths up to a multiple.
+        **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
+            ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
+
+    Raises:
+        ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its index and column
+            are named), conversational rows without a chat template, or no row left after filtering.
+
+    Example::
+
+        dm = PreferenceDataModule(tokenizer="tiny", dataset="builtin:addition", batch_size=32, max_length=32)
+        trainer.fit(DPOModule("tiny", loss_type=["sigmoid", "sft"]), datamodule=dm)
+    """
+
+    builtin = {"builtin:addition": builtin.preference_rows}
+
+    def __init__(self, *args: Any, truncation_mode: TruncationMode = "keep_start",
+                 pad_to_multiple_of: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if truncation_mode not in _TRUNCATE:
+            raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use 'keep_start' or 'keep_end'.")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"`pad_to_multiple_of={pad_to_multiple_of}` is invalid: use an integer >= 1 or None.")
+        self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
+        self._fingerprints: dict[str, str] = {}
+        self._reference_keys: dict[str, str] = {}
+
+    # ------------------------------------------------------------------------------------------------ preprocessing
+    def _normalise(self, row: dict[str, Any], index: int, split: str, explicit: bool) -> tuple[Any, Any, Any, bool]:
+        """Validate a row; return ``(prompt, chosen, rejected, is_conversation)`` with the prompt made explicit."""
+        formats = {column: _check_value(row[column], split, index, column, allow_empty=False)
+                   for column in ("chosen", "rejected")}
+        if explicit:
+            formats["prompt"] = _check_value(row["prompt"], split, index, "prompt", allow_empty=True)
+        odd = next((column for column, is_chat in formats.items() if is_chat != formats["chosen"]), None)
+        if odd is not None:
+            raise _row_error(split, index, odd, "mixes plain strings and message lists within one row")
+        if explicit:
+            return row["prompt"], row["chosen"], row["rejected"], formats["chosen"]
+        return (*extract_prompt(row["chosen"], row["rejected"]), formats["chosen"])
+
+    def _encode_text(self, prompt: str, chosen: str, rejected: str) -> list[list[int]]:
+        tok, eos = self.tokenizer, self.tokenizer.eos_token
+        if eos:  # reference 1.2 step 2: standard rows end with the EOS string
+            chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+        return [tok(text)["input_ids"] for text in (prompt, prompt + chosen, prompt + rejected)]
+
+    def _encode_chat(self, row: dict[str, Any], prompt: list, chosen: list, rejected: list) -> list[list[int]]:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("The preference data holds conversations (lists of messages) but the tokenizer has no "
+                             "chat template: set `tokenizer.chat_template` or give plain-string rows.")
+        tools = row.get("tools")
+        options = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
+                   **(row.get("chat_template_kwargs") or {}), "tokenize": True, "return_dict": False}
+        return [tok.apply_chat_template(prompt, add_generation_prompt=True, **options),
+                tok.apply_chat_template(prompt + chosen, **options),
+                tok.apply_chat_template(prompt + rejected, **options)]
+
+    def _tokenize(self, batch: dict[str, list], indices: list[int], split: str, explicit: bool) -> dict[str, list]:
+        out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated")}
+        max_length = self.hparams.max_length
+        for i, index in enumerate(indices):
+            row = {key: values[i] for key, values in batch.items()}
+            prompt, chosen, rejected, is_chat = self._normalise(row, index, split, explicit)
+            encode = self._encode_chat(row, prompt, chosen, rejected) if is_chat else self._encode_text(
+                prompt, chosen, rejected)
+            prompt_ids, pc, pr = encode
+            cut = min(common_prefix_len(prompt_ids, pc), common_prefix_len(prompt_ids, pr))
+            longest = cut + max(len(pc) - cut, len(pr) - cut)
+            for name, value in zip(TOKEN_COLUMNS, (prompt_ids[:cut], pc[cut:], pr[cut:])):
+                out[name].append(value)
+            out["length"].append(min(longest, max_length))
+            out["truncated"].append(longest > max_length)
+        return out
+
+    @override
+    def _preprocess(self, rows: Dataset, split: str) -> Dataset:
+        missing = [c for c in ("chosen", "rejected") if c not in rows.column_names]
+        if missing:
+            raise ValueError(f"The {split} data has no {' and no '.join(map(repr, missing))} column (it has "
+                             f"{describe_columns(rows)}); preference data needs 'chosen' and 'rejected' columns "
+                             "and optionally 'prompt'. Rename your columns.")
+        if len(rows) == 0:
+            raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
+        explicit = "prompt" in rows.column_names
+        keep = ["answer"] if "answer" in rows.column_names else []
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
+            data = rows.map(lambda b, idx: self._tokenize(b, idx, split, explicit), batched=True, with_indices=True,
+                            remove_columns=[c for c in rows.column_names if c not in keep], desc=f"Tokenizing {split}")
+        usable = data
+        if self.hparams.truncation_mode == "keep_start":
+            limit = self.hparams.max_length
+            usable = data.filter(lambda b: [len(p) < limit for p in b["prompt_ids"]], batched=True)
+        dropped, truncated = len(data) - len(usable), sum(usable["truncated"])
+        self.stats[f"{split}_rows_truncated"] = truncated
+        self.stats[f"{split}_rows_dropped_prompt_too_long"] = dropped
+        if truncated or dropped:
+            rank_zero_warn(f"[lit_trainer] {split}: {truncated} preference rows longer than "
+                           f"max_length={self.hparams.max_length} are truncated "
+                           f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length "
+                           "were dropped.")
+        if len(usable) == 0:
+            raise ValueError(f"No {split} row is left: every prompt has >= max_length={self.hparams.max_length} "
+                             "tokens. Raise max_length, shorten the prompts or use truncation_mode='keep_end'.")
+        return usable.remove_columns("truncated")
+
+    # ------------------------------------------------------------------------------------------------- batches
+    @override
+    def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
+        hp = self.hparams
+        return PreferenceCollator(self.pad_token_id, hp.max_length, hp.truncation_mode, hp.pad_to_multiple_of)(rows)
+
+    @override
+    def count_items(self, batch: dict[str, torch.Tensor]) -> int:
+        """Pairs in the micro-batch (half its rows): DPO's loss is a per-pair mean."""
+        return batch["input_ids"].size(0) // 2
+
+    # ------------------------------------------------------------------------- precomputed reference log-probs
+    def split_dataset(self, split: str) -> Dataset | None:
+        """The preprocessed ``"train"`` or ``"validation"`` dataset (None when there is no validation data)."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        datasets = {"train": self.train_dataset, "validation": self.val_dataset}
+        if split not in datasets:
+            raise ValueError(f"Unknown split {split!r}: use 'train' or 'validation'.")
+        return datasets[split]
+
+    def fingerprint(self, split: str) -> str:
+        """A content hash of the split's token columns and truncation settings (the reference log-probs' data key).
+
+        Computed from the tokens themselves, so it is stable across processes and runs (unlike a ``datasets``
+        fingerprint after a ``map`` with a closure) and unaffected by the reference log-prob columns.
+        """
+        if split not in self._fingerprints:
+            digest = hashlib.sha256(f"{self.hparams.max_length}|{self.hparams.truncation_mode}".encode())
+            arrow = self.split_dataset(split).with_format("arrow")
+            for start in range(0, len(arrow), 8192):
+                table = arrow[start:start + 8192]
+                for name in TOKEN_COLUMNS:
+                    column = table.column(name).combine_chunks()
+                    digest.update(np.asarray(column.value_lengths(), dtype=np.int64).tobytes())
+                    digest.update(np.asarray(column.flatten(), dtype=np.int64).tobytes())
+            self._fingerprints[split] = digest.hexdigest()
+        return self._fingerprints[split]
+
+    def reference_loader(self, split: str, batch_size: int | None = None, *, num_replicas: int = 1,
+                         rank: int = 0) -> EvalLoader:
+        """Sequential batches of rows ``rank::num_replicas`` of a split (for computing reference log-probs)."""
+        dataset = self.split_dataset(split)
+        size = batch_size or self.hparams.eval_batch_size or self.hparams.batch_size
+        return EvalLoader(dataset, size, lambda rows: self._collate(rows, False), num_replicas=num_replicas,
+                          rank=rank)
+
+    def reference_logps_key(self, split: str) -> str | None:
+        """The key given with the split's current reference log-probs (None when it has none)."""
+        return self._reference_keys.get(split)
+
+    def set_reference_logps(self, split: str, chosen: torch.Tensor, rejected: torch.Tensor, key: str) -> None:
+        """Store per-pair reference log-probs as the split's ``ref_chosen_logps``/``ref_rejected_logps`` columns.
+
+        Raises:
+            ValueError: when the tensors do not hold one value per row.
+        """
+        dataset = self.split_dataset(split)
+        if chosen.shape != (len(dataset),) or rejected.shape != (len(dataset),):
+            raise ValueError(f"Reference log-probs of shape {tuple(chosen.shape)}/{tuple(rejected.shape)} do not "
+                             f"match the {len(dataset)} rows of the {split} data.")
+        dataset = dataset.remove_columns([c for c in (REF_CHOSEN_KEY, REF_REJECTED_KEY) if c in dataset.column_names])
+        dataset = dataset.add_column(REF_CHOSEN_KEY, chosen.float().tolist())
+        dataset = dataset.add_column(REF_REJECTED_KEY, rejected.float().tolist())
+        if split == "train":
+            self.train_dataset = dataset
+        else:
+            self.val_dataset = dataset
+        self._reference_keys[split] = key

@@ -1,0 +1,379 @@
+"""DPOModule: direct preference optimisation against a frozen reference model, with every TRL 1.16 pair loss."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Literal, NamedTuple
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import PreTrainedModel
+from typing_extensions import override
+
+from lit_trainer.data.preference import REF_CHOSEN_KEY, REF_REJECTED_KEY
+from lit_trainer.losses.dpo import (
+    DPO_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, DPOLossType, FDivergenceType, dpo_loss,
+    dpo_rewards_metrics, sequence_logps,
+)  # fmt: skip
+from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
+from lit_trainer.models import load_model
+from lit_trainer.modules import _ref_logps
+from lit_trainer.modules.base import BaseModule, frozen_copy
+
+LossName = Literal[DPOLossType, "sft"]
+LOSS_NAMES: tuple[str, ...] = (*DPO_LOSS_TYPES, "sft")
+_SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+class Scores(NamedTuple):
+    """One forward of 2B rows: per-sequence sums, shifted per-token log-probs and mask, vocabulary-mean logits."""
+
+    seq: Tensor
+    token_logps: Tensor
+    mask: Tensor
+    logits_mean: Tensor | None
+
+
+def disable_dropout_in_model(model: torch.nn.Module) -> None:
+    """``p = 0`` on every ``nn.Dropout`` (as TRL), and 0 on float ``attention_dropout`` attributes.
+
+    The second part goes beyond TRL's helper: HF attention layers (Llama, Qwen2, ...) apply ``attention_dropout``
+    functionally, not through an ``nn.Dropout``, so TRL leaves it active in training mode.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: dict[str, Any]) -> tuple[list, list]:
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    unknown = [t for t in types if t not in LOSS_NAMES]
+    if not types or unknown:
+        raise ValueError(f"`DPOModule(loss_type={loss_type!r})` is invalid: give one or more of {LOSS_NAMES}.")
+    weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in loss_weights]
+    if len(weights) != len(types):
+        raise ValueError(f"`DPOModule(loss_weights={loss_weights!r})` has {len(weights)} entries for {len(types)} "
+                         f"loss types {types}: give one weight per type, or none (all 1.0).")
+    divergence = options["f_divergence_type"]
+    if divergence not in F_DIVERGENCE_TYPES:
+        raise ValueError(f"`DPOModule(f_divergence_type={divergence!r})` is invalid: use one of {F_DIVERGENCE_TYPES}.")
+    unsupported = [t for t in types if t not in F_DIVERGENCE_LOSS_TYPES]
+    if divergence != "reverse_kl" and unsupported:
+        raise ValueError(f"`DPOModule(f_divergence_type={divergence!r})` is not supported by the loss types "
+                         f"{unsupported}: use 'reverse_kl' or only types from {F_DIVERGENCE_LOSS_TYPES}.")
+    one = torch.zeros(1)
+    for name in set(types) - {"sft"}:  # the loss function's own checks, at construction instead of at step 1
+        try:
+            dpo_loss(one, one, one, one, loss_type=name, chosen_lengths=one, rejected_lengths=one, **options)
+        except ValueError as err:
+            raise ValueError(f"DPOModule: {err}") from None
+    return types, weights
+
+
+class DPOModule(BaseModule):
+    """Align a causal LM on preference pairs with DPO and its variants (TRL 1.16 ``DPOTrainer`` semantics).
+
+    Each step runs chosen and rejected rows in ONE forward of 2B rows; per-sequence log-probs are sums of
+    ``per_token_logps`` over completion tokens (reference/trl.md 1.4). The loss is ``Σ_k w_k ℓ^{(k)}`` per pair
+    (:func:`~lit_trainer.losses.dpo_loss` for the pair types) summed over the micro-batch and divided by the global
+    PAIR count of the accumulation window, so accumulation and DDP give the full-batch gradient. Logged (window
+    means): ``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``, ``logits/{chosen,
+    rejected}``; validation logs the same with a ``val_`` prefix plus ``val_loss`` (pair-weighted over the set).
+
+    ``"sft"`` (RPO's NLL term) differs from the reference on purpose: TRL takes the token mean over all chosen
+    completion tokens of a micro-batch, which no per-pair normaliser reproduces under accumulation; here it is each
+    pair's mean chosen-token NLL, averaged over pairs like every other term (identical to TRL when the chosen
+    completions of a batch have equal length). ``aot``/``aot_unpaired`` sort within a micro-batch (as TRL), so they
+    are the only types whose accumulated gradient differs from a full batch.
+
+    The reference model is ``self.ref_model`` (parameter names mirror ``self.model``): eval mode, no gradients, not in
+    the optimizer nor in clipping, saved in checkpoints, never trained. Unlike TRL (which reloads it from disk and
+    fails for an in-memory model), ``ref_model=None`` makes a frozen in-memory copy of the policy. Runs on one device
+    or under DDP; sharded strategies (FSDP, DeepSpeed) are refused at setup.
+
+    Args:
+        model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
+        ref_model: None (a frozen copy of the policy; with ``precompute_ref_log_probs`` no copy at all: the policy
+            scores the data before its first update), a path/hub id/preset to load, or a ``PreTrainedModel``.
+        loss_type: one loss name or a list, from the pair types of ``dpo_loss`` plus ``"sft"``.
+        loss_weights: one weight per loss type (default all 1.0). RPO is ``["sigmoid", "sft"]`` with ``[1.0, 1.0]``.
+        beta: ``β`` of the pair losses and the rewards.
+        label_smoothing: ``ε`` of robust, exo_pair, aot and aot_unpaired.
+        f_divergence_type: ``reverse_kl`` (default), ``forward_kl``, ``js_divergence`` or ``alpha_divergence``.
+        f_alpha_divergence_coef: ``a`` of ``alpha_divergence``.
+        discopop_tau: ``τ`` of discopop.
+        ld_alpha: LD-DPO weight of the tokens beyond the shorter completion of a pair (None = off), in [0, 1].
+        precompute_ref_log_probs: score the training and validation pairs with the reference once at fit start,
+            store them with the dataset (see :mod:`lit_trainer.modules._ref_logps`), then free the reference model.
+        precompute_ref_batch_size: pairs per batch of that pass (default: the data module's eval batch size).
+        ref_logps_cache_dir: directory for the precomputed log-probs (default: next to the dataset's cache files
+            when it has some; otherwise kept in memory and in checkpoints only).
+        sync_ref_model: TR-DPO: after every ``ref_model_sync_steps``-th optimizer step,
+            ``θ_ref ← (1−α)θ_ref + αθ_policy`` with ``α = ref_model_mixup_alpha`` (parameters only).
+        ref_model_mixup_alpha: ``α`` of TR-DPO, in [0, 1].
+        ref_model_sync_steps: TR-DPO period in optimizer steps.
+        disable_dropout: zero every dropout of the policy and the reference (TRL's default).
+        learning_rate: peak learning rate (TRL's DPO default 1e-6).
+        trust_remote_code: passed to ``from_pretrained`` for both models.
+        **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
+
+    Raises:
+        ValueError: unknown loss types, mismatched weights, an f-divergence a selected type does not support, invalid
+            ``beta``/``label_smoothing``/``discopop_tau``/``ld_alpha``/TR-DPO options, ``sync_ref_model`` with
+            ``precompute_ref_log_probs``, or ``ref_model`` being the policy object itself.
+
+    Example::
+
+        module = DPOModule("runs/sft/hf_model", loss_type=["sigmoid", "sft"], learning_rate=3e-4)
+        trainer = lightning.Trainer(max_steps=300, accumulate_grad_batches=2)
+        trainer.fit(module, datamodule=PreferenceDataModule("runs/sft/hf_model", batch_size=32, max_length=32))
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = "tiny",
+        *,
+        ref_model: str | PreTrainedModel | None = None,
+        loss_type: LossName | list[LossName] = "sigmoid",
+        loss_weights: list[float] | None = None,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        f_divergence_type: FDivergenceType = "reverse_kl",
+        f_alpha_divergence_coef: float = 0.5,
+        discopop_tau: float = 0.05,
+        ld_alpha: float | None = None,
+        precompute_ref_log_probs: bool = False,
+        precompute_ref_batch_size: int | None = None,
+        ref_logps_cache_dir: str | None = None,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
+        disable_dropout: bool = True,
+        learning_rate: float = 1e-6,
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        # the base records this frame's arguments as hparams: keep a model object out (Lightning would deep-copy it)
+        reference, ref_model = ref_model, ref_model if ref_model is None or isinstance(ref_model, str) else None
+        super().__init__(model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs)
+        self._loss_options = {"beta": beta, "label_smoothing": label_smoothing, "discopop_tau": discopop_tau,
+                              "f_divergence_type": f_divergence_type,
+                              "f_alpha_divergence_coef": f_alpha_divergence_coef}
+        self.loss_types, self.loss_weights = _validate_losses(loss_type, loss_weights, self._loss_options)
+        if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
+            raise ValueError(f"`DPOModule(ld_alpha={ld_alpha})` is invalid: use a weight in [0, 1] or None.")
+        if not 0.0 <= ref_model_mixup_alpha <= 1.0 or ref_model_sync_steps < 1:
+            raise ValueError(f"`DPOModule(ref_model_mixup_alpha={ref_model_mixup_alpha}, ref_model_sync_steps="
+                             f"{ref_model_sync_steps})` is invalid: alpha must be in [0, 1] and the period >= 1.")
+        if sync_ref_model and precompute_ref_log_probs:
+            raise ValueError("`DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference "
+                             "that keeps changing cannot be precomputed. Turn one of them off.")
+        if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
+            raise ValueError(f"`precompute_ref_batch_size={precompute_ref_batch_size}` is invalid: use >= 1 or None.")
+        if reference is self.model:
+            raise ValueError("`DPOModule(ref_model=...)` is the policy object itself: pass a separate model, or None "
+                             "for a frozen copy.")
+        if disable_dropout:
+            disable_dropout_in_model(self.model)
+        self.ref_model = self._build_reference(reference, precompute_ref_log_probs, trust_remote_code)
+        if self.ref_model is not None and disable_dropout:
+            disable_dropout_in_model(self.ref_model)
+        self.val_metrics = torch.nn.ModuleDict({_slug(n): MeanMetric() for n in ("loss", *METRIC_NAMES)})
+        self._precomputed = _ref_logps.PrecomputedReference(ld_alpha, precompute_ref_batch_size, ref_logps_cache_dir)
+        self._sync_params: tuple[list[Tensor], list[Tensor]] | None = None
+
+    def _build_reference(self, reference: Any, precompute: bool, trust_remote_code: bool) -> torch.nn.Module | None:
+        if reference is None:
+            return None if precompute else frozen_copy(self.model)
+        if isinstance(reference, str):
+            reference = load_model(reference, trust_remote_code=trust_remote_code)
+        reference.eval()
+        return reference.requires_grad_(False)
+
+    # --------------------------------------------------------------------------------------------- forward and loss
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
+        """Run the policy (logits only; the loss is computed by the module)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+    def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
+        """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+        token_logps, mask = per_token_logps(logits, labels)
+        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
+        logits_mean = logits[:, :-1].detach().mean(-1).float() if stats else None
+        return Scores(seq, token_logps, mask, logits_mean)
+
+    def _reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
+        if REF_CHOSEN_KEY in batch:
+            return torch.cat([batch[REF_CHOSEN_KEY], batch[REF_REJECTED_KEY]]).to(self.device, torch.float32)
+        if self.ref_model is None:
+            raise ValueError("This batch carries no `ref_chosen_logps`/`ref_rejected_logps` and the reference model "
+                             "has been released (precompute_ref_log_probs=True): feed batches from the "
+                             "PreferenceDataModule the log-probs were precomputed for.")
+        with torch.no_grad():
+            return self.score(self.ref_model, batch).seq
+
+    def pair_losses(self, scores: Scores, ref: Tensor, completion_mask: Tensor) -> Tensor:
+        """``(B,)`` per-pair ``Σ_k w_k ℓ^{(k)}``: pair losses plus the per-pair ``sft`` term."""
+        pairs, pi = ref.numel() // 2, scores.seq
+        lengths = completion_mask.sum(-1)  # unshifted completion token counts (ipo, sigmoid_norm)
+        total = pi.new_zeros(pairs)
+        for name, weight in zip(self.loss_types, self.loss_weights):
+            if name == "sft":
+                term = -scores.token_logps[:pairs].sum(-1) / scores.mask[:pairs].sum(-1).clamp(min=1)
+            else:
+                term = dpo_loss(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], loss_type=name,
+                                chosen_lengths=lengths[:pairs], rejected_lengths=lengths[pairs:], **self._loss_options)
+            total = total + weight * term
+        return total
+
+    def _metrics(self, scores: Scores, ref: Tensor) -> dict[str, Tensor]:
+        pairs, pi = ref.numel() // 2, scores.seq
+        metrics = dpo_rewards_metrics(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], self._loss_options["beta"])
+        mask = scores.mask.float()
+        weighted = scores.logits_mean * mask
+        metrics["logits/chosen"] = weighted[:pairs].sum() / mask[:pairs].sum().clamp(min=1)
+        metrics["logits/rejected"] = weighted[pairs:].sum() / mask[pairs:].sum().clamp(min=1)
+        return metrics
+
+    @override
+    def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+        scores = self.score(self.model, batch, stats=True)
+        ref = self._reference_logps(batch)
+        losses = self.pair_losses(scores, ref, batch["completion_mask"])
+        loss = losses.sum() / num_items_in_batch if num_items_in_batch is not None else losses.mean()
+        return loss, self._metrics(scores, ref)
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        scores = self.score(self.model, batch, stats=True)
+        ref = self._reference_logps(batch)
+        losses = self.pair_losses(scores, ref, batch["completion_mask"])
+        pairs = losses.numel()
+        self.val_metrics[_slug("loss")].update(losses.mean(), weight=pairs)
+        for name, value in self._metrics(scores, ref).items():
+            self.val_metrics[_slug(name)].update(value, weight=pairs)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        values = {f"val_{name}": self.val_metrics[_slug(name)].compute() for name in ("loss", *METRIC_NAMES)
+                  if self.val_metrics[_slug(name)].update_called}
+        for metric in self.val_metrics.values():
+            metric.reset()
+        if values:
+            self.log_dict(values, prog_bar=False)
+
+    # ------------------------------------------------------------------------------------------ reference model
+    @override
+    def train(self, mode: bool = True) -> DPOModule:
+        """Set the policy's mode; the reference model always stays in eval mode."""
+        super().train(mode)
+        if self.ref_model is not None:
+            self.ref_model.eval()
+        return self
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        step = self.trainer.global_step + 1  # Lightning counts this step once the hook returns
+        if self.hparams.sync_ref_model and step % self.hparams.ref_model_sync_steps == 0:
+            self.sync_reference_model()  # before any callback's on_train_batch_end: checkpoints see the synced ref
+
+    @torch.no_grad()
+    def sync_reference_model(self, alpha: float | None = None) -> None:
+        """TR-DPO (reference 1.8): ``θ_ref ← (1−α)θ_ref + αθ_policy`` for every parameter; buffers untouched.
+
+        Raises:
+            ValueError: without a reference model, or when its parameter names do not mirror the policy's.
+        """
+        if self.ref_model is None:
+            raise ValueError("`sync_reference_model` needs a reference model, but it has been released.")
+        if self._sync_params is None:
+            policy, ref = dict(self.model.named_parameters()), dict(self.ref_model.named_parameters())
+            if policy.keys() != ref.keys():
+                raise ValueError(f"The reference model's parameters do not mirror the policy's (e.g. "
+                                 f"{sorted(policy.keys() ^ ref.keys())[:3]}): TR-DPO mixes them by name.")
+            self._sync_params = ([ref[n] for n in policy], [policy[n].detach() for n in policy])
+        alpha = self.hparams.ref_model_mixup_alpha if alpha is None else alpha
+        ref_params, policy_params = self._sync_params
+        torch._foreach_mul_(ref_params, 1.0 - alpha)
+        torch._foreach_add_(ref_params, policy_params, alpha=alpha)
+
+    @override
+    def setup(self, stage: str) -> None:
+        strategy = type(self.trainer.strategy).__name__
+        if strategy not in _SUPPORTED_STRATEGIES:
+            raise ValueError(f"DPOModule runs on one device or under DDP; {strategy} is not supported: the frozen "
+                             "reference, TR-DPO and the precompute pass need unsharded weights. Use strategy='ddp'.")
+
+    @override
+    def on_fit_start(self) -> None:
+        self._sync_params = None
+        if self.hparams.precompute_ref_log_probs:
+            self.precompute_reference_logps(("train", "validation"))
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.hparams.precompute_ref_log_probs and self.trainer.state.fn == TrainerFn.VALIDATING:
+            self.precompute_reference_logps(("validation",), release=False)  # a later fit still needs the reference
+
+    # ------------------------------------------------------------------------------ precomputed reference log-probs
+    def precompute_reference_logps(self, splits: tuple[str, ...], release: bool = True) -> None:
+        """Score ``splits`` of the trainer's data module with the reference once, store them, free the reference.
+
+        Args:
+            splits: ``"train"`` and/or ``"validation"`` (a split without data is skipped).
+            release: free the reference model afterwards (``fit`` does; a ``validate`` before fitting does not).
+
+        Raises:
+            ValueError: without a data module that can store them, or when the reference is gone (released, or the
+                policy has been trained) and the data has none yet.
+        """
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if not hasattr(datamodule, "set_reference_logps"):
+            raise ValueError("`DPOModule(precompute_ref_log_probs=True)` stores the reference log-probs with the "
+                             "dataset: train with `datamodule=PreferenceDataModule(...)`.")
+        self._precomputed.ensure(self, datamodule, splits)
+        if release:
+            self._release_reference()
+
+    def _release_reference(self) -> None:
+        self._precomputed.released = True
+        if self.ref_model is not None:
+            self.ref_model = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            rank_zero_info("[lit_trainer] DPO: reference log-probs precomputed; the reference model was freed.")
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._precomputed.entries:
+            checkpoint[_ref_logps.CKPT_KEY] = self._precomputed.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the precomputed log-probs; reconcile ``ref_model.*`` weights saved before/after the release."""
+        self._precomputed.load_state_dict(checkpoint.get(_ref_logps.CKPT_KEY, {}))
+        state = checkpoint.get("state_dict", {})
+        saved = [k for k in state if k.startswith("ref_model.")]
+        if self.ref_model is None:
+            for name in saved:
+                del state[name]
+        elif not saved:
+            state.update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
+
+
+def _slug(name: str) -> str:
+    return name.replace("/", "__")

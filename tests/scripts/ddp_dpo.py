@@ -1,0 +1,57 @@
+"""DPOModule on 2 CPU ranks (gloo): a live-reference run and a precomputed-reference run with the same seed.
+
+21 training pairs (uneven shards for the precompute pass: 11 + 10 rows), 5 validation pairs, batch 4, 3 steps.
+Usage: python ddp_dpo.py OUT_DIR  (writes OUT_DIR/rank{0,1}.json, checked by
+tests/test_dpo_module.py::test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from transformers import ByT5Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import tiny_llama  # noqa: E402
+
+from lit_trainer.data import builtin  # noqa: E402
+from lit_trainer.data.preference import PreferenceDataModule  # noqa: E402
+from lit_trainer.modules.dpo import DPOModule  # noqa: E402
+
+TRAIN, VALIDATION = 21, 5
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+def datamodule() -> PreferenceDataModule:
+    return PreferenceDataModule(tokenizer=ByT5Tokenizer(),
+                                dataset=builtin.preference_rows("train").select(range(TRAIN)),
+                                validation_dataset=builtin.preference_rows("validation").select(range(VALIDATION)),
+                                batch_size=4, eval_batch_size=2, max_length=32)
+
+
+if __name__ == "__main__":
+    out, result = Path(sys.argv[1]), {}
+    for name, precompute in (("live", False), ("precomputed", True)):
+        pl.seed_everything(0)
+        module = DPOModule(tiny_llama(0), learning_rate=1e-3, beta=0.1, precompute_ref_log_probs=precompute)
+        dm, losses = datamodule(), Losses()
+        trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[losses], val_check_interval=3, check_val_every_n_epoch=None,
+                             num_sanity_val_steps=0)
+        trainer.fit(module, datamodule=dm)
+        result[name] = {"losses": losses.values, "ref_model_freed": module.ref_model is None,
+                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+        if precompute:
+            result["ref_columns"] = {split: [list(ds["ref_chosen_logps"]), list(ds["ref_rejected_logps"])]
+                                     for split, ds in (("train", dm.train_dataset), ("validation", dm.val_dataset))}
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
