@@ -20,6 +20,16 @@ def _padded(seqs: Sequence[Sequence[int]], pad_value: int, width: int, left: boo
     return torch.from_numpy(out)
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def pad_right(seqs: Sequence[Sequence[int]], pad_value: int, multiple_of: int | None = None) -> torch.Tensor:
     """Stack sequences into ``(B, T)`` padded on the right (``T`` rounded up to ``multiple_of`` when given)."""
     width = max((len(s) for s in seqs), default=0)

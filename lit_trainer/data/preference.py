@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -29,7 +28,7 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
-from lit_trainer.data.collate import pad_right
+from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.sources import describe_columns
 
@@ -38,16 +37,6 @@ REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:]}
 _DOUBLE_EOS_WARNING = r"This sequence already has"  # ByT5's notice when the text already ends with "</s>"
-
-
-def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the longest common prefix of two sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list, str | list, str | list]:

@@ -11,18 +11,9 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
-from lit_trainer.data.collate import SFTCollator
+from lit_trainer.data.collate import SFTCollator, common_prefix_len
 from lit_trainer.data.sources import describe_columns
 from lit_trainer.losses.causal_lm import count_target_tokens
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class SFTDataModule(BaseDataModule):
@@ -84,7 +75,7 @@ class SFTDataModule(BaseDataModule):
             prompts = batch[hp.prompt_column]
             full = tok([p + c for p, c in zip(prompts, batch[hp.completion_column])])["input_ids"]
             prompt_ids = tok(prompts)["input_ids"]
-            prompt_lengths = [_common_prefix(p, f) for p, f in zip(prompt_ids, full)]
+            prompt_lengths = [common_prefix_len(p, f) for p, f in zip(prompt_ids, full)]
         out: dict[str, list] = {"input_ids": [], "prompt_length": [], "length": [], "truncated": []}
         for ids, plen in zip(full, prompt_lengths):
             if eos is not None and (not ids or ids[-1] != eos):
