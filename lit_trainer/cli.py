@@ -23,7 +23,7 @@ from typing import Any
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_trainer.callbacks.resume import resolve_resume
+from lit_trainer.callbacks.checkpoint_resolution import resolve_resume
 
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule

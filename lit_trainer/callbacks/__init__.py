@@ -1,12 +1,13 @@
 """Lightning callbacks that work on any LightningModule."""
 
 from lit_trainer.callbacks.bema import BEMA
+from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_resume_checkpoint
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.hf_export import HFExport
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.callbacks.neftune import NEFTune
-from lit_trainer.callbacks.resume import ExactResume, resolve_resume, resolve_resume_checkpoint
+from lit_trainer.callbacks.resume import ExactResume
 
 __all__ = [
     "BEMA",

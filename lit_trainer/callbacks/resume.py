@@ -1,4 +1,4 @@
-"""Bit-exact resume: per-rank RNG states in the checkpoint, and choosing which checkpoint to resume from.
+"""Bit-exact resume: per-rank RNG states in the checkpoint (checkpoint choice: :mod:`.checkpoint_resolution`).
 
 Lightning restores weights, optimizer, scheduler, loop counters, callback state and a stateful loader's position,
 but not the random number generators (reference/lightning.md 1.8, probe c): :class:`ExactResume` adds them, per
@@ -9,25 +9,26 @@ rank. :func:`resolve_resume_checkpoint` picks the newest *complete* checkpoint o
 
 from __future__ import annotations
 
-import os
 import random
-import zipfile
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, Checkpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-SENTINEL_NAME = "checkpoint-is-incomplete.txt"
-_TARGET_PREFIX = "target: "
-_PathLike = str | os.PathLike
+from lit_trainer.callbacks.checkpoint_resolution import (  # noqa: F401 (re-exported)
+    SENTINEL_NAME,
+    implicit_resume_sources,
+    resolve_resume,
+    resolve_resume_checkpoint,
+    sentinel_target,
+    write_sentinel,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -230,181 +231,3 @@ class _ExactResumeTail(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.owner._in_fit_validation():
             restore_rng(self.owner._before_validation, self.owner._device)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Sentinel protocol and the choice of a complete checkpoint
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def write_sentinel(dirpath: _PathLike, target_name: str, step: int) -> Path:
-    """Mark ``dirpath/target_name`` as being written: ``dirpath/checkpoint-is-incomplete.txt`` names it.
-
-    Args:
-        dirpath: the checkpoint folder.
-        target_name: the file (or folder) name the checkpoint will have once complete.
-        step: the global step being saved (for people reading the file).
-
-    Returns:
-        The sentinel's path.
-    """
-    sentinel = Path(dirpath) / SENTINEL_NAME
-    sentinel.write_text(f"Checkpoint started at step {step} and in progress...\n{_TARGET_PREFIX}{target_name}\n")
-    return sentinel
-
-
-def sentinel_target(dirpath: _PathLike) -> str | None:
-    """The checkpoint name an interrupted save left in ``dirpath``'s sentinel (``None``: no sentinel or unreadable)."""
-    sentinel = Path(dirpath) / SENTINEL_NAME
-    try:
-        lines = sentinel.read_text().splitlines()
-    except OSError:
-        return None
-    return next((line[len(_TARGET_PREFIX):] for line in lines if line.startswith(_TARGET_PREFIX)), None)
-
-
-def _incomplete_reason(path: Path, pending: str | None) -> str | None:
-    """Why ``path`` is not a usable checkpoint, or ``None`` when it is complete."""
-    if path.name == pending:
-        return f"its save was interrupted ({path.parent / SENTINEL_NAME} names it)"
-    if path.is_dir():
-        return f"its save was interrupted ({path / SENTINEL_NAME} is present)" if (path / SENTINEL_NAME).exists() else None
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no central directory
-        return "it is truncated or not a torch checkpoint"
-    return None
-
-
-def _checkpoints_in(dirpath: Path) -> list[Path]:
-    if not dirpath.is_dir():
-        return []
-    return [p for p in dirpath.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
-
-
-def resolve_resume_checkpoint(dirpath: _PathLike | Sequence[_PathLike]) -> str | None:
-    """The newest complete ``*.ckpt`` (file, or folder of a sharded checkpoint) in one or more folders.
-
-    "Newest" is the latest modification time (as Lightning's ``ckpt_path="last"``), ties broken by name.
-    Skipped, each with a warning that names it: the checkpoint named by a folder's
-    ``checkpoint-is-incomplete.txt`` (a save that did not finish), a checkpoint folder holding that sentinel, and a
-    file that is not a complete zip archive (truncated). Hidden names (``.x.ckpt.partial``) are never candidates.
-
-    Args:
-        dirpath: a folder or a list of folders; missing folders are fine.
-
-    Returns:
-        The path as a string, or ``None`` when no complete checkpoint exists.
-
-    Example:
-        >>> resolve_resume_checkpoint("/nonexistent") is None
-        True
-    """
-    folders = [Path(dirpath)] if isinstance(dirpath, (str, os.PathLike)) else [Path(d) for d in dirpath]
-    complete: list[Path] = []
-    for folder in folders:
-        pending = sentinel_target(folder)
-        candidates = _checkpoints_in(folder)
-        if pending is not None and (folder / pending) not in candidates:  # the usual case: only a partial exists
-            candidates.append(folder / pending)
-        for path in candidates:
-            reason = _incomplete_reason(path, pending)
-            if reason is None:
-                complete.append(path)
-            else:
-                rank_zero_warn(f"Not resuming from the incomplete checkpoint {path}: {reason}.")
-    if not complete:
-        return None
-    return str(max(complete, key=lambda p: (p.stat().st_mtime_ns, p.name)))
-
-
-def implicit_resume_sources(trainer: pl.Trainer) -> list[str]:
-    """Existing files that ``trainer.fit(ckpt_path=None)`` would silently load (reference/lightning.md 1.3, 1.5).
-
-    Lightning turns ``None`` into ``"last"`` when an ``OnExceptionCheckpoint`` is configured: it then loads the
-    newest of that callback's file and the ``last*.ckpt`` files of the ``ModelCheckpoint`` folders. Under SLURM it
-    turns ``None`` into ``"hpc"`` when ``<default_root_dir>/hpc_ckpt_*.ckpt`` exists.
-
-    Args:
-        trainer: the configured trainer (before ``fit``).
-
-    Returns:
-        The paths found (empty when ``ckpt_path=None`` means a fresh start).
-    """
-    found: list[Path] = []
-    if SLURMEnvironment.detect():
-        found += sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
-    on_exception = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
-    if on_exception:
-        found += [Path(cb.ckpt_path) for cb in on_exception if Path(cb.ckpt_path).exists()]
-        folders = {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
-        folders.add(Path(trainer.default_root_dir) / "checkpoints")
-        found += [p for folder in sorted(folders) for p in sorted(folder.glob("last*.ckpt"))]
-    return [str(p) for p in found]
-
-
-def _fresh_start(trainer: pl.Trainer | None, resume: str) -> None:
-    sources = implicit_resume_sources(trainer) if trainer is not None else []
-    if sources:
-        raise ValueError(
-            f"`resume={resume!r}` asks for a fresh start, but Lightning would silently resume from {sources[0]} "
-            "(`fit(ckpt_path=None)` becomes 'last' with an OnExceptionCheckpoint, or 'hpc' under SLURM). Use a new "
-            "run folder, delete that file, pass `resume='auto'` or its path to continue that run, or remove "
-            "the OnExceptionCheckpoint callback (JITCheckpoint covers preemption)."
-        )
-
-
-def _never(resume: str, dirpath: _PathLike | Sequence[_PathLike], trainer: pl.Trainer | None) -> None:
-    _fresh_start(trainer, resume)
-
-
-def _newest(resume: str, dirpath: _PathLike | Sequence[_PathLike], trainer: pl.Trainer | None) -> str | None:
-    found = resolve_resume_checkpoint(dirpath)
-    if found is None:
-        rank_zero_info(f"`resume={resume!r}`: no complete checkpoint in {dirpath}; starting a fresh run.")
-        _fresh_start(trainer, resume)
-    return found
-
-
-_POLICIES = {"never": _never, "auto": _newest, "last": _newest}
-
-
-def resolve_resume(
-    resume: str | os.PathLike | None, dirpath: _PathLike | Sequence[_PathLike], trainer: pl.Trainer | None = None
-) -> str | None:
-    """Turn the CLI's ``resume`` option (``"never"`` | ``"auto"`` | a path) into ``trainer.fit``'s ``ckpt_path``.
-
-    Args:
-        resume: ``"never"`` (or ``None``): a fresh run; ``"auto"`` (or ``"last"``): the newest complete checkpoint
-            in ``dirpath``, else a fresh run; anything else: the path of a checkpoint to resume from.
-        dirpath: the run's checkpoint folder(s) (e.g. ``JITCheckpoint``'s and ``ModelCheckpoint``'s ``dirpath``).
-        trainer: the configured trainer; when given, a fresh start that Lightning would turn into a silent resume
-            (see :func:`implicit_resume_sources`) raises instead.
-
-    Returns:
-        A checkpoint path, or ``None`` for a fresh start.
-
-    Raises:
-        ValueError: for a fresh start that Lightning would turn into a resume; for a path that does not exist or
-            is incomplete.
-
-    Example:
-        >>> resolve_resume("never", "/nonexistent") is None
-        True
-    """
-    key = "never" if resume is None else str(resume)
-    if key in _POLICIES:
-        return _POLICIES[key](key, dirpath, trainer)
-    return _checked_path(Path(key))
-
-
-def _checked_path(path: Path) -> str:
-    if not path.exists():
-        raise ValueError(
-            f"`resume={str(path)!r}` is invalid: no such checkpoint. Pass an existing checkpoint path, 'auto' "
-            "(the newest complete checkpoint of the run) or 'never'."
-        )
-    reason = _incomplete_reason(path, sentinel_target(path.parent))
-    if reason is not None:
-        raise ValueError(
-            f"`resume={str(path)!r}` is invalid: {reason}. Pass 'auto' to use the newest complete checkpoint."
-        )
-    return str(path)
