@@ -14,48 +14,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_  # noqa: F401 (re-exported)
 from lit_trainer.callbacks.hf_export import export_hf
 
 _FORMAT = 1
 _HPARAMS = ("update_freq", "ema_power", "bias_power", "lag", "update_after", "multiplier", "min_ema_multiplier")
-
-
-def bema_coefficients(
-    step: int, *, lag: float, multiplier: float, ema_power: float, bias_power: float, min_ema_multiplier: float
-) -> tuple[float, float]:
-    """TRL 1.16's coefficients ``beta_t = max((lag + multiplier t)^-ema_power, min_ema_multiplier)`` and
-    ``alpha_t = (lag + multiplier t)^-bias_power``.
-
-    Args:
-        step: the 1-based absolute optimizer step ``t``; the other arguments are :class:`BEMA`'s.
-
-    Returns:
-        ``(beta_t, alpha_t)``: the EMA weight of ``theta_t`` and the weight of the bias correction.
-    """
-    base = lag + multiplier * step
-    return max(base**-ema_power, min_ema_multiplier), base**-bias_power
-
-
-@torch.no_grad()
-def bema_update_(
-    ema: list[torch.Tensor], bema: list[torch.Tensor], theta0: list[torch.Tensor], params: list[torch.Tensor],
-    beta: float, alpha: float,
-) -> None:
-    """In place: ``ema <- (1-beta)*ema + beta*params``; ``bema <- ema + alpha*(params - theta0)``.
-
-    ``bema`` doubles as the staging buffer for ``params`` (which may live on another device), so an update needs no
-    memory beyond the three buffers: five fused ``torch._foreach_*`` calls, no per-parameter Python work.
-
-    Args:
-        ema, bema, theta0: the buffers, aligned with ``params``; ``ema`` and ``bema`` are overwritten.
-        params: the current weights ``theta_t``.
-        beta, alpha: from :func:`bema_coefficients`.
-    """
-    torch._foreach_copy_(bema, params)
-    torch._foreach_lerp_(ema, bema, beta)
-    torch._foreach_sub_(bema, theta0)
-    torch._foreach_mul_(bema, alpha)
-    torch._foreach_add_(bema, ema)
 
 
 def _is_int(v: Any) -> bool:
@@ -144,8 +107,7 @@ class BEMA(Callback):
         update_ref_model: copy the BEMA weights into ``pl_module.ref_model`` (names mapped by
             :func:`ref_model_name`) after step ``t`` when ``t >= ref_model_update_after`` and
             ``(t - ref_model_update_after) % ref_model_update_freq == 0``.
-        ref_model_update_freq: period of the reference-model refresh.
-        ref_model_update_after: first step of the reference-model refresh.
+        ref_model_update_freq: period, ref_model_update_after: first step of the reference-model refresh.
         evaluate_with_bema: run validation during fit with the BEMA weights (swapped in on validation start and
             out on validation end, on an exception and at teardown).
         apply_at_end: copy the BEMA weights into the module at train end.
