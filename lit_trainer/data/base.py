@@ -7,6 +7,7 @@ a batch (``_collate``) and what a loss item is (``count_items``). Everything els
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from typing_extensions import override
 from lit_trainer.data.batch_sampler import SAMPLING_CHOICES, Sampling, make_batch_sampler
 from lit_trainer.data.loader import EvalLoader, TrainLoader, validate_loader_options
 from lit_trainer.data.sources import any_to_str, load_rows, split_validation
+from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
 
 
@@ -136,6 +138,10 @@ class BaseDataModule(pl.LightningDataModule):
             return 1, 0, 1
         return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
 
+    def _step_windows(self) -> Callable[[], StepWindows] | None:
+        """The trainer's live optimizer-step windows, for the training loader's window counts."""
+        return partial(step_windows, self.trainer) if self.trainer is not None else None
+
     def lengths(self) -> list[int]:
         """Per-row lengths of the training data, from ``length_column_name`` (computed once at preprocessing).
 
@@ -159,7 +165,7 @@ class BaseDataModule(pl.LightningDataModule):
         )
         return TrainLoader(
             self.train_dataset, sampler, lambda rows: self._collate(rows, True), count_items=self.count_items,
-            accumulate_grad_batches=accumulate, seed=hp.seed, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
+            accumulate_grad_batches=accumulate, windows=self._step_windows(), seed=hp.seed, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
             persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
         )
 

@@ -11,8 +11,11 @@ in ``loops.fit_loop.state_dict.combined_loader`` and restored before the resumed
 Token-exact gradient accumulation needs the number of loss items of the whole optimizer step before the first
 micro-batch of that step runs backward (reference/hf_trainer.md 8). The loader therefore fetches the
 ``accumulate_grad_batches`` micro-batches of a window ahead (as the HF Trainer does) and attaches the window's local
-count to each of them as ``batch["num_items_in_batch"]`` (a 0-dim int64 tensor). Windows are aligned like
-Lightning's: micro-batches ``[0, N)``, ``[N, 2N)``, ... of the epoch, and a shorter last window.
+count to each of them as ``batch["num_items_in_batch"]`` (an int64 tensor: 0-dim, or one entry per count when
+``count_items`` returns several, e.g. DPO's pairs and chosen tokens). The windows are the ones Lightning steps on
+(:mod:`lit_trainer.data.windows`), read from the trainer when each window starts: ``accumulate_grad_batches`` as it
+is now (a ``GradientAccumulationScheduler`` changes it per epoch) and the epoch's length after
+``limit_train_batches``, so a window cut by the limit counts only the micro-batches that train.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
+
+from lit_trainer.data.windows import StepWindows
 
 NUM_ITEMS_KEY = "num_items_in_batch"
 
@@ -50,9 +55,12 @@ class TrainLoader:
         batch_sampler: a batch sampler following the protocol of :mod:`lit_trainer.data.batch_sampler`
             (rank-aware, ``set_epoch``, same length on every rank).
         collate_fn: turns a list of rows into a dict of tensors.
-        count_items: returns the number of loss items in a collated micro-batch (target tokens for SFT, pairs for
-            DPO). ``None`` disables the count.
-        accumulate_grad_batches: micro-batches per optimizer step (``Trainer.accumulate_grad_batches``).
+        count_items: returns the number of loss items in a collated micro-batch (target tokens for SFT), or a 1-D
+            tensor of several counts (DPO: pairs and chosen tokens). ``None`` disables the count.
+        accumulate_grad_batches: micro-batches per optimizer step, used only while no ``windows`` source is set.
+        windows: returns the trainer's current :class:`~lit_trainer.data.windows.StepWindows` (the data modules
+            pass ``partial(step_windows, trainer)``; a ``BaseModule`` sets it on a loader that has none when
+            training starts). Read at the start of every window.
         seed: base seed of the worker seeds (epoch ``e`` uses ``seed + e``), so no global RNG draw happens.
         num_workers: ``DataLoader`` workers.
         pin_memory: pin host memory.
@@ -74,6 +82,7 @@ class TrainLoader:
         *,
         count_items: Callable[[dict[str, Any]], int | torch.Tensor] | None = None,
         accumulate_grad_batches: int = 1,
+        windows: Callable[[], StepWindows] | None = None,
         seed: int = 0,
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -87,6 +96,7 @@ class TrainLoader:
         self.batch_sampler = batch_sampler
         self.count_items = count_items
         self.accumulate_grad_batches = accumulate_grad_batches
+        self.windows = windows
         self.seed = seed
         self.epoch = 0
         self._consumed = 0
@@ -123,20 +133,25 @@ class TrainLoader:
         self._generator.manual_seed(self.seed + self.epoch)
         self._consumed = self._skipper.skip
         batches = iter(self._inner)
-        window = self.accumulate_grad_batches
         while True:
-            # the first window after a mid-window resume is completed up to the next boundary
-            chunk = list(islice(batches, window - self._consumed % window))
+            # the window is read when it starts (after Lightning's epoch-start hooks); after a mid-window resume
+            # the first window is completed up to its end
+            _, stop = self._current_windows().bounds(self._consumed)
+            chunk = list(islice(batches, stop - self._consumed))
             if not chunk:
                 return
             if self.count_items is not None:
-                total = sum(int(self.count_items(batch)) for batch in chunk)
-                count = torch.tensor(total, dtype=torch.int64)
+                count = window_count([self.count_items(batch) for batch in chunk])
                 for batch in chunk:
                     batch[NUM_ITEMS_KEY] = count
             for batch in chunk:
                 self._consumed += 1
                 yield batch
+
+    def _current_windows(self) -> StepWindows:
+        if self.windows is not None:
+            return self.windows()
+        return StepWindows(self.accumulate_grad_batches)
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position"}``: the micro-batches of ``epoch`` already handed to the training loop."""
@@ -147,6 +162,11 @@ class TrainLoader:
         self.epoch = int(state["epoch"])
         self._skipper.skip = int(state["position"])
         self.batch_sampler.set_epoch(self.epoch)
+
+
+def window_count(counts: list[int | torch.Tensor]) -> torch.Tensor:
+    """Sum of per-micro-batch counts (scalars, or 1-D tensors of several counts) as an int64 tensor."""
+    return torch.stack([torch.as_tensor(c, dtype=torch.int64) for c in counts]).sum(0)
 
 
 def validate_loader_options(num_workers: int, persistent_workers: bool, prefetch_factor: int | None) -> None:

@@ -1,13 +1,16 @@
 """Shared base of the lit_trainer LightningModules: model loading, optimizer/scheduler wiring, token-exact
 gradient accumulation and step logging.
 
-Token-exact accumulation (DESIGN rule 1, reference/lightning.md 1.7, hf_trainer.md 8). Lightning divides every
-micro-batch loss by ``accumulate_grad_batches`` (N) and DDP averages gradients over the W ranks, so the optimizer sees
-the mean of per-micro-batch means. Our training loader attaches to every micro-batch the number of loss items of its
-whole accumulation window (``num_items_in_batch``); the first micro-batch of each window all-reduces it over ranks (one
-collective per optimizer step). A subclass returns ``sum(item losses) / global_count`` for its micro-batch, and the
-base returns that times ``N * W`` to Lightning, cancelling both divisions: the step's gradient is exactly the
-full-batch mean gradient, including a short last window (where Lightning still divides by N) and uneven lengths.
+Token-exact accumulation. Lightning divides every micro-batch loss by ``accumulate_grad_batches`` (N) and DDP
+averages gradients over the W ranks, so the optimizer sees the mean of per-micro-batch means. Our training loader
+attaches to every micro-batch the number of loss items of its whole optimizer step (``num_items_in_batch``), over the
+windows Lightning really steps on (:mod:`lit_trainer.data.windows`: a window cut by ``limit_train_batches``, the
+epoch's short last window, the current N of a ``GradientAccumulationScheduler``); the first micro-batch of each
+window all-reduces it over ranks (one collective per optimizer step). A subclass returns ``sum(item losses) /
+global_count`` for its micro-batch, and the base returns that times ``N * W`` to Lightning, cancelling both divisions:
+the step's gradient is exactly the full-batch mean gradient. A count may be a vector (DPO: pairs and chosen tokens).
+A normaliser known only at the window's last micro-batch (GRPO's completion tokens when a step spans generation
+rounds) goes through :meth:`BaseModule.rescale_step_gradients` instead. ``docs/exactness.md`` lists what is exact.
 
 Logging (reference/lightning.md 1.12). Lightning logs the last micro-batch's value; we keep device-side sums over the
 logging window (no per-step ``.item()``) and log, on the steps Lightning writes logs, the mean step loss of the
@@ -21,18 +24,21 @@ import copy
 import math
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lit_trainer.data.loader import NUM_ITEMS_KEY
+from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.rebalance import microbatch_cost
+from lit_trainer.data.windows import step_windows
 from lit_trainer.models import load_model, load_tokenizer
 
 SchedulerName = Literal["cosine", "linear", "constant"]
@@ -142,6 +148,9 @@ class BaseModule(pl.LightningModule):
         self._optimizer_fn = optimizer
         self._scheduler_fn = lr_scheduler
         self._window_items: Tensor | None = None
+        self._window_key: tuple[int, int] | None = None
+        self._step_loss: Tensor | float = 0.0
+        self._pending_rescale: Tensor | None = None
         self._warned_no_items = False
         self._last_global_step = 0
         self._reset_log_window()
@@ -151,33 +160,70 @@ class BaseModule(pl.LightningModule):
         """Return ``(loss, metrics)`` for one micro-batch.
 
         ``loss`` must be ``sum of item losses / num_items_in_batch`` when the count is given (the global count of the
-        accumulation window), or the micro-batch mean when it is None. ``metrics`` are detached 0-dim tensors,
-        averaged over the micro-steps of the logging window and over ranks.
+        optimizer step's micro-batches over all ranks: a 0-dim tensor, or one entry per count when the data module's
+        ``count_items`` returns several), or the micro-batch mean when it is None. ``metrics`` are detached 0-dim
+        tensors, averaged over the micro-steps of the logging window and over ranks.
         """
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------- accumulation core
-    def _global_num_items(self, local: Tensor | None, batch_idx: int) -> Tensor | None:
+    def step_window(self, batch_idx: int) -> tuple[int, int]:
+        """``(start, stop)`` epoch indices of the micro-batches of ``batch_idx``'s optimizer step (see
+        :mod:`lit_trainer.data.windows`)."""
+        return step_windows(self.trainer).bounds(batch_idx)
+
+    def _enter_window(self, batch_idx: int) -> bool:
+        """True on the first micro-batch this run trains of an optimizer step; resets the per-step state."""
+        key = (self.trainer.current_epoch, self.step_window(batch_idx)[0])
+        if key == self._window_key:
+            return False
+        self._window_key, self._step_loss = key, 0.0
+        return True
+
+    def _global_num_items(self, local: Tensor | None, new_window: bool) -> Tensor | None:
         if local is None:
             if not self._warned_no_items and self.trainer.accumulate_grad_batches * self.trainer.world_size > 1:
-                rank_zero_warn("[lit_trainer] The training batches carry no `num_items_in_batch` (not produced by a "
-                               "lit_trainer data module): falling back to per-micro-batch means, which is NOT "
-                               "token-exact under gradient accumulation or DDP.")
+                rank_zero_warn("[lit_trainer] The training batches carry no `num_items_in_batch`: each micro-batch is "
+                               "normalised by its own size, which is NOT token-exact under gradient accumulation or "
+                               "DDP. Train with a lit_trainer data module, or wrap your dataset in "
+                               "`lit_trainer.data.loader.TrainLoader(..., count_items=...)`.")
                 self._warned_no_items = True
             return None
-        if self._window_items is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+        if new_window or self._window_items is None:
             count = local.to(self.device, torch.float32)
             self._window_items = self.trainer.strategy.reduce(count, reduce_op="sum") if self.trainer.world_size > 1 else count
         return self._window_items
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        num_items = self._global_num_items(batch.pop(NUM_ITEMS_KEY, None), batch_idx)
+        new_window = self._enter_window(batch_idx)
+        num_items = self._global_num_items(batch.pop(NUM_ITEMS_KEY, None), new_window)
         loss, metrics = self.compute_loss(batch, num_items)
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
         contribution = loss if num_items is not None else loss / scale
         self._track(contribution.detach(), metrics, batch)
         return contribution * scale
+
+    def rescale_step_gradients(self, factor: Tensor) -> None:
+        """Multiply the optimizer step's accumulated gradients by ``factor`` right after this micro-batch's backward.
+
+        For a normaliser only known at a step's last micro-batch: its micro-batches divide by a provisional count
+        ``P``, and the last one calls this with ``P / exact count`` (the same factor on every rank). Gradients are
+        linear in the normaliser, so the step's gradient is then exact; hooks and clipping see the rescaled
+        gradients, and the logged step loss is rescaled the same way. Single-device and DDP strategies only (others
+        keep the gradients out of ``param.grad``).
+        """
+        self._pending_rescale = factor.detach()
+        self._log_loss = self._log_loss + (factor.detach() - 1.0) * self._step_loss
+
+    @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        super().backward(loss, *args, **kwargs)
+        if self._pending_rescale is not None:
+            factor, self._pending_rescale = self._pending_rescale, None
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
 
     # ------------------------------------------------------------------------------------------------- logging
     def _reset_log_window(self) -> None:
@@ -195,6 +241,7 @@ class BaseModule(pl.LightningModule):
 
     def _track(self, contribution: Tensor, metrics: dict[str, Tensor], batch: dict[str, Any]) -> None:
         self._log_loss = self._log_loss + contribution
+        self._step_loss = self._step_loss + contribution
         for key, value in metrics.items():
             self._log_metrics[key] = self._log_metrics.get(key, 0.0) + value.detach().float()
         self._log_micro_steps += 1
@@ -216,6 +263,16 @@ class BaseModule(pl.LightningModule):
         # the step counter may start above 0 (resume): a change of it marks an optimizer step
         self._last_global_step = self.trainer.global_step
         self._reset_log_window()
+        self._bind_train_loaders()
+
+    def _bind_train_loaders(self) -> None:
+        """Give a ``TrainLoader`` built without a window source (passed directly to ``fit``) the trainer's windows."""
+
+        def bind(loader: TrainLoader) -> None:
+            if loader.windows is None:
+                loader.windows = partial(step_windows, self.trainer)
+
+        apply_to_collection(self.trainer.train_dataloader, TrainLoader, bind)
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
