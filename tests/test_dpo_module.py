@@ -125,17 +125,19 @@ def test_loss_and_metrics_match_an_independent_implementation(tokenizer):
     batch = all_pairs(dm)
     with torch.no_grad():
         loss, metrics = module.compute_loss(dict(batch), None)
-        summed, _ = module.compute_loss(dict(batch), torch.tensor(16.0))
+        summed, _ = module.compute_loss(dict(batch), torch.tensor([16.0, 40.0]))  # step counts: pairs, chosen tokens
         pi, token, mask = independent_logps(policy, batch)
         rho = independent_logps(ref, batch)[0]
     n = batch["completion_mask"].sum(-1).float()  # unshifted completion lengths
     pc, pr, rc, rr = pi[:8], pi[8:], rho[:8], rho[8:]
     sigmoid = -F.logsigmoid(BETA * ((pc - rc) - (pr - rr)))
     ipo = ((pc - rc) / n[:8] - (pr - rr) / n[8:] - 1 / (2 * BETA)) ** 2
-    sft = -token[:8].sum(-1) / mask[:8].sum(-1)  # each pair's mean chosen-token NLL
-    per_pair = 1.0 * sigmoid + 0.5 * ipo + 2.0 * sft
-    torch.testing.assert_close(loss, per_pair.mean(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(summed, per_pair.sum() / 16, rtol=1e-5, atol=1e-6)  # Σ_i ℓ_i / global pair count
+    nll = -token[:8].sum()  # summed NLL of every chosen completion token
+    per_pair = 1.0 * sigmoid + 0.5 * ipo
+    # TRL's definition: sft is the token mean over ALL chosen completion tokens of the batch
+    torch.testing.assert_close(loss, per_pair.mean() + 2.0 * nll / mask[:8].sum(), rtol=1e-5, atol=1e-6)
+    # with step counts: Σ_i ℓ_i / global pairs + w · Σ chosen-token NLL / global chosen tokens
+    torch.testing.assert_close(summed, per_pair.sum() / 16 + 2.0 * nll / 40, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(metrics["rewards/chosen"], (BETA * (pc - rc)).mean(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(metrics["rewards/margins"], (BETA * (pc - rc - pr + rr)).mean(), rtol=1e-5, atol=1e-6)
     assert float(metrics["rewards/accuracies"]) == float(((pc - rc) > (pr - rr)).float().mean())
@@ -148,11 +150,12 @@ def test_loss_and_metrics_match_an_independent_implementation(tokenizer):
                             "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"}
 
 
-def _one_step_gradient(tokenizer, batch_size: int, accumulate: int) -> dict[str, torch.Tensor]:
-    module = DPOModule(tiny_llama(0), loss_type=["sigmoid", "sft", "ipo"], beta=BETA, learning_rate=1e-3)
+def _one_step_gradient(tokenizer, batch_size: int, accumulate: int, loss_type=("sigmoid", "sft", "ipo"),
+                       **kw) -> dict[str, torch.Tensor]:
+    module = DPOModule(tiny_llama(0), loss_type=list(loss_type), beta=BETA, learning_rate=1e-3)
     capture = GradCapture()
     dm = datamodule(tokenizer, Dataset.from_dict(UNEVEN), batch_size=batch_size, sampling="sequential")
-    trainer(1, [capture], accumulate_grad_batches=accumulate).fit(module, datamodule=dm)
+    trainer(1, [capture], accumulate_grad_batches=accumulate, **kw).fit(module, datamodule=dm)
     return capture.grads[0]
 
 
@@ -171,13 +174,39 @@ def test_gradient_accumulation_gives_the_full_batch_gradient(tokenizer):
         rho = independent_logps(ref, batch)[0]
     n = batch["completion_mask"].sum(-1).float()
     u = pi - rho
-    loss = (-F.logsigmoid(BETA * (u[:8] - u[8:])) - token[:8].sum(-1) / mask[:8].sum(-1)
-            + (u[:8] / n[:8] - u[8:] / n[8:] - 1 / (2 * BETA)) ** 2).mean()
+    loss = (-F.logsigmoid(BETA * (u[:8] - u[8:])) + (u[:8] / n[:8] - u[8:] / n[8:] - 1 / (2 * BETA)) ** 2).mean()
+    loss = loss - token[:8].sum() / mask[:8].sum()  # sft: token mean over all chosen tokens of the step
     loss.backward()
     independent = {n: p.grad for n, p in policy.named_parameters()}
     assert set(accumulated) == set(independent)  # only the policy receives gradients
     assert relative_error(accumulated, full) < 1e-5 and relative_error(halves, full) < 1e-5
     assert relative_error(accumulated, independent) < 1e-5
+
+
+def test_rpo_sft_term_is_the_token_mean_over_the_step_under_accumulation(tokenizer):
+    """RPO (``["sigmoid", "sft"]``): chosen completions of 1 to 22 tokens in micro-batches of 3, 3 and 2 pairs; the
+    step equals one full batch with TRL's sft term (mean NLL over every chosen token of the step)."""
+    dm = datamodule(tokenizer, Dataset.from_dict(UNEVEN))
+    dm.setup("fit")
+    batch = all_pairs(dm)
+    chosen = batch["completion_mask"][:8, 1:].sum(-1)
+    assert int(chosen.max()) > 5 * int(chosen.min())  # really uneven
+    policy, ref = tiny_llama(0), tiny_llama(0)
+    pi, token, mask = independent_logps(policy, batch)
+    with torch.no_grad():
+        rho = independent_logps(ref, batch)[0]
+    u = pi - rho
+    (-F.logsigmoid(BETA * (u[:8] - u[8:])).mean() - token[:8].sum() / mask[:8].sum()).backward()
+    independent = {n: p.grad for n, p in policy.named_parameters()}
+    accumulated = _one_step_gradient(tokenizer, 3, 3, ("sigmoid", "sft"))
+    assert relative_error(accumulated, independent) < 1e-5
+    # limit_train_batches=2 cuts the window: the step is the first 6 pairs only
+    cut = _one_step_gradient(tokenizer, 3, 3, ("sigmoid", "sft"), limit_train_batches=2)
+    policy.zero_grad()
+    pi, token, mask = independent_logps(policy, batch)
+    u = pi - rho
+    (-F.logsigmoid(BETA * (u[:6] - u[8:14])).mean() - token[:6].sum() / mask[:6].sum()).backward()
+    assert relative_error(cut, {n: p.grad for n, p in policy.named_parameters()}) < 1e-5
 
 
 def test_precompute_matches_live_reference_with_less_memory_and_a_keyed_cache(tokenizer, tmp_path, monkeypatch):

@@ -45,7 +45,8 @@ def test_explicit_standard_rows_tokenize_and_collate_to_2b_rows(tokenizer):
     assert batch["attention_mask"].tolist() == [[1] * 6 + [0, 0], [1] * 8, [1] * 6 + [0, 0], [1] * 8]
     assert batch["completion_mask"].tolist() == [[0] * 4 + [1, 1, 0, 0], [0] * 5 + [1] * 3,
                                                  [0] * 4 + [1, 1, 0, 0], [0] * 5 + [1] * 3]
-    assert int(batch[NUM_ITEMS_KEY]) == 2 and dm.count_items(batch) == 2  # PAIRS, not rows or tokens
+    # PAIRS (not rows), and the chosen completion tokens after the causal shift (the "sft" term's count): 2 + 3
+    assert batch[NUM_ITEMS_KEY].tolist() == [2, 5] and dm.count_items(batch).tolist() == [2, 5]
     assert "ref_chosen_logps" not in batch
 
 

@@ -126,7 +126,8 @@ class PreferenceDataModule(BaseDataModule):
     Rows are ``{"prompt", "chosen", "rejected"}`` (explicit prompt) or ``{"chosen", "rejected"}`` (implicit prompt,
     split off as the common prefix); each is standard (strings) or conversational (lists of ``{"role", "content"}``
     messages, rendered with ``tokenizer.chat_template``; optional ``tools`` and ``chat_template_kwargs`` columns are
-    forwarded). ``count_items`` is the number of PAIRS (DPO's loss is a per-pair mean). The ``length`` column holds
+    forwarded). ``count_items`` gives two counts: PAIRS (the pair losses are per-pair means) and chosen completion
+tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length`` column holds
     the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
     Counters in ``self.stats``: ``<split>_rows_truncated`` and ``<split>_rows_dropped_prompt_too_long``.
 
@@ -252,9 +253,11 @@ class PreferenceDataModule(BaseDataModule):
         return PreferenceCollator(self.pad_token_id, hp.max_length, hp.truncation_mode, hp.pad_to_multiple_of)(rows)
 
     @override
-    def count_items(self, batch: dict[str, torch.Tensor]) -> int:
-        """Pairs in the micro-batch (half its rows): DPO's loss is a per-pair mean."""
-        return batch["input_ids"].size(0) // 2
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[pairs, chosen completion tokens]`` of the micro-batch: pairs are half its rows (chosen rows first), the
+        tokens are the chosen rows' completion positions after the causal shift (the "sft" term's items)."""
+        pairs = batch["input_ids"].size(0) // 2
+        return torch.stack([torch.tensor(pairs), batch["completion_mask"][:pairs, 1:].sum()])
 
     # ------------------------------------------------------------------------- precomputed reference log-probs
     def split_dataset(self, split: str) -> Dataset | None:

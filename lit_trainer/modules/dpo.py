@@ -26,6 +26,7 @@ from lit_trainer.modules.base import BaseModule, frozen_copy
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = (*DPO_LOSS_TYPES, "sft")
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+_SFT_NLL = "sft_nll"
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")
 
@@ -81,17 +82,16 @@ class DPOModule(BaseModule):
     """Align a causal LM on preference pairs with DPO and its variants (TRL 1.16 ``DPOTrainer`` semantics).
 
     Each step runs chosen and rejected rows in ONE forward of 2B rows; per-sequence log-probs are sums of
-    ``per_token_logps`` over completion tokens (reference/trl.md 1.4). The loss is ``Σ_k w_k ℓ^{(k)}`` per pair
-    (:func:`~lit_trainer.losses.dpo_loss` for the pair types) summed over the micro-batch and divided by the global
-    PAIR count of the accumulation window, so accumulation and DDP give the full-batch gradient. Logged (window
+    ``per_token_logps`` over completion tokens. The pair terms ``Σ_k w_k ℓ^{(k)}``
+    (:func:`~lit_trainer.losses.dpo_loss`) are summed over the micro-batch and divided by the global PAIR count of
+    the optimizer step; the ``"sft"`` term (RPO's NLL) is, as in TRL, a token mean over the chosen completion tokens:
+    the summed NLL is divided by the global count of chosen tokens of the optimizer step (the second count the
+    :class:`~lit_trainer.data.preference.PreferenceDataModule` attaches). With one micro-batch on one device this is
+    TRL's loss; under accumulation and DDP it is the full-batch loss of the step, for every term. Logged (window
     means): ``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``, ``logits/{chosen,
-    rejected}``; validation logs the same with a ``val_`` prefix plus ``val_loss`` (pair-weighted over the set).
-
-    ``"sft"`` (RPO's NLL term) differs from the reference on purpose: TRL takes the token mean over all chosen
-    completion tokens of a micro-batch, which no per-pair normaliser reproduces under accumulation; here it is each
-    pair's mean chosen-token NLL, averaged over pairs like every other term (identical to TRL when the chosen
-    completions of a batch have equal length). ``aot``/``aot_unpaired`` sort within a micro-batch (as TRL), so they
-    are the only types whose accumulated gradient differs from a full batch.
+    rejected}``; validation logs the same with a ``val_`` prefix plus ``val_loss`` (pair terms averaged over the
+    set's pairs, ``sft`` over its chosen tokens). ``aot``/``aot_unpaired`` sort within a micro-batch (as TRL), so
+    they are the only types whose accumulated gradient differs from a full batch.
 
     The reference model is ``self.ref_model`` (parameter names mirror ``self.model``): eval mode, no gradients, not in
     the optimizer nor in clipping, saved in checkpoints, never trained. Unlike TRL (which reloads it from disk and
@@ -186,6 +186,7 @@ class DPOModule(BaseModule):
         if self.ref_model is not None and disable_dropout:
             disable_dropout_in_model(self.ref_model)
         self.val_metrics = torch.nn.ModuleDict({_slug(n): MeanMetric() for n in ("loss", *METRIC_NAMES)})
+        self.val_metrics[_SFT_NLL] = MeanMetric()
         self._precomputed = _ref_logps.PrecomputedReference(ld_alpha, precompute_ref_batch_size, ref_logps_cache_dir)
         self._sync_params: tuple[list[Tensor], list[Tensor]] | None = None
 
@@ -222,18 +223,45 @@ class DPOModule(BaseModule):
             return self.score(self.ref_model, batch).seq
 
     def pair_losses(self, scores: Scores, ref: Tensor, completion_mask: Tensor) -> Tensor:
-        """``(B,)`` per-pair ``Σ_k w_k ℓ^{(k)}``: pair losses plus the per-pair ``sft`` term."""
+        """``(B,)`` per-pair ``Σ_k w_k ℓ^{(k)}`` over the pair loss types (the token-level ``sft`` term excluded)."""
         pairs, pi = ref.numel() // 2, scores.seq
         lengths = completion_mask.sum(-1)  # unshifted completion token counts (ipo, sigmoid_norm)
         total = pi.new_zeros(pairs)
         for name, weight in zip(self.loss_types, self.loss_weights):
-            if name == "sft":
-                term = -scores.token_logps[:pairs].sum(-1) / scores.mask[:pairs].sum(-1).clamp(min=1)
-            else:
+            if name != "sft":
                 term = dpo_loss(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], loss_type=name,
                                 chosen_lengths=lengths[:pairs], rejected_lengths=lengths[pairs:], **self._loss_options)
-            total = total + weight * term
+                total = total + weight * term
         return total
+
+    @property
+    def sft_weight(self) -> float:
+        """Total weight of the ``"sft"`` term (0 when it is not selected)."""
+        return sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
+
+    @staticmethod
+    def chosen_nll(scores: Scores) -> tuple[Tensor, Tensor]:
+        """Summed negative log-likelihood of the chosen completion tokens, and their count (the ``sft`` term)."""
+        pairs = scores.seq.numel() // 2
+        return -scores.token_logps[:pairs].sum(), scores.mask[:pairs].sum()
+
+    def _total_loss(self, scores: Scores, ref: Tensor, batch: dict[str, Any], counts: Tensor | None) -> Tensor:
+        """Pair terms / pairs + w_sft · chosen NLL / chosen tokens, with the step's global counts when given."""
+        losses = self.pair_losses(scores, ref, batch["completion_mask"])
+        nll, tokens = self.chosen_nll(scores)
+        if counts is None:
+            pairs = losses.numel()
+        else:
+            counts = counts.reshape(-1)
+            if self.sft_weight and counts.numel() < 2:
+                raise ValueError("DPOModule(loss_type=[..., 'sft']) needs two counts per micro-batch (pairs, chosen "
+                                 "completion tokens) in `num_items_in_batch`: train with a PreferenceDataModule, or "
+                                 "make your loader's `count_items` return both.")
+            pairs, tokens = counts[0], counts[-1]
+        loss = losses.sum() / pairs
+        if self.sft_weight:
+            loss = loss + self.sft_weight * nll / torch.as_tensor(tokens).clamp(min=1)
+        return loss
 
     def _metrics(self, scores: Scores, ref: Tensor) -> dict[str, Tensor]:
         pairs, pi = ref.numel() // 2, scores.seq
@@ -249,9 +277,7 @@ class DPOModule(BaseModule):
                      ) -> tuple[Tensor, dict[str, Tensor]]:
         scores = self.score(self.model, batch, stats=True)
         ref = self._reference_logps(batch)
-        losses = self.pair_losses(scores, ref, batch["completion_mask"])
-        loss = losses.sum() / num_items_in_batch if num_items_in_batch is not None else losses.mean()
-        return loss, self._metrics(scores, ref)
+        return self._total_loss(scores, ref, batch, num_items_in_batch), self._metrics(scores, ref)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -260,6 +286,8 @@ class DPOModule(BaseModule):
         losses = self.pair_losses(scores, ref, batch["completion_mask"])
         pairs = losses.numel()
         self.val_metrics[_slug("loss")].update(losses.mean(), weight=pairs)
+        nll, tokens = self.chosen_nll(scores)
+        self.val_metrics[_SFT_NLL].update(nll / tokens.clamp(min=1), weight=tokens)
         for name, value in self._metrics(scores, ref).items():
             self.val_metrics[_slug(name)].update(value, weight=pairs)
 
@@ -267,6 +295,8 @@ class DPOModule(BaseModule):
     def on_validation_epoch_end(self) -> None:
         values = {f"val_{name}": self.val_metrics[_slug(name)].compute() for name in ("loss", *METRIC_NAMES)
                   if self.val_metrics[_slug(name)].update_called}
+        if "val_loss" in values and self.sft_weight:  # the sft term: mean NLL over the set's chosen tokens
+            values["val_loss"] = values["val_loss"] + self.sft_weight * self.val_metrics[_SFT_NLL].compute()
         for metric in self.val_metrics.values():
             metric.reset()
         if values:
