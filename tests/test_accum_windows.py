@@ -7,10 +7,10 @@ import csv
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
 from _accum_common import GradCapture, accum_datamodule, full_batch_gradient, relative_error
 from conftest import tiny_llama
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
 from lit_trainer.data.windows import StepWindows
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -55,7 +55,8 @@ def test_limit_train_batches_below_accumulate_is_exact_and_logs_the_full_batch_l
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         expected = float(causal_lm_loss(logits, batch["labels"]))
-    rows = [r for r in csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")) if r.get("train_loss")]
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train_loss")]
     assert len(rows) == 1
     assert float(rows[0]["train_loss"]) == pytest.approx(expected, rel=1e-5)
 

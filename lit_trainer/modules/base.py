@@ -42,6 +42,8 @@ from lit_trainer.data.windows import step_windows
 from lit_trainer.models import load_model, load_tokenizer
 
 SchedulerName = Literal["cosine", "linear", "constant"]
+# strategies whose gradients are plain ``param.grad`` tensors once ``backward`` returns
+GRAD_RESCALE_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _NO_DECAY = ("bias", "norm")
 
 
@@ -213,6 +215,10 @@ class BaseModule(pl.LightningModule):
         gradients, and the logged step loss is rescaled the same way. Single-device and DDP strategies only (others
         keep the gradients out of ``param.grad``).
         """
+        strategy = type(self.trainer.strategy).__name__
+        if strategy not in GRAD_RESCALE_STRATEGIES:
+            raise ValueError(f"A step normaliser known only at the step's end needs the gradients in `param.grad`; "
+                             f"{strategy} keeps them elsewhere. Use one of {GRAD_RESCALE_STRATEGIES}.")
         self._pending_rescale = factor.detach()
         self._log_loss = self._log_loss + (factor.detach() - 1.0) * self._step_loss
 

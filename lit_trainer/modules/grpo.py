@@ -9,11 +9,12 @@ computes old/reference log-probs only when needed, shuffles the rows with a seed
 
 Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
 ``dapo``/``cispo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
-after truncation masking: when ``steps_per_generation`` is a multiple of ``accumulate_grad_batches`` (the default
-makes them equal) the step's rows are all in the buffer, and the count is exact, so the step gradient equals the
-full-batch token-mean gradient on those rollouts. Otherwise (one step spans several generation rounds) the count is
-the reference's ``N * GA_cur / steps_per_generation`` with N the generation batch's tokens over all ranks. The other
-loss types are per-micro-batch means as in the reference, averaged over the window's micro-batches and the ranks.
+after truncation masking, so the step gradient equals the full-batch token-mean gradient on its rollouts for any
+``steps_per_generation`` and ``accumulate_grad_batches``: when the step's micro-batches are all in the buffer the
+count is exact from the start; when the step reaches into the next generation round, a provisional count is
+corrected at the step's last micro-batch (:mod:`lit_trainer.modules._grpo_normaliser`; the reference keeps its
+approximate ``N * GA_cur / steps_per_generation``). The other loss types are per-micro-batch means as in the
+reference, averaged over the step's micro-batches and the ranks.
 
 Randomness and resume. Sampling runs on the global RNG forked and seeded with a hash of ``(generation_seed, round,
 rank)``, and the buffer shuffle uses its own generator, so the training RNG stream is untouched and a resumed run
@@ -41,9 +42,10 @@ from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
 from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules import _rollout as rollout
+from lit_trainer.modules._grpo_normaliser import StepNormaliser
 from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
 from lit_trainer.modules._rollout_buffer import RolloutBuffer
-from lit_trainer.modules.base import BaseModule, frozen_copy
+from lit_trainer.modules.base import GRAD_RESCALE_STRATEGIES, BaseModule, frozen_copy
 from lit_trainer.rewards import call_reward_functions, reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
@@ -147,7 +149,7 @@ class GRPOModule(BaseModule):
         self.rollout_geometry: RolloutGeometry | None = None
         self._buffer: RolloutBuffer | None = None
         self._restored: dict[str, Any] | None = None
-        self._needs_old_logps = False
+        self._normaliser: StepNormaliser | None = None
         self._seed = generation_seed
         self.val_reward = MeanMetric(nan_strategy="ignore")
         self.val_reward_means = torch.nn.ModuleList(MeanMetric(nan_strategy="ignore") for _ in self.reward_funcs)
@@ -168,7 +170,13 @@ class GRPOModule(BaseModule):
                                                hp.generation_batch_size)
         self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
-        self._needs_old_logps = needs_old_logps(self.trainer.accumulate_grad_batches, spg, hp.num_iterations)
+        strategy = type(self.trainer.strategy).__name__
+        if hp.loss_type in _TOKEN_NORMALISED and spg % self.trainer.accumulate_grad_batches and (
+                strategy not in GRAD_RESCALE_STRATEGIES):
+            raise ValueError(f"GRPOModule(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
+                             f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} corrects the step's "
+                             f"gradient in `param.grad`, which {strategy} does not use: use strategy 'ddp', or make "
+                             "steps_per_generation a multiple of accumulate_grad_batches.")
 
     @override
     def on_fit_start(self) -> None:
@@ -204,33 +212,35 @@ class GRPOModule(BaseModule):
         batch.pop(NUM_ITEMS_KEY, None)
         if batch_idx == 0:
             self._buffer.end_round()  # an epoch always starts a round (even if the last one was cut short)
+        new_window = self._enter_window(batch_idx)
         if self._buffer.needs_refill:
             self._make_rollouts(batch)
         micro, slice_index = self._buffer.next()
-        num_items = self._num_items(slice_index, batch_idx)
+        start, stop = self.step_window(batch_idx)
+        num_items = self._num_items(slice_index, stop - batch_idx, new_window)
         loss, metrics = self.compute_loss(micro, num_items)
         world = self.trainer.world_size
-        contribution = loss if num_items is not None else loss / (self._window_length(batch_idx) * world)
+        contribution = loss if num_items is not None else loss / ((stop - start) * world)
         masks = {"prompt_attention_mask": micro["prompt_mask"], "completion_attention_mask": micro["completion_mask"]}
         self._track(contribution.detach(), {**metrics, **self._buffer.metrics}, masks)
+        step_ends = batch_idx + 1 == stop or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if num_items is not None and step_ends and (factor := self._normaliser.correction()) is not None:
+            self.rescale_step_gradients(factor)
         return contribution * self.trainer.accumulate_grad_batches * world
 
-    def _window_length(self, batch_idx: int) -> int:
-        """Micro-batches in this optimizer step: ``accumulate_grad_batches``, fewer in a short last window."""
-        accumulate, total = self.trainer.accumulate_grad_batches, self.trainer.num_training_batches
-        start = batch_idx - batch_idx % accumulate
-        return accumulate if total == float("inf") else max(1, min(accumulate, int(total) - start))
+    def _num_items(self, slice_index: int, remaining: int, new_window: bool) -> Tensor | None:
+        """The dapo/cispo normaliser of this micro-step (module docstring); None for per-micro-batch-mean types.
 
-    def _num_items(self, slice_index: int, batch_idx: int) -> Tensor | None:
-        """The dapo/cispo normaliser of this micro-step (module docstring); None for per-micro-batch-mean types."""
+        ``remaining``: micro-steps of the optimizer step from this one on (all of them on its first micro-step).
+        """
         if self.hparams.loss_type not in _TOKEN_NORMALISED:
             return None
-        tokens, accumulate = self._buffer.slice_tokens, self.trainer.accumulate_grad_batches
-        spg = self.rollout_geometry.steps_per_generation
-        if spg % accumulate == 0:
-            start = slice_index - slice_index % accumulate
-            return tokens[start : start + accumulate].sum()
-        return tokens.sum() * self._window_length(batch_idx) / spg
+        tokens = self._buffer.slice_tokens
+        if new_window or self._normaliser is None:
+            position = self._buffer.served - 1  # this micro-step's position in the round
+            self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
+        self._normaliser.add(tokens[slice_index])
+        return self._normaliser.provisional
 
     @override
     def compute_loss(
@@ -302,7 +312,9 @@ class GRPOModule(BaseModule):
             mask = mask * (~completions.truncated).unsqueeze(1).long()
         rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids,
                 "completion_mask": mask, "advantages": advantages}
-        if self._needs_old_logps:
+        # read per round: a GradientAccumulationScheduler may change accumulate_grad_batches at an epoch start
+        if needs_old_logps(self.trainer.accumulate_grad_batches, self.rollout_geometry.steps_per_generation,
+                           hp.num_iterations):
             rows["old_logps"] = self._chunked_logps(self.model, rows)
         if self.ref_model is not None:
             rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
