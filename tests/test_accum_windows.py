@@ -16,7 +16,7 @@ from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 
-def _fit(tokenizer, dm, callbacks=(), logger=False, **trainer_kwargs):
+def _fit(tokenizer, dm, callbacks=(), logger=False, loader=None, **trainer_kwargs):
     """lr = 0: the weights never move, so every step's reference gradient uses the initial model."""
     model = tiny_llama(seed=1)
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
@@ -24,7 +24,7 @@ def _fit(tokenizer, dm, callbacks=(), logger=False, **trainer_kwargs):
     trainer = pl.Trainer(callbacks=[capture, *callbacks], logger=logger, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, **trainer_kwargs)
-    trainer.fit(module, datamodule=dm)
+    trainer.fit(module, **({"train_dataloaders": loader} if loader is not None else {"datamodule": dm}))
     return model, capture.grads
 
 
@@ -84,3 +84,12 @@ def test_max_steps_stopping_mid_epoch_is_exact(tokenizer):
     dm.setup("fit")
     model, grads = _fit(tokenizer, dm, max_steps=2, accumulate_grad_batches=3)
     _check_steps(model, dm, grads, [[0, 1, 2], [3, 4, 5]])
+
+
+def test_a_train_loader_passed_to_fit_follows_the_trainer_windows(tokenizer):
+    dm = accum_datamodule(tokenizer)
+    dm.setup("fit")
+    loader = dm.train_dataloader()  # built outside a Trainer: no window source until the module binds it
+    assert loader.windows is None
+    model, grads = _fit(tokenizer, dm, loader=loader, max_steps=1, accumulate_grad_batches=4, limit_train_batches=2)
+    _check_steps(model, dm, grads, [[0, 1, 2, 3]])

@@ -17,12 +17,16 @@ from conftest import tiny_llama
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
 
 
-def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
+def _run(tmp_path, *args: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=env, timeout=900,
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), *args], env=env, timeout=900,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
+    ranks = _run(tmp_path)
     assert all(r["world"] == 2 for r in ranks)
     # each rank trained on 2 micro-batches of its own; together they are the 8 rows exactly once
     rows = [tuple(row[row != 0].tolist()) for r in ranks for batch in r["seen"] for row in batch]
@@ -46,3 +50,19 @@ def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
     row = [line for line in csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")) if line["cost_spread"]]
     assert len(row) == 1
     assert float(row[0]["cost_spread"]) == pytest.approx((max(costs) - min(costs)) / max(costs), rel=1e-5)
+
+
+def test_ddp_limit_train_batches_cutting_the_window_is_exact(tmp_path):
+    # accumulate 2 but limit_train_batches=1: each rank trains ONE micro-batch of 2 rows before the step
+    ranks = _run(tmp_path, "1")
+    assert [len(r["seen"]) for r in ranks] == [1, 1]
+    tokenizer = ByT5Tokenizer()
+    dm = accum_datamodule(tokenizer, batch_size=2)
+    dm.setup("fit")
+    rows = {tuple(dm.train_dataset[i]["input_ids"]): i for i in range(8)}
+    trained = [rows[tuple(row[row != 0].tolist())] for r in ranks for row in r["seen"][0]]
+    assert len(set(trained)) == 4
+    reference = full_batch_gradient(tiny_llama(seed=1), dm, trained)
+    for r in ranks:
+        assert len(r["grads"]) == 1
+        assert relative_error(r["grads"][0], reference) < 1e-5
