@@ -167,6 +167,7 @@ class DPOModule(BaseModule):
                               "f_divergence_type": f_divergence_type,
                               "f_alpha_divergence_coef": f_alpha_divergence_coef}
         self.loss_types, self.loss_weights = _validate_losses(loss_type, loss_weights, self._loss_options)
+        self.sft_weight = sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
         if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
             raise ValueError(f"`DPOModule(ld_alpha={ld_alpha})` is invalid: use a weight in [0, 1] or None.")
         if not 0.0 <= ref_model_mixup_alpha <= 1.0 or ref_model_sync_steps < 1:
@@ -234,11 +235,6 @@ class DPOModule(BaseModule):
                 total = total + weight * term
         return total
 
-    @property
-    def sft_weight(self) -> float:
-        """Total weight of the ``"sft"`` term (0 when it is not selected)."""
-        return sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
-
     @staticmethod
     def chosen_nll(scores: Scores) -> tuple[Tensor, Tensor]:
         """Summed negative log-likelihood of the chosen completion tokens, and their count (the ``sft`` term)."""
@@ -247,21 +243,15 @@ class DPOModule(BaseModule):
 
     def _total_loss(self, scores: Scores, ref: Tensor, batch: dict[str, Any], counts: Tensor | None) -> Tensor:
         """Pair terms / pairs + w_sft · chosen NLL / chosen tokens, with the step's global counts when given."""
-        losses = self.pair_losses(scores, ref, batch["completion_mask"])
-        nll, tokens = self.chosen_nll(scores)
-        if counts is None:
-            pairs = losses.numel()
-        else:
-            counts = counts.reshape(-1)
-            if self.sft_weight and counts.numel() < 2:
+        losses, (nll, tokens) = self.pair_losses(scores, ref, batch["completion_mask"]), self.chosen_nll(scores)
+        pairs = losses.numel() if counts is None else counts.reshape(-1)[0]
+        if counts is not None and self.sft_weight:
+            if counts.numel() < 2:
                 raise ValueError("DPOModule(loss_type=[..., 'sft']) needs two counts per micro-batch (pairs, chosen "
                                  "completion tokens) in `num_items_in_batch`: train with a PreferenceDataModule, or "
                                  "make your loader's `count_items` return both.")
-            pairs, tokens = counts[0], counts[-1]
-        loss = losses.sum() / pairs
-        if self.sft_weight:
-            loss = loss + self.sft_weight * nll / torch.as_tensor(tokens).clamp(min=1)
-        return loss
+            tokens = counts.reshape(-1)[1]
+        return losses.sum() / pairs + self.sft_weight * nll / tokens.clamp(min=1)
 
     def _metrics(self, scores: Scores, ref: Tensor) -> dict[str, Tensor]:
         pairs, pi = ref.numel() // 2, scores.seq
