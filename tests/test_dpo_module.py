@@ -126,6 +126,8 @@ def test_loss_and_metrics_match_an_independent_implementation(tokenizer):
     with torch.no_grad():
         loss, metrics = module.compute_loss(dict(batch), None)
         summed, _ = module.compute_loss(dict(batch), torch.tensor([16.0, 40.0]))  # step counts: pairs, chosen tokens
+        with pytest.raises(ValueError, match="needs two counts"):  # a pairs-only count cannot normalise "sft"
+            module.compute_loss(dict(batch), torch.tensor(16.0))
         pi, token, mask = independent_logps(policy, batch)
         rho = independent_logps(ref, batch)[0]
     n = batch["completion_mask"].sum(-1).float()  # unshifted completion lengths

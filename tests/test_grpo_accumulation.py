@@ -4,10 +4,13 @@ a multiple of accumulate_grad_batches)."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import lightning as L
+import pytest
 import torch
 from _accum_common import GradCapture, relative_error
+from lightning.pytorch.strategies import FSDPStrategy
 from test_grpo_module import QUIET, _independent_step_gradient, data, grpo, tiny_model
 
 
@@ -41,3 +44,11 @@ def test_dapo_step_spanning_two_generation_rounds_is_token_exact():
     for grads, micro in zip(capture.grads, (seen[0:2], seen[2:4])):
         expected = _independent_step_gradient(copy.deepcopy(initial), micro, "dapo", 0.8)
         assert relative_error(grads, expected) < 1e-5
+
+
+def test_a_step_correction_outside_param_grad_is_refused_at_setup():
+    module = grpo(loss_type="cispo", steps_per_generation=3)
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), accumulate_grad_batches=2, world_size=1,
+                                      datamodule=data(batch_size=4))
+    with pytest.raises(ValueError, match="steps_per_generation=3 not a multiple of accumulate_grad_batches=2"):
+        module.setup("fit")
