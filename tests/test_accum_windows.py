@@ -7,10 +7,12 @@ import csv
 import lightning.pytorch as pl
 import pytest
 import torch
-from _accum_common import GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from datasets import Dataset
+from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
 from conftest import tiny_llama
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
+from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.data.windows import StepWindows
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -22,8 +24,8 @@ def _fit(tokenizer, dm, callbacks=(), logger=False, loader=None, **trainer_kwarg
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
     capture = GradCapture()
     trainer = pl.Trainer(callbacks=[capture, *callbacks], logger=logger, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, **trainer_kwargs)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **trainer_kwargs})
     trainer.fit(module, **({"train_dataloaders": loader} if loader is not None else {"datamodule": dm}))
     return model, capture.grads
 
@@ -93,3 +95,22 @@ def test_a_train_loader_passed_to_fit_follows_the_trainer_windows(tokenizer):
     assert loader.windows is None
     model, grads = _fit(tokenizer, dm, loader=loader, max_steps=1, accumulate_grad_batches=4, limit_train_batches=2)
     _check_steps(model, dm, grads, [[0, 1, 2, 3]])
+
+
+def test_validation_inside_a_window_leaves_the_step_exact(tokenizer):
+    # val_check_interval counts micro-batches: validation runs after micro-batch 1, inside the 4-micro-batch window
+    dm = accum_datamodule(tokenizer)
+    dm.setup("fit")
+    with_val = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}),
+                             validation_dataset=Dataset.from_dict({"text": TEXTS[:3]}), batch_size=2, max_length=64,
+                             sampling="sequential")
+    validations = []
+
+    class Spy(pl.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            validations.append(trainer.global_step)
+
+    model, grads = _fit(tokenizer, with_val, [Spy()], max_steps=1, accumulate_grad_batches=4, val_check_interval=2,
+                        limit_val_batches=None, check_val_every_n_epoch=None)
+    assert validations[:1] == [0]  # before the first optimizer step, i.e. inside its window
+    _check_steps(model, dm, grads, [[0, 1, 2, 3, 4, 5, 6, 7]])
