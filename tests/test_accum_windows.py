@@ -41,6 +41,7 @@ def test_window_rule():
     assert [StepWindows(4, 6).bounds(i) for i in (0, 3, 4, 5)] == [(0, 4), (0, 4), (4, 6), (4, 6)]
     assert StepWindows(3).bounds(4) == (3, 6)  # unknown length: the loader's end closes the window
     assert StepWindows(2, 4).length(3) == 2 and StepWindows(3, 4).length(3) == 1
+    assert StepWindows(4, 2).bounds(2) == (0, 2)  # past the limit: nothing more to fetch
     with pytest.raises(ValueError, match="accumulate_grad_batches=0"):
         StepWindows(0, 4)
 

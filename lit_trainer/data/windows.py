@@ -41,12 +41,15 @@ class StepWindows:
             raise ValueError(f"`accumulate_grad_batches={self.accumulate}` is invalid: it must be >= 1.")
 
     def bounds(self, index: int) -> tuple[int, int]:
-        """``(start, stop)`` micro-batch indices of the optimizer step that micro-batch ``index`` belongs to."""
+        """``(start, stop)`` micro-batch indices of the optimizer step that micro-batch ``index`` belongs to.
+
+        An ``index`` at or past the epoch's end gets an empty window (``stop <= index``): the epoch is over.
+        """
         start = index - index % self.accumulate
         stop = start + self.accumulate
         if self.epoch_length != float("inf"):
             stop = min(stop, int(self.epoch_length))
-        return start, max(stop, index + 1)
+        return start, stop
 
     def length(self, index: int) -> int:
         """Micro-batches in the optimizer step of micro-batch ``index`` (``accumulate``, fewer in a short last one)."""
