@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from weakref import proxy
 
 import lightning.pytorch as pl
@@ -53,6 +53,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
 from lit_trainer.callbacks.hf_export import export_hf
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
@@ -73,13 +74,14 @@ def infer_mode(monitor: str) -> Literal["min", "max"]:
 
 
 def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The module ``state_dict`` stored in a Lightning checkpoint file, loaded safely (``weights_only=True``).
+    """The weights a Lightning checkpoint was scored with, loaded safely (``weights_only=True``).
 
     Args:
         path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``.
 
     Returns:
-        The ``"state_dict"`` entry (CPU tensors, memory-mapped).
+        The ``"state_dict"`` entry (CPU tensors, memory-mapped), with the weights a callback such as
+        ``BEMA(evaluate_with_bema=True)`` validated in place of the live ones, when the checkpoint holds them.
 
     Raises:
         RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
@@ -91,7 +93,7 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
             "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."
         ) from err
-    return checkpoint["state_dict"]
+    return scored_state_dict(checkpoint)
 
 
 class BestCheckpoint(ModelCheckpoint):
@@ -165,6 +167,8 @@ class BestCheckpoint(ModelCheckpoint):
         self.load_best_at_end = load_best_at_end
         self.export_hf = export_hf
         self._decided_score: float = math.nan
+        self._scorer: Any = None  # the callback whose validation scores other weights than the live ones
+        self._saving = False  # True while this callback writes a checkpoint (its on_save_checkpoint adds weights)
 
     @property
     def hf_export_dir(self) -> str | None:
@@ -184,6 +188,36 @@ class BestCheckpoint(ModelCheckpoint):
                 f"`BestCheckpoint(export_hf=True)` needs `{type(pl_module).__name__}.model` with a `save_pretrained` "
                 "method (a transformers model); set export_hf=False for other modules."
             )
+        self._check_scorers(trainer)
+
+    def _check_scorers(self, trainer: pl.Trainer) -> None:
+        """Find the callback (e.g. ``BEMA(evaluate_with_bema=True)``) whose scored weights the checkpoints keep."""
+        scorers = weight_scorers(trainer.callbacks)
+        names = [type(cb).__name__ for cb in scorers]
+        if len(scorers) > 1:
+            raise ValueError(f"BestCheckpoint: {names} all validate with other weights than the live ones, so the "
+                             "score belongs to no single set of weights; let only one of them evaluate its weights.")
+        if scorers and self.save_weights_only:
+            raise ValueError(f"`BestCheckpoint(save_weights_only=True)` cannot keep the weights {names[0]} scored "
+                             "beside the live ones; use save_weights_only=False (the checkpoint then resumes "
+                             "training with the live weights, and load_best_at_end / export_hf use the scored ones).")
+        self._scorer = scorers[0] if scorers else None
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+                           ) -> None:
+        """Put the weights the monitored score was measured on beside the live ``state_dict`` (own saves only)."""
+        if not (self._saving and self._scorer is not None):
+            return
+        weights = self._scorer.evaluated_weights()
+        if weights is None:
+            rank_zero_warn(f"BestCheckpoint: {type(self._scorer).__name__}'s scored weights are not available at "
+                           f"step {trainer.global_step} (changed since the validation); this checkpoint keeps only "
+                           "the live weights. Save at validation (no every_n_train_steps with a validation metric).")
+            return
+        live = checkpoint["state_dict"]
+        checkpoint[EVALUATED_WEIGHTS_KEY] = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()
+                                             if k in live}
 
     @override
     def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
@@ -245,10 +279,18 @@ class BestCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """Write to ``.<name>.partial`` then rename (global rank 0), so no incomplete file has the final name."""
         if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
-            super()._save_checkpoint(trainer, filepath)
+            self._saving = True
+            try:
+                super()._save_checkpoint(trainer, filepath)
+            finally:
+                self._saving = False
             return
         tmp = str(partial_path(filepath))
-        trainer.save_checkpoint(tmp, self.save_weights_only)
+        self._saving = True
+        try:
+            trainer.save_checkpoint(tmp, self.save_weights_only)
+        finally:
+            self._saving = False
         if trainer.is_global_zero:
             commit(tmp, filepath)
         trainer.strategy.barrier("BestCheckpoint._save_checkpoint")

@@ -44,6 +44,7 @@ class HFExport(Callback):
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
     ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
+    A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step.
 
     Args:
         dirpath: export directory; default ``<trainer.log_dir>/hf_model`` (or ``<default_root_dir>/hf_model``).
@@ -63,13 +64,30 @@ class HFExport(Callback):
             return Path(self.dirpath)
         return Path(trainer.log_dir or trainer.default_root_dir) / "hf_model"
 
+    @staticmethod
+    def check_module(pl_module: pl.LightningModule) -> None:
+        """Refuse a module whose ``.model`` cannot be saved with ``save_pretrained`` (called before training).
+
+        Raises:
+            TypeError: naming what is missing and the fix.
+        """
+        name = type(pl_module).__name__
+        model = getattr(pl_module, "model", None)
+        if callable(getattr(model, "save_pretrained", None)):
+            return
+        found = f"{name} has no `.model`" if model is None else f"`{name}.model` is a {type(model).__name__}"
+        raise TypeError(f"HFExport needs `{name}.model` to be a transformers model with `save_pretrained`, but "
+                        f"{found}. Expose the model as `self.model` (e.g. an `AutoModelForCausalLM`), or remove "
+                        "HFExport for other modules.")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_module(pl_module)  # after configure_model (a lazily built .model exists), before any step
+
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = self.resolve_dir(trainer)
-        model = getattr(pl_module, "model", None)
-        if model is None or not hasattr(model, "save_pretrained"):
-            raise TypeError(f"HFExport needs `{type(pl_module).__name__}.model` to be a transformers model with "
-                            "`save_pretrained`; remove the callback for other modules.")
+        model = pl_module.model
         if trainer.is_global_zero:
             export_hf(model, getattr(pl_module, "tokenizer", None), target)
             rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
