@@ -9,9 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_
@@ -22,12 +20,13 @@ from lit_trainer.callbacks._bema_options import (
     check_device,
 )
 from lit_trainer.callbacks._bema_ref import resolve_ref_params
+from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
 from lit_trainer.callbacks.hf_export import export_hf
 
 _FORMAT = 1
 
 
-class BEMA(Callback):
+class _BEMA:
     r"""Bias-corrected EMA of the trainable weights (Block et al. 2025), with TRL 1.16's numbers.
 
     After optimizer step ``t`` (``trainer.global_step``, 1-based, absolute): for ``t < update_after`` nothing; at
@@ -63,7 +62,8 @@ class BEMA(Callback):
         min_ema_multiplier: lower bound for ``beta_t``.
         device: where the buffers live (``None``: next to each parameter).
         update_ref_model: copy the BEMA weights into ``pl_module.ref_model`` (names mapped by
-            :func:`~lit_trainer.callbacks._bema_ref.ref_model_name`) after step ``t`` when ``t >= ref_model_update_after`` and
+            :func:`~lit_trainer.callbacks._bema_ref.ref_model_name`) after step ``t`` when
+            ``t >= ref_model_update_after`` and
             ``(t - ref_model_update_after) % ref_model_update_freq == 0``.
         ref_model_update_freq: period, ref_model_update_after: first step of the reference-model refresh.
         evaluate_with_bema: run validation during fit with the BEMA weights (swapped in on validation start and
@@ -83,6 +83,8 @@ class BEMA(Callback):
         trainer.fit(module)
         weights = trainer.callbacks[0].bema_state_dict()  # {"model.lm_head.weight": tensor, ...}
     """
+
+    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(
         self, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2, lag: float = 10,
@@ -181,7 +183,8 @@ class BEMA(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or getattr(strategy, "zero_stage_3", False):
+        sharded = (self._ns.FSDPStrategy, self._ns.ModelParallelStrategy)
+        if isinstance(strategy, sharded) or getattr(strategy, "zero_stage_3", False):
             raise ValueError(f"BEMA does not support sharded parameters ({type(strategy).__name__}): use "
                              "strategy='ddp' (or DeepSpeed stage 1/2), or remove the BEMA callback.")
 
@@ -202,8 +205,8 @@ class BEMA(Callback):
         if step <= self._step:  # no optimizer step in this micro-batch (gradient accumulation)
             return
         if step > self._step + 1:
-            rank_zero_warn(f"BEMA: {step - self._step} optimizer steps in one batch; the schedule uses the weights "
-                           "after the batch.", category=UserWarning)
+            self._ns.rank_zero_warn(f"BEMA: {step - self._step} optimizer steps in one batch; the schedule uses the "
+                                    "weights after the batch.", category=UserWarning)
         for t in range(self._step + 1, step + 1):
             self._on_optimizer_step(t)
 
@@ -268,8 +271,8 @@ class BEMA(Callback):
         if len(saved) == 1 and len(mine) == 1:
             self.load_state_dict(states[saved[0]])  # warns that the settings changed
         elif saved:
-            rank_zero_warn(f"BEMA {self.state_key} finds no state of its own among {saved}: its average restarts "
-                           "from the resumed weights.", category=UserWarning)
+            self._ns.rank_zero_warn(f"BEMA {self.state_key} finds no state of its own among {saved}: its average "
+                                    "restarts from the resumed weights.", category=UserWarning)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -279,8 +282,9 @@ class BEMA(Callback):
         self._names, self._module_id, self._scored_step = [], None, None  # re-attach in on_train_start
         self._loaded = state_dict if state_dict.get("initialized") else None
         if self._loaded is not None and self._loaded["hparams"] != self._hparams():
-            rank_zero_warn(f"BEMA resumes a state made with {self._loaded['hparams']} under {self._hparams()}; "
-                           "the average continues with the new settings.", category=UserWarning)
+            self._ns.rank_zero_warn(f"BEMA resumes a state made with {self._loaded['hparams']} under "
+                                    f"{self._hparams()}; the average continues with the new settings.",
+                                    category=UserWarning)
 
     @staticmethod
     def _trainable(pl_module: pl.LightningModule) -> dict[str, torch.nn.Parameter]:
@@ -303,7 +307,7 @@ class BEMA(Callback):
             self._theta0, self._ema, self._bema = (self._snapshot() for _ in range(3))
             self._step, self._num_updates = trainer.global_step, 0
         self._module_id, self._loaded = id(pl_module), None
-        rank_zero_info(f"BEMA tracks {len(self._names)} parameter tensors "
+        self._ns.rank_zero_info(f"BEMA tracks {len(self._names)} parameter tensors "
                        f"({sum(p.numel() for p in self._params):,} values) on {self.device or 'their own devices'}.")
 
     def _buffer_device(self, param: torch.Tensor) -> torch.device:
@@ -376,5 +380,9 @@ class BEMA(Callback):
                 if "model." + key in self._alias:
                     weights[key] = self._bema[self._alias["model." + key]]
             export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=weights)
-            rank_zero_info(f"BEMA weights saved to {target}")
+            self._ns.rank_zero_info(f"BEMA weights saved to {target}")
         trainer.strategy.barrier("bema_export")
+
+
+class BEMA(_BEMA, Callback):
+    __doc__ = _BEMA.__doc__

@@ -46,18 +46,15 @@ from weakref import proxy
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
+from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
 from lit_trainer.callbacks.hf_export import export_hf
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
-_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 HF_EXPORT_DIRNAME = "best"
 
 
@@ -96,7 +93,7 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return scored_state_dict(checkpoint)
 
 
-class BestCheckpoint(ModelCheckpoint):
+class _BestCheckpoint:
     """Save a checkpoint only when ``monitor`` improves; optionally keep N, load the best at the end, export for HF.
 
     Args:
@@ -126,6 +123,8 @@ class BestCheckpoint(ModelCheckpoint):
         >>> cb.mode
         'min'
     """
+
+    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(
         self,
@@ -171,6 +170,10 @@ class BestCheckpoint(ModelCheckpoint):
         self._saving = False  # True while this callback writes a checkpoint (its on_save_checkpoint adds weights)
 
     @property
+    def _sharded(self) -> tuple[type, ...]:
+        return (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy, self._ns.ModelParallelStrategy)
+
+    @property
     def hf_export_dir(self) -> str | None:
         """Where ``export_hf`` writes (``<dirpath>/best``), once ``dirpath`` is known."""
         return os.path.join(self.dirpath, HF_EXPORT_DIRNAME) if self.dirpath else None
@@ -178,7 +181,7 @@ class BestCheckpoint(ModelCheckpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if (self.load_best_at_end or self.export_hf) and isinstance(trainer.strategy, _SHARDED):
+        if (self.load_best_at_end or self.export_hf) and isinstance(trainer.strategy, self._sharded):
             raise ValueError(
                 f"`BestCheckpoint(load_best_at_end={self.load_best_at_end}, export_hf={self.export_hf})` does not "
                 f"support {type(trainer.strategy).__name__} (sharded weights); set both to False, or use DDP."
@@ -211,9 +214,10 @@ class BestCheckpoint(ModelCheckpoint):
             return
         weights = self._scorer.evaluated_weights()
         if weights is None:
-            rank_zero_warn(f"BestCheckpoint: {type(self._scorer).__name__}'s scored weights are not available at "
-                           f"step {trainer.global_step} (changed since the validation); this checkpoint keeps only "
-                           "the live weights. Save at validation (no every_n_train_steps with a validation metric).")
+            self._ns.rank_zero_warn(
+                f"BestCheckpoint: {type(self._scorer).__name__}'s scored weights are not available at step "
+                f"{trainer.global_step} (changed since the validation); this checkpoint keeps only "
+                "the live weights. Save at validation (no every_n_train_steps with a validation metric).")
             return
         live = checkpoint["state_dict"]
         checkpoint[EVALUATED_WEIGHTS_KEY] = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()
@@ -239,7 +243,7 @@ class BestCheckpoint(ModelCheckpoint):
             score = torch.tensor(self._decided_score, dtype=torch.float64)
             self._update_best_and_save(score, trainer, monitor_candidates)
         elif self.verbose:
-            rank_zero_info(
+            self._ns.rank_zero_info(
                 f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={self._decided_score:.6g} did not "
                 f"improve on the best {self.best_model_score}; nothing saved."
             )
@@ -255,8 +259,8 @@ class BestCheckpoint(ModelCheckpoint):
         self.best_k_models[filepath] = score
         self.best_model_path, self.best_model_score = filepath, score
         if self.verbose:
-            rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best {self.monitor}={float(score):.6g}, "
-                           f"saving {filepath!r}")
+            self._ns.rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best "
+                                    f"{self.monitor}={float(score):.6g}, saving {filepath!r}")
         self._save_checkpoint(trainer, filepath)
         if self.export_hf:
             self._export_hf(trainer, filepath)
@@ -278,7 +282,7 @@ class BestCheckpoint(ModelCheckpoint):
     @override
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """Write to ``.<name>.partial`` then rename (global rank 0), so no incomplete file has the final name."""
-        if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+        if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, self._ns.AsyncCheckpointIO):
             self._saving = True
             try:
                 super()._save_checkpoint(trainer, filepath)
@@ -330,11 +334,16 @@ class BestCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("BestCheckpoint.load_best")
         found = trainer.strategy.reduce_boolean_decision(bool(path) and os.path.isfile(path), all=True)
         if not found:
-            rank_zero_warn(
+            self._ns.rank_zero_warn(
                 f"BestCheckpoint(load_best_at_end=True): no best checkpoint file ({path!r}) on every rank; the module "
                 f"keeps its final weights. Was `{self.monitor}` logged during validation?"
             )
             return False
         pl_module.load_state_dict(load_checkpoint_state_dict(path), strict=True)
-        rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) from {path}")
+        self._ns.rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) "
+                                f"from {path}")
         return True
+
+
+class BestCheckpoint(_BestCheckpoint, ModelCheckpoint):
+    __doc__ = _BestCheckpoint.__doc__

@@ -8,10 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import atomic_directory
+from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
 
 
 def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None) -> Path:
@@ -39,7 +39,7 @@ def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict:
     return Path(target)
 
 
-class HFExport(Callback):
+class _HFExport:
     """Export ``pl_module.model`` (and ``pl_module.tokenizer``) with ``save_pretrained`` when fit ends.
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
@@ -53,6 +53,8 @@ class HFExport(Callback):
 
         trainer = Trainer(callbacks=[HFExport()])
     """
+
+    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(self, dirpath: str | None = None) -> None:
         self.dirpath = dirpath
@@ -90,6 +92,10 @@ class HFExport(Callback):
         model = pl_module.model
         if trainer.is_global_zero:
             export_hf(model, getattr(pl_module, "tokenizer", None), target)
-            rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
+            self._ns.rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
         self.last_export = str(target)
         trainer.strategy.barrier("hf_export")
+
+
+class HFExport(_HFExport, Callback):
+    __doc__ = _HFExport.__doc__

@@ -193,7 +193,7 @@ class _MaskCapture:
         return self.batch_mask
 
 
-class NEFTune(Callback):
+class _NEFTune:
     """Add NEFTune noise to the input embeddings while training.
 
     Works on any LightningModule whose input embedding can be found (see ``find_input_embedding``). The hook is
@@ -346,3 +346,7 @@ class NEFTune(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._active_seed = state_dict["seed"] if self.seed is None else self.seed
         self._draws = int(state_dict["draws"])
+
+
+class NEFTune(_NEFTune, Callback):
+    __doc__ = _NEFTune.__doc__
