@@ -208,3 +208,29 @@ def test_configurable_from_a_pytorch_lightning_cli() -> None:
                                       "init_args": {"monitor": "val_loss", "save_total_limit": 2}}]}})
     assert isinstance(cli.trainer.checkpoint_callback, plc.BestCheckpoint)
     assert cli.trainer.checkpoint_callback.save_total_limit == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_callback_of_the_other_package_is_refused_with_the_import_to_use(tmp_path: Path, name: str) -> None:
+    args = {"NEFTune": {"noise_alpha": 1.0}}.get(name, {})
+    train, val = _loaders()
+    module = Regressor()
+    with pytest.raises(TypeError, match=r"is a `lightning.pytorch` callback.*import it from "
+                                        r"`lit_trainer.callbacks.pytorch_lightning`"):
+        _trainer(tmp_path, [getattr(lightning_callbacks, name)(**args)]).fit(module, train, val)
+    with pytest.raises(TypeError, match=r"is a `pytorch_lightning` callback.*import it from `lit_trainer.callbacks`"):
+        L.Trainer(callbacks=[getattr(plc, name)(**args)], max_steps=1, logger=False, enable_progress_bar=False,
+                  default_root_dir=tmp_path).fit(LightningRegressor(), train, val)
+    assert module.forwards == 0
+
+
+class LightningRegressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self.lin(batch[0].float()).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -27,6 +27,7 @@ class LightningNamespace:
     """The package-dependent names the callbacks use, from one of Lightning's two packages."""
 
     package: str
+    Trainer: type
     Callback: type
     Checkpoint: type
     ModelCheckpoint: type
@@ -53,10 +54,11 @@ def namespace(package: Package) -> LightningNamespace:
         dist = "pytorch-lightning" if package == "pytorch_lightning" else "lightning"
         raise ModuleNotFoundError(f"lit_trainer's callbacks for `{package}` need that package: "
                                   f"`pip install {dist}`.") from err
+    trainer = importlib.import_module(package).Trainer
     strategies = importlib.import_module(f"{package}.strategies")
     utilities = importlib.import_module(f"{package}.utilities")
     return LightningNamespace(
-        package=package, Callback=callbacks.Callback, Checkpoint=callbacks.Checkpoint,
+        package=package, Trainer=trainer, Callback=callbacks.Callback, Checkpoint=callbacks.Checkpoint,
         ModelCheckpoint=callbacks.ModelCheckpoint, EarlyStopping=callbacks.EarlyStopping,
         FSDPStrategy=strategies.FSDPStrategy, DeepSpeedStrategy=strategies.DeepSpeedStrategy,
         ModelParallelStrategy=strategies.ModelParallelStrategy,
@@ -67,6 +69,29 @@ def namespace(package: Package) -> LightningNamespace:
 
 
 LIGHTNING = namespace("lightning.pytorch")
+_IMPORT_FROM = {"lightning.pytorch": "lit_trainer.callbacks",
+                "pytorch_lightning": "lit_trainer.callbacks.pytorch_lightning"}
+
+
+class PackageBound:
+    """Base of every callback implementation class: its Lightning package (``_ns``, set by the public class's
+    package) and a ``setup`` check that the trainer comes from the same package, since a callback of the other
+    package would be silently half-ignored (not seen as the checkpoint callback, wrong ``isinstance`` answers)."""
+
+    _ns: LightningNamespace = LIGHTNING
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Refuse a trainer of the other Lightning package, naming the import to use; then the base's ``setup``.
+
+        Raises:
+            TypeError: ``trainer`` is not a ``Trainer`` of this callback's package.
+        """
+        if not isinstance(trainer, self._ns.Trainer):
+            theirs = next((p for p in _IMPORT_FROM if isinstance(trainer, namespace(p).Trainer)), None)
+            fix = f"import it from `{_IMPORT_FROM[theirs]}`" if theirs else f"use a `{self._ns.package}.Trainer`"
+            raise TypeError(f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` callback, "
+                            f"but the trainer is a `{type(trainer).__module__}.{type(trainer).__name__}`: {fix}.")
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]  (the Lightning base's setup)
 
 
 def twin(cls: type, package: Package, module: str) -> type:

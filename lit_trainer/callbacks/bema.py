@@ -20,13 +20,13 @@ from lit_trainer.callbacks._bema_options import (
     check_device,
 )
 from lit_trainer.callbacks._bema_ref import resolve_ref_params
-from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf
 
 _FORMAT = 1
 
 
-class _BEMA:
+class _BEMA(PackageBound):
     r"""Bias-corrected EMA of the trainable weights (Block et al. 2025), with TRL 1.16's numbers.
 
     After optimizer step ``t`` (``trainer.global_step``, 1-based, absolute): for ``t < update_after`` nothing; at
@@ -83,8 +83,6 @@ class _BEMA:
         trainer.fit(module)
         weights = trainer.callbacks[0].bema_state_dict()  # {"model.lm_head.weight": tensor, ...}
     """
-
-    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(
         self, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2, lag: float = 10,
@@ -182,6 +180,7 @@ class _BEMA:
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         strategy = trainer.strategy
         sharded = (self._ns.FSDPStrategy, self._ns.ModelParallelStrategy)
         if isinstance(strategy, sharded) or getattr(strategy, "zero_stage_3", False):

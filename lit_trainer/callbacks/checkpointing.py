@@ -51,7 +51,7 @@ from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
-from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
@@ -93,7 +93,7 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return scored_state_dict(checkpoint)
 
 
-class _BestCheckpoint:
+class _BestCheckpoint(PackageBound):
     """Save a checkpoint only when ``monitor`` improves; optionally keep N, load the best at the end, export for HF.
 
     Args:
@@ -123,8 +123,6 @@ class _BestCheckpoint:
         >>> cb.mode
         'min'
     """
-
-    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
-from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
+from lit_trainer.callbacks._namespace import PackageBound
 
 _REQUIRED_INTERNALS = (
     ("fit_loop.epoch_loop.val_loop.setup_data", "the fit loop's validation loop"),
@@ -63,7 +63,7 @@ def check_lightning_internals(trainer: pl.Trainer) -> None:
             )
 
 
-class _EvalOnStart:
+class _EvalOnStart(PackageBound):
     """Run a full validation pass before training starts and log it at step 0.
 
     Args:
@@ -78,8 +78,6 @@ class _EvalOnStart:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[EvalOnStart()], num_sanity_val_steps=0)  # doctest: +SKIP
     """
-
-    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(self, on_resume: bool = False) -> None:
         super().__init__()

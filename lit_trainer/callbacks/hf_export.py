@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import atomic_directory
-from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
+from lit_trainer.callbacks._namespace import PackageBound
 
 
 def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None) -> Path:
@@ -39,7 +39,7 @@ def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict:
     return Path(target)
 
 
-class _HFExport:
+class _HFExport(PackageBound):
     """Export ``pl_module.model`` (and ``pl_module.tokenizer``) with ``save_pretrained`` when fit ends.
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
@@ -53,8 +53,6 @@ class _HFExport:
 
         trainer = Trainer(callbacks=[HFExport()])
     """
-
-    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(self, dirpath: str | None = None) -> None:
         self.dirpath = dirpath

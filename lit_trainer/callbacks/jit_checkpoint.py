@@ -64,7 +64,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
-from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
@@ -95,7 +95,7 @@ def _signal_numbers(signals: Sequence[str]) -> list[signal.Signals]:
     return [signal.Signals[s] for s in dict.fromkeys(signals)]
 
 
-class _JITCheckpoint:
+class _JITCheckpoint(PackageBound):
     """Save the full training state at the next optimizer step after a signal, on every rank, then stop.
 
     See the module docstring for the protocol, the exit status and how to size the grace period.
@@ -120,8 +120,6 @@ class _JITCheckpoint:
         trainer.fit(module, datamodule, ckpt_path=resolve_resume("auto", "runs/x/checkpoints"))
         # on SIGTERM: runs/x/checkpoints/jit-epoch=E-step=S.ckpt, then the process exits with status 143
     """
-
-    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
 
     def __init__(
         self,
@@ -188,6 +186,7 @@ class _JITCheckpoint:
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         if stage != TrainerFn.FITTING:
             return
         self._requested_at, self._done, self._at_boundary = None, False, False

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lit_trainer.callbacks._namespace import PackageBound
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -193,7 +195,7 @@ class _MaskCapture:
         return self.batch_mask
 
 
-class _NEFTune:
+class _NEFTune(PackageBound):
     """Add NEFTune noise to the input embeddings while training.
 
     Works on any LightningModule whose input embedding can be found (see ``find_input_embedding``). The hook is

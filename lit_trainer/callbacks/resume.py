@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.callbacks._namespace import LIGHTNING, LightningNamespace
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import (  # noqa: F401 (re-exported)
     SENTINEL_NAME,
     implicit_resume_sources,
@@ -117,7 +117,7 @@ def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-class _ExactResume:
+class _ExactResume(PackageBound):
     """Save and restore every rank's RNG states so that a resumed run is the same run.
 
     What it does:
@@ -148,8 +148,6 @@ class _ExactResume:
         trainer.fit(module, datamodule, ckpt_path=resolve_resume("auto", "runs/x/checkpoints"))
     """
 
-    _ns: LightningNamespace = LIGHTNING  # the Lightning package of the public class (see _namespace.py)
-
     def __init__(self) -> None:
         super().__init__()
         self._device: torch.device | None = None
@@ -161,6 +159,7 @@ class _ExactResume:
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         if stage != TrainerFn.FITTING:
             return
         self._device, self._rank, self._trainer = trainer.strategy.root_device, trainer.global_rank, trainer
