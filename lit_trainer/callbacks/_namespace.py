@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -84,13 +85,13 @@ class PackageBound:
         """Refuse a trainer of the other Lightning package, naming the import to use; then the base's ``setup``.
 
         Raises:
-            TypeError: ``trainer`` is not a ``Trainer`` of this callback's package.
+            TypeError: ``trainer`` is a ``Trainer`` of the other package.
         """
-        if not isinstance(trainer, self._ns.Trainer):
-            theirs = next((p for p in _IMPORT_FROM if isinstance(trainer, namespace(p).Trainer)), None)
-            fix = f"import it from `{_IMPORT_FROM[theirs]}`" if theirs else f"use a `{self._ns.package}.Trainer`"
-            raise TypeError(f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` callback, "
-                            f"but the trainer is a `{type(trainer).__module__}.{type(trainer).__name__}`: {fix}.")
+        for package, module in _IMPORT_FROM.items():
+            other = package != self._ns.package and package in sys.modules  # loaded when such a trainer exists
+            if other and isinstance(trainer, namespace(package).Trainer):  # type: ignore[arg-type]
+                raise TypeError(f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` "
+                                f"callback, but the trainer is a `{package}` one: import it from `{module}`.")
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]  (the Lightning base's setup)
 
 
