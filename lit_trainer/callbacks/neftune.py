@@ -340,6 +340,13 @@ class _NEFTune(PackageBound):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.detach()
 
+    @property
+    @override
+    def state_key(self) -> str:
+        """``NEFTune{'embedding_path': ...}``: callbacks on different embeddings keep separate checkpoint states
+        (a checkpoint keyed ``NEFTune``, from earlier versions, still loads through Lightning's legacy key)."""
+        return self._generate_state_key(embedding_path=self.embedding_path)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._active_seed, "draws": self._draws, "noise_alpha": self.noise_alpha}
