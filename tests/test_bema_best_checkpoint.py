@@ -70,6 +70,8 @@ def test_the_scored_weights_are_loaded_and_exported_and_the_checkpoint_still_res
     ckpt = torch.load(best.best_model_path, weights_only=True)
     live = ckpt["state_dict"]["model.lm_head.weight"]
     assert not torch.allclose(live, module.model.lm_head.weight.detach())
+    scored = ckpt["evaluated_weights"]  # tied embedding / LM head: one stored copy, as in the live state_dict
+    assert scored["model.lm_head.weight"].data_ptr() == scored["model.model.embed_tokens.weight"].data_ptr()
     bema_state = ckpt["callbacks"][bema.state_key]["bema"]
     torch.testing.assert_close(bema_state["model.model.embed_tokens.weight"], module.model.lm_head.weight.detach())
 
@@ -84,9 +86,14 @@ def test_the_scored_weights_are_loaded_and_exported_and_the_checkpoint_still_res
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_weights_only_checkpoints_are_refused_with_a_scoring_callback(tmp_path: Path) -> None:
+def test_weights_only_checkpoints_and_two_scoring_callbacks_are_refused(tmp_path: Path) -> None:
     train, val = _loaders()
     callbacks = [BEMA(update_freq=1, evaluate_with_bema=True, export_hf=False),
                  BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_weights_only=True)]
     with pytest.raises(ValueError, match=r"save_weights_only=True.*BEMA.*save_weights_only=False"):
+        _trainer(tmp_path, callbacks).fit(TinyHF(), train, val)
+    callbacks = [BEMA(update_freq=1, evaluate_with_bema=True, export_hf=False),
+                 BEMA(update_freq=2, evaluate_with_bema=True, export_hf=False),
+                 BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss")]
+    with pytest.raises(ValueError, match=r"\['BEMA', 'BEMA'\] all validate with other weights"):
         _trainer(tmp_path, callbacks).fit(TinyHF(), train, val)

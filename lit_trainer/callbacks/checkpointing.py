@@ -30,6 +30,10 @@ Differences from plain ``ModelCheckpoint``:
   torchmetrics metric) to make the decision on the global value.
 * Checkpoint and export loads use ``torch.load(weights_only=True)``.
 * ``load_best_at_end`` and ``export_hf`` refuse sharded strategies (FSDP, DeepSpeed, ModelParallel) at setup.
+* With a callback that validates other weights than the live ones (``BEMA(evaluate_with_bema=True)``, through the
+  protocol in ``lit_trainer.callbacks._evaluated_weights``), each checkpoint keeps the live weights in
+  ``state_dict`` (it still resumes training) and the scored weights under ``checkpoint["evaluated_weights"]``;
+  ``load_best_at_end`` and ``export_hf`` use the scored ones. ``save_weights_only=True`` is then refused at setup.
 
 Resume: the best path and score, and the list of kept checkpoints, are part of the callback state (Lightning's
 ``ModelCheckpoint.state_dict``, tensors and primitives only); they are restored when ``dirpath`` is unchanged.
@@ -116,7 +120,8 @@ class _BestCheckpoint(PackageBound):
 
     Raises:
         ValueError: For a bad ``mode`` or ``save_total_limit``; at setup, for ``export_hf`` without a
-            ``.model.save_pretrained`` or for ``load_best_at_end``/``export_hf`` under a sharded strategy.
+            ``.model.save_pretrained``, for ``load_best_at_end``/``export_hf`` under a sharded strategy, for
+            ``save_weights_only`` with a callback that validates other weights, or for two such callbacks.
 
     Example:
         >>> cb = BestCheckpoint(monitor="val_loss", save_total_limit=2, load_best_at_end=True)
@@ -217,9 +222,12 @@ class _BestCheckpoint(PackageBound):
                 f"{trainer.global_step} (changed since the validation); this checkpoint keeps only "
                 "the live weights. Save at validation (no every_n_train_steps with a validation metric).")
             return
-        live = checkpoint["state_dict"]
-        checkpoint[EVALUATED_WEIGHTS_KEY] = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()
-                                             if k in live}
+        live, copies = checkpoint["state_dict"], {}
+        for key, value in weights.items():
+            if key in live and id(value) not in copies:
+                copies[id(value)] = value.detach().to("cpu", copy=True)
+        # tied aliases (e.g. embedding and LM head) share one copy, as in the live state_dict
+        checkpoint[EVALUATED_WEIGHTS_KEY] = {k: copies[id(v)] for k, v in weights.items() if k in live}
 
     @override
     def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
