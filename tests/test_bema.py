@@ -183,7 +183,7 @@ def test_resume_continues_the_same_average(tmp_path):
     make_trainer(tmp_path / "a", 11, [full, saver], enable_checkpointing=True).fit(LinearSGD())
 
     ckpt = ckpts / "step=5.ckpt"
-    state = torch.load(ckpt, weights_only=True)["callbacks"]["BEMA"]  # tensors and primitives only
+    state = torch.load(ckpt, weights_only=True)["callbacks"][full.state_key]  # tensors and primitives only
     assert state["step"] == 5 and state["num_updates"] == 1 and set(state["ema"]) == {"a", "b"}
     resumed = BEMA(**config)
     module = LinearSGD()
@@ -242,7 +242,8 @@ def test_exception_during_validation_restores_live_weights(tmp_path, fail_mode):
     ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
     np.testing.assert_allclose(flat(ckpt["state_dict"]), thetas[4], atol=1e-12)
-    np.testing.assert_allclose(flat(ckpt["callbacks"]["BEMA"]["bema"]), outputs[4], atol=1e-12)
+    np.testing.assert_allclose(flat(BEMA.bema_weights_from_checkpoint(tmp_path / "on_exception.ckpt")), outputs[4],
+                               atol=1e-12)
 
 
 def tiny_llama():

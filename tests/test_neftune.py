@@ -172,7 +172,7 @@ def test_fit_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path) -> None:
     first_half = TinyLM()
     first_half.load_state_dict(init)
     run(4, first_half).save_checkpoint(tmp_path / "half.ckpt")
-    state = torch.load(tmp_path / "half.ckpt", weights_only=True)["callbacks"]["NEFTune"]
+    state = torch.load(tmp_path / "half.ckpt", weights_only=True)["callbacks"]["NEFTune{'embedding_path': None}"]
     assert state == {"seed": 3, "draws": 8, "noise_alpha": 5.0}  # 2 embedding calls per step (recorder + loss)
     resumed = TinyLM()
     run(8, resumed, ckpt_path=tmp_path / "half.ckpt")
@@ -286,3 +286,33 @@ def test_configurable_from_lightning_cli() -> None:
     )
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, NEFTune)]
     assert (cb.noise_alpha, cb.mask_padding, cb.embedding_path, cb.seed) == (7.5, True, "embed", None)
+
+
+class TwoEmbeddings(TinyLM):
+    """Token and position-like embeddings: one NEFTune callback on each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Embedding(VOCAB, DIM)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.embed(input_ids) + self.extra(input_ids))
+
+
+def test_two_neftune_callbacks_keep_their_own_checkpoint_state(tmp_path) -> None:
+    def callbacks() -> list[NEFTune]:
+        return [NEFTune(5.0, embedding_path="embed", seed=1), NEFTune(3.0, embedding_path="extra", seed=2)]
+
+    first = callbacks()
+    trainer = _trainer(max_steps=2, callbacks=first)
+    trainer.fit(TwoEmbeddings(), _loader())
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    states = torch.load(tmp_path / "two.ckpt", weights_only=True)["callbacks"]
+    assert {k: v["seed"] for k, v in states.items() if k.startswith("NEFTune")} == {
+        "NEFTune{'embedding_path': 'embed'}": 1, "NEFTune{'embedding_path': 'extra'}": 2}
+    resumed = list(reversed(callbacks()))
+    for cb in resumed:
+        cb.seed = None  # take the seed from the checkpoint
+    _trainer(max_steps=2, callbacks=resumed).fit(TwoEmbeddings(), _loader(), ckpt_path=tmp_path / "two.ckpt")
+    assert [(cb.embedding_path, cb.state_dict()["seed"], cb.state_dict()["draws"]) for cb in resumed] == [
+        ("extra", 2, first[1].state_dict()["draws"]), ("embed", 1, first[0].state_dict()["draws"])]

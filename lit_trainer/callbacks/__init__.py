@@ -1,4 +1,8 @@
-"""Lightning callbacks that work on any LightningModule."""
+"""Lightning callbacks that work on any LightningModule, for ``lightning.pytorch`` trainers.
+
+For ``pytorch_lightning.Trainer`` (``import pytorch_lightning as pl``), import the same callbacks from
+``lit_trainer.callbacks.pytorch_lightning``.
+"""
 
 from lit_trainer.callbacks.bema import BEMA
 from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_resume_checkpoint

@@ -9,71 +9,24 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_  # noqa: F401 (re-exported)
+from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_
+from lit_trainer.callbacks._bema_options import (
+    HPARAMS,
+    bema_state_keys,
+    check_bema_args,
+    check_device,
+)
+from lit_trainer.callbacks._bema_ref import resolve_ref_params
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf
 
 _FORMAT = 1
-_HPARAMS = ("update_freq", "ema_power", "bias_power", "lag", "update_after", "multiplier", "min_ema_multiplier")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-
-
-_RULES = {
-    "update_freq": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "ema_power": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
-    "bias_power": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
-    "lag": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
-    "update_after": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "multiplier": (lambda v: _is_real(v) and v > 0, "a finite number > 0 (so that lag + multiplier*t > 0)"),
-    "min_ema_multiplier": (lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "ref_model_update_freq": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "ref_model_update_after": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    **{flag: (lambda v: isinstance(v, bool), "True or False")
-       for flag in ("update_ref_model", "evaluate_with_bema", "apply_at_end", "export_hf")},
-    "export_dir": (lambda v: v is None or (isinstance(v, (str, os.PathLike)) and str(v) != ""), "None or a path"),
-}
-
-
-def _check_device(device: Any) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"`BEMA(device={device!r})` is invalid: use a torch device such as 'cpu' or 'cuda', "
-                         "or None to keep each buffer next to its parameter.") from err
-
-
-def ref_model_name(name: str, ref_names: set[str]) -> str | None:
-    """Name in ``pl_module.ref_model`` of the tracked parameter ``name`` (relative to the LightningModule).
-
-    ``model.<rest>`` maps to ``<rest>`` when the reference model has it (``ref_model`` mirrors ``pl_module.model``,
-    the DPO layout); otherwise a name maps to itself (``ref_model`` mirrors the LightningModule).
-
-    Args:
-        name: e.g. ``"model.model.layers.0.mlp.up_proj.weight"``.
-        ref_names: every parameter name of the reference model (aliases of tied weights included).
-
-    Returns:
-        The reference model's name (``"model.layers.0.mlp.up_proj.weight"``), or ``None`` when nothing matches.
-    """
-    if name.startswith("model.") and name[len("model."):] in ref_names:
-        return name[len("model."):]
-    return name if name in ref_names else None
-
-
-class BEMA(Callback):
+class _BEMA(PackageBound):
     r"""Bias-corrected EMA of the trainable weights (Block et al. 2025), with TRL 1.16's numbers.
 
     After optimizer step ``t`` (``trainer.global_step``, 1-based, absolute): for ``t < update_after`` nothing; at
@@ -84,9 +37,13 @@ class BEMA(Callback):
     the output before the first update is the initial weights, as in TRL).
 
     Beyond TRL: parameters are tracked by name and frozen ones are skipped; the state is in the checkpoint
-    (``checkpoint["callbacks"]["BEMA"]``: ``theta0``/``ema``/``bema`` as ``{name: tensor}`` plus step counters,
-    loadable with ``weights_only=True``) so a resumed run continues the same average; the checkpoint's
-    ``state_dict`` always holds the live weights (also when saved mid-validation with the BEMA weights swapped in).
+    (``checkpoint["callbacks"][bema.state_key]``: ``theta0``/``ema``/``bema`` as ``{name: tensor}`` plus step
+    counters, loadable with ``weights_only=True``) so a resumed run continues the same average. The key holds the
+    settings (``"BEMA{'update_freq': 400, ...}"``, as Lightning's ``EarlyStopping``), so several BEMA callbacks
+    coexist; a checkpoint keyed ``"BEMA"`` (older versions) still loads, and a lone BEMA whose settings changed
+    adopts the lone saved state with a warning. The checkpoint's ``state_dict`` always holds the live weights (also
+    when saved mid-validation with the BEMA weights swapped in); ``BestCheckpoint`` adds the scored BEMA weights
+    beside them (see :attr:`evaluates_other_weights`).
 
     Distributed: every DDP rank keeps the same three buffers (3x the trainable parameters, on ``device``). After the
     gradient all-reduce all ranks hold identical weights, so they compute identical averages with no communication,
@@ -105,7 +62,8 @@ class BEMA(Callback):
         min_ema_multiplier: lower bound for ``beta_t``.
         device: where the buffers live (``None``: next to each parameter).
         update_ref_model: copy the BEMA weights into ``pl_module.ref_model`` (names mapped by
-            :func:`ref_model_name`) after step ``t`` when ``t >= ref_model_update_after`` and
+            :func:`~lit_trainer.callbacks._bema_ref.ref_model_name`) after step ``t`` when
+            ``t >= ref_model_update_after`` and
             ``(t - ref_model_update_after) % ref_model_update_freq == 0``.
         ref_model_update_freq: period, ref_model_update_after: first step of the reference-model refresh.
         evaluate_with_bema: run validation during fit with the BEMA weights (swapped in on validation start and
@@ -133,13 +91,10 @@ class BEMA(Callback):
         ref_model_update_after: int = 0, evaluate_with_bema: bool = False, apply_at_end: bool = False,
         export_dir: str | os.PathLike | None = None, export_hf: bool = True,
     ) -> None:
-        args = dict(locals())
-        for name, (ok, need) in _RULES.items():
-            if not ok(args[name]):
-                raise ValueError(f"`BEMA({name}={args[name]!r})` is invalid: {name} must be {need}.")
+        check_bema_args(dict(locals()))
         self.update_freq, self.ema_power, self.bias_power, self.lag = update_freq, ema_power, bias_power, lag
         self.update_after, self.multiplier, self.min_ema_multiplier = update_after, multiplier, min_ema_multiplier
-        self.device = _check_device(device)
+        self.device = check_device(device)
         self.update_ref_model, self.ref_model_update_freq = update_ref_model, ref_model_update_freq
         self.ref_model_update_after, self.evaluate_with_bema = ref_model_update_after, evaluate_with_bema
         self.apply_at_end, self.export_dir, self.export_hf = apply_at_end, export_dir, export_hf
@@ -154,6 +109,7 @@ class BEMA(Callback):
         self._module_id: int | None = None
         self._loaded: dict[str, Any] | None = None  # checkpoint state waiting for the module (load_state_dict)
         self._stash: list[torch.Tensor] | None = None  # the live weights while the BEMA weights are swapped in
+        self._scored_step: int | None = None  # the step whose BEMA weights the latest validation scored
 
     def bema_state_dict(self) -> dict[str, torch.Tensor]:
         """The current BEMA weights.
@@ -172,37 +128,69 @@ class BEMA(Callback):
         return dict(zip(self._names, self._bema))
 
     @classmethod
-    def bema_weights_from_checkpoint(cls, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    def bema_weights_from_checkpoint(cls, path: str | os.PathLike, state_key: str | None = None
+                                     ) -> dict[str, torch.Tensor]:
         """The BEMA weights stored in a Lightning checkpoint (whose ``state_dict`` holds the live weights).
 
         Args:
             path: a ``.ckpt`` written while this callback was active.
+            state_key: which BEMA callback's state (its :attr:`state_key`); needed only when the checkpoint holds
+                several.
 
         Returns:
             ``{name: tensor}`` as :meth:`bema_state_dict`, on CPU.
 
         Raises:
-            ValueError: the checkpoint was written before training started.
+            ValueError: no BEMA state, several and no ``state_key``, or a state written before training started.
         """
-        state = torch.load(path, map_location="cpu", weights_only=True)["callbacks"][cls.__qualname__]
+        states = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", {})
+        keys = [state_key] if state_key is not None else bema_state_keys(states, cls.__qualname__)
+        if len(keys) != 1 or keys[0] not in states:
+            raise ValueError(f"The checkpoint {str(path)!r} holds {len(keys)} BEMA states ({keys}): pass "
+                             "`state_key=` (the callback's `state_key`) to choose one.")
+        state = states[keys[0]]
         if not state.get("initialized"):
             raise ValueError(f"The checkpoint {str(path)!r} holds no BEMA weights (saved before training started).")
         return state["bema"]
 
+    @property
+    @override
+    def state_key(self) -> str:
+        """``BEMA{...settings...}``: the checkpoint key; two BEMA callbacks with other settings do not collide."""
+        return self._generate_state_key(**self._hparams())
+
+    @property
+    def evaluates_other_weights(self) -> bool:
+        """Whether validation during fit scores the BEMA weights instead of the live ones (``evaluate_with_bema``).
+
+        With :meth:`evaluated_weights`, the protocol through which a checkpoint callback (``BestCheckpoint``) keeps
+        the weights that were scored next to the live ones.
+        """
+        return self.evaluate_with_bema
+
+    def evaluated_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights the latest validation during fit scored, keyed like ``pl_module.state_dict()`` (tied aliases
+        included); ``None`` when that validation scored the live weights or the BEMA weights changed since."""
+        if not self.evaluate_with_bema or self._scored_step is None or self._scored_step != self._step:
+            return None
+        return {key: self._bema[idx] for key, idx in self._alias.items()}
+
     def _hparams(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in _HPARAMS}
+        return {k: getattr(self, k) for k in HPARAMS}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         strategy = trainer.strategy
-        if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or getattr(strategy, "zero_stage_3", False):
+        sharded = (self._ns.FSDPStrategy, self._ns.ModelParallelStrategy)
+        if isinstance(strategy, sharded) or getattr(strategy, "zero_stage_3", False):
             raise ValueError(f"BEMA does not support sharded parameters ({type(strategy).__name__}): use "
                              "strategy='ddp' (or DeepSpeed stage 1/2), or remove the BEMA callback.")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.update_ref_model:  # after configure_model, so a lazily built ref_model exists; fail before training
-            self._resolve_ref_params(pl_module, self._trainable(pl_module))
+            resolve_ref_params(pl_module, self._trainable(pl_module))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -216,8 +204,8 @@ class BEMA(Callback):
         if step <= self._step:  # no optimizer step in this micro-batch (gradient accumulation)
             return
         if step > self._step + 1:
-            rank_zero_warn(f"BEMA: {step - self._step} optimizer steps in one batch; the schedule uses the weights "
-                           "after the batch.", category=UserWarning)
+            self._ns.rank_zero_warn(f"BEMA: {step - self._step} optimizer steps in one batch; the schedule uses the "
+                                    "weights after the batch.", category=UserWarning)
         for t in range(self._step + 1, step + 1):
             self._on_optimizer_step(t)
 
@@ -226,6 +214,7 @@ class BEMA(Callback):
         if self.evaluate_with_bema and trainer.state.fn == TrainerFn.FITTING:
             self._attach(trainer, pl_module)
             self._swap_in()
+            self._scored_step = self._step
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -270,15 +259,31 @@ class BEMA(Callback):
         }
 
     @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+                           ) -> None:
+        """Adopt the checkpoint's only BEMA state when this (only) BEMA callback's settings changed since."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states or self._legacy_state_key in states:
+            return  # Lightning passes it to load_state_dict
+        saved = bema_state_keys(states, type(self).__qualname__)
+        mine = [cb for cb in trainer.callbacks if type(cb).__qualname__ == type(self).__qualname__]
+        if len(saved) == 1 and len(mine) == 1:
+            self.load_state_dict(states[saved[0]])  # warns that the settings changed
+        elif saved:
+            self._ns.rank_zero_warn(f"BEMA {self.state_key} finds no state of its own among {saved}: its average "
+                                    "restarts from the resumed weights.", category=UserWarning)
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("format") != _FORMAT:
             raise ValueError(f"BEMA checkpoint state has format {state_dict.get('format')!r}, expected {_FORMAT}.")
         self._swap_out()
-        self._names, self._module_id = [], None  # re-attach from the loaded state in on_train_start
+        self._names, self._module_id, self._scored_step = [], None, None  # re-attach in on_train_start
         self._loaded = state_dict if state_dict.get("initialized") else None
         if self._loaded is not None and self._loaded["hparams"] != self._hparams():
-            rank_zero_warn(f"BEMA resumes a state made with {self._loaded['hparams']} under {self._hparams()}; "
-                           "the average continues with the new settings.", category=UserWarning)
+            self._ns.rank_zero_warn(f"BEMA resumes a state made with {self._loaded['hparams']} under "
+                                    f"{self._hparams()}; the average continues with the new settings.",
+                                    category=UserWarning)
 
     @staticmethod
     def _trainable(pl_module: pl.LightningModule) -> dict[str, torch.nn.Parameter]:
@@ -294,14 +299,14 @@ class BEMA(Callback):
         self._names, self._params = list(tracked), list(tracked.values())
         index = {id(p): i for i, p in enumerate(self._params)}
         self._alias = {n: index[id(p)] for n, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in index}
-        self._ref_params = self._resolve_ref_params(pl_module, tracked) if self.update_ref_model else []
+        self._ref_params = resolve_ref_params(pl_module, tracked) if self.update_ref_model else []
         if self._loaded is not None:
             self._restore(self._loaded)
         else:
             self._theta0, self._ema, self._bema = (self._snapshot() for _ in range(3))
             self._step, self._num_updates = trainer.global_step, 0
         self._module_id, self._loaded = id(pl_module), None
-        rank_zero_info(f"BEMA tracks {len(self._names)} parameter tensors "
+        self._ns.rank_zero_info(f"BEMA tracks {len(self._names)} parameter tensors "
                        f"({sum(p.numel() for p in self._params):,} values) on {self.device or 'their own devices'}.")
 
     def _buffer_device(self, param: torch.Tensor) -> torch.device:
@@ -316,7 +321,7 @@ class BEMA(Callback):
             missing, extra = sorted(set(self._names) - set(saved)), sorted(set(saved) - set(self._names))
             raise ValueError(f"The BEMA checkpoint state does not match the module's trainable parameters "
                              f"(missing from the checkpoint: {missing[:5]}, unknown: {extra[:5]}). Resume with the "
-                             "same trainable parameters, or drop `checkpoint['callbacks']['BEMA']`.")
+                             "same trainable parameters, or drop the BEMA entry of `checkpoint['callbacks']`.")
         for name, p in zip(self._names, self._params):
             if state["bema"][name].shape != p.shape:
                 raise ValueError(f"BEMA checkpoint shape {tuple(state['bema'][name].shape)} for {name!r} does not "
@@ -326,28 +331,6 @@ class BEMA(Callback):
             for key in ("theta0", "ema", "bema")
         )
         self._step, self._num_updates = int(state["step"]), int(state["num_updates"])
-
-    def _resolve_ref_params(self, pl_module: pl.LightningModule, tracked: dict[str, torch.nn.Parameter]
-                            ) -> list[torch.Tensor]:
-        ref = getattr(pl_module, "ref_model", None)
-        if not isinstance(ref, torch.nn.Module):
-            raise ValueError(f"`BEMA(update_ref_model=True)` needs `pl_module.ref_model` (a torch.nn.Module), but "
-                             f"{type(pl_module).__name__}.ref_model is {type(ref).__name__}. Give the module a "
-                             "frozen reference model, or set update_ref_model=False.")
-        ref_named = dict(ref.named_parameters(remove_duplicate=False))
-        live_ptrs = {p.data_ptr() for p in tracked.values()}
-        shared = [n for n, p in ref_named.items() if p.data_ptr() in live_ptrs]
-        if shared:
-            raise ValueError(f"`pl_module.ref_model` has parameters that are being trained ({shared[:3]}): it is "
-                             "the policy itself or not frozen, and BEMA would overwrite the policy. Give it its own "
-                             "frozen copy, e.g. `copy.deepcopy(model).requires_grad_(False)`.")
-        ref_names = set(ref_named)
-        mapped = {n: ref_model_name(n, ref_names) for n in tracked}
-        missing = [n for n, r in mapped.items() if r is None or ref_named[r].shape != tracked[n].shape]
-        if missing:
-            raise ValueError(f"`pl_module.ref_model` has no parameter matching {missing[:5]} (name and shape). "
-                             "Tracked names map `model.<rest>` -> `<rest>`, other names to themselves.")
-        return [ref_named[mapped[n]] for n in tracked]
 
     def _on_optimizer_step(self, step: int) -> None:
         """TRL's on_step_end for the 1-based absolute step ``step``."""
@@ -396,5 +379,9 @@ class BEMA(Callback):
                 if "model." + key in self._alias:
                     weights[key] = self._bema[self._alias["model." + key]]
             export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=weights)
-            rank_zero_info(f"BEMA weights saved to {target}")
+            self._ns.rank_zero_info(f"BEMA weights saved to {target}")
         trainer.strategy.barrier("bema_export")
+
+
+class BEMA(_BEMA, Callback):
+    __doc__ = _BEMA.__doc__

@@ -30,6 +30,10 @@ Differences from plain ``ModelCheckpoint``:
   torchmetrics metric) to make the decision on the global value.
 * Checkpoint and export loads use ``torch.load(weights_only=True)``.
 * ``load_best_at_end`` and ``export_hf`` refuse sharded strategies (FSDP, DeepSpeed, ModelParallel) at setup.
+* With a callback that validates other weights than the live ones (``BEMA(evaluate_with_bema=True)``, through the
+  protocol in ``lit_trainer.callbacks._evaluated_weights``), each checkpoint keeps the live weights in
+  ``state_dict`` (it still resumes training) and the scored weights under ``checkpoint["evaluated_weights"]``;
+  ``load_best_at_end`` and ``export_hf`` use the scored ones. ``save_weights_only=True`` is then refused at setup.
 
 Resume: the best path and score, and the list of kept checkpoints, are part of the callback state (Lightning's
 ``ModelCheckpoint.state_dict``, tensors and primitives only); they are restored when ``dirpath`` is unchanged.
@@ -40,23 +44,21 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
-_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 HF_EXPORT_DIRNAME = "best"
 
 
@@ -73,13 +75,14 @@ def infer_mode(monitor: str) -> Literal["min", "max"]:
 
 
 def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The module ``state_dict`` stored in a Lightning checkpoint file, loaded safely (``weights_only=True``).
+    """The weights a Lightning checkpoint was scored with, loaded safely (``weights_only=True``).
 
     Args:
         path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``.
 
     Returns:
-        The ``"state_dict"`` entry (CPU tensors, memory-mapped).
+        The ``"state_dict"`` entry (CPU tensors, memory-mapped), with the weights a callback such as
+        ``BEMA(evaluate_with_bema=True)`` validated in place of the live ones, when the checkpoint holds them.
 
     Raises:
         RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
@@ -91,10 +94,10 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
             "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."
         ) from err
-    return checkpoint["state_dict"]
+    return scored_state_dict(checkpoint)
 
 
-class BestCheckpoint(ModelCheckpoint):
+class _BestCheckpoint(PackageBound):
     """Save a checkpoint only when ``monitor`` improves; optionally keep N, load the best at the end, export for HF.
 
     Args:
@@ -117,7 +120,8 @@ class BestCheckpoint(ModelCheckpoint):
 
     Raises:
         ValueError: For a bad ``mode`` or ``save_total_limit``; at setup, for ``export_hf`` without a
-            ``.model.save_pretrained`` or for ``load_best_at_end``/``export_hf`` under a sharded strategy.
+            ``.model.save_pretrained``, for ``load_best_at_end``/``export_hf`` under a sharded strategy, for
+            ``save_weights_only`` with a callback that validates other weights, or for two such callbacks.
 
     Example:
         >>> cb = BestCheckpoint(monitor="val_loss", save_total_limit=2, load_best_at_end=True)
@@ -165,6 +169,12 @@ class BestCheckpoint(ModelCheckpoint):
         self.load_best_at_end = load_best_at_end
         self.export_hf = export_hf
         self._decided_score: float = math.nan
+        self._scorer: Any = None  # the callback whose validation scores other weights than the live ones
+        self._saving = False  # True while this callback writes a checkpoint (its on_save_checkpoint adds weights)
+
+    @property
+    def _sharded(self) -> tuple[type, ...]:
+        return (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy, self._ns.ModelParallelStrategy)
 
     @property
     def hf_export_dir(self) -> str | None:
@@ -174,7 +184,7 @@ class BestCheckpoint(ModelCheckpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if (self.load_best_at_end or self.export_hf) and isinstance(trainer.strategy, _SHARDED):
+        if (self.load_best_at_end or self.export_hf) and isinstance(trainer.strategy, self._sharded):
             raise ValueError(
                 f"`BestCheckpoint(load_best_at_end={self.load_best_at_end}, export_hf={self.export_hf})` does not "
                 f"support {type(trainer.strategy).__name__} (sharded weights); set both to False, or use DDP."
@@ -184,6 +194,40 @@ class BestCheckpoint(ModelCheckpoint):
                 f"`BestCheckpoint(export_hf=True)` needs `{type(pl_module).__name__}.model` with a `save_pretrained` "
                 "method (a transformers model); set export_hf=False for other modules."
             )
+        self._check_scorers(trainer)
+
+    def _check_scorers(self, trainer: pl.Trainer) -> None:
+        """Find the callback (e.g. ``BEMA(evaluate_with_bema=True)``) whose scored weights the checkpoints keep."""
+        scorers = weight_scorers(trainer.callbacks)
+        names = [type(cb).__name__ for cb in scorers]
+        if len(scorers) > 1:
+            raise ValueError(f"BestCheckpoint: {names} all validate with other weights than the live ones, so the "
+                             "score belongs to no single set of weights; let only one of them evaluate its weights.")
+        if scorers and self.save_weights_only:
+            raise ValueError(f"`BestCheckpoint(save_weights_only=True)` cannot keep the weights {names[0]} scored "
+                             "beside the live ones; use save_weights_only=False (the checkpoint then resumes "
+                             "training with the live weights, and load_best_at_end / export_hf use the scored ones).")
+        self._scorer = scorers[0] if scorers else None
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+                           ) -> None:
+        """Put the weights the monitored score was measured on beside the live ``state_dict`` (own saves only)."""
+        if not (self._saving and self._scorer is not None):
+            return
+        weights = self._scorer.evaluated_weights()
+        if weights is None:
+            self._ns.rank_zero_warn(
+                f"BestCheckpoint: {type(self._scorer).__name__}'s scored weights are not available at step "
+                f"{trainer.global_step} (changed since the validation); this checkpoint keeps only "
+                "the live weights. Save at validation (no every_n_train_steps with a validation metric).")
+            return
+        live, copies = checkpoint["state_dict"], {}
+        for key, value in weights.items():
+            if key in live and id(value) not in copies:
+                copies[id(value)] = value.detach().to("cpu", copy=True)
+        # tied aliases (e.g. embedding and LM head) share one copy, as in the live state_dict
+        checkpoint[EVALUATED_WEIGHTS_KEY] = {k: copies[id(v)] for k, v in weights.items() if k in live}
 
     @override
     def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
@@ -205,7 +249,7 @@ class BestCheckpoint(ModelCheckpoint):
             score = torch.tensor(self._decided_score, dtype=torch.float64)
             self._update_best_and_save(score, trainer, monitor_candidates)
         elif self.verbose:
-            rank_zero_info(
+            self._ns.rank_zero_info(
                 f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={self._decided_score:.6g} did not "
                 f"improve on the best {self.best_model_score}; nothing saved."
             )
@@ -221,8 +265,8 @@ class BestCheckpoint(ModelCheckpoint):
         self.best_k_models[filepath] = score
         self.best_model_path, self.best_model_score = filepath, score
         if self.verbose:
-            rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best {self.monitor}={float(score):.6g}, "
-                           f"saving {filepath!r}")
+            self._ns.rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best "
+                                    f"{self.monitor}={float(score):.6g}, saving {filepath!r}")
         self._save_checkpoint(trainer, filepath)
         if self.export_hf:
             self._export_hf(trainer, filepath)
@@ -244,11 +288,19 @@ class BestCheckpoint(ModelCheckpoint):
     @override
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """Write to ``.<name>.partial`` then rename (global rank 0), so no incomplete file has the final name."""
-        if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
-            super()._save_checkpoint(trainer, filepath)
+        if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, self._ns.AsyncCheckpointIO):
+            self._saving = True
+            try:
+                super()._save_checkpoint(trainer, filepath)
+            finally:
+                self._saving = False
             return
         tmp = str(partial_path(filepath))
-        trainer.save_checkpoint(tmp, self.save_weights_only)
+        self._saving = True
+        try:
+            trainer.save_checkpoint(tmp, self.save_weights_only)
+        finally:
+            self._saving = False
         if trainer.is_global_zero:
             commit(tmp, filepath)
         trainer.strategy.barrier("BestCheckpoint._save_checkpoint")
@@ -288,11 +340,16 @@ class BestCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("BestCheckpoint.load_best")
         found = trainer.strategy.reduce_boolean_decision(bool(path) and os.path.isfile(path), all=True)
         if not found:
-            rank_zero_warn(
+            self._ns.rank_zero_warn(
                 f"BestCheckpoint(load_best_at_end=True): no best checkpoint file ({path!r}) on every rank; the module "
                 f"keeps its final weights. Was `{self.monitor}` logged during validation?"
             )
             return False
         pl_module.load_state_dict(load_checkpoint_state_dict(path), strict=True)
-        rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) from {path}")
+        self._ns.rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) "
+                                f"from {path}")
         return True
+
+
+class BestCheckpoint(_BestCheckpoint, ModelCheckpoint):
+    __doc__ = _BestCheckpoint.__doc__

@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
-from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
+
+from lit_trainer.callbacks._namespace import PackageBound
 
 _REQUIRED_INTERNALS = (
     ("fit_loop.epoch_loop.val_loop.setup_data", "the fit loop's validation loop"),
@@ -63,7 +63,7 @@ def check_lightning_internals(trainer: pl.Trainer) -> None:
             )
 
 
-class EvalOnStart(Callback):
+class _EvalOnStart(PackageBound):
     """Run a full validation pass before training starts and log it at step 0.
 
     Args:
@@ -83,10 +83,10 @@ class EvalOnStart(Callback):
         super().__init__()
         self.on_resume = on_resume
 
-    @staticmethod
-    def _check_validation_data(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    @classmethod
+    def _check_validation_data(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         name = type(pl_module).__name__
-        if not is_overridden("validation_step", pl_module):
+        if not cls._ns.is_overridden("validation_step", pl_module):
             raise RuntimeError(f"EvalOnStart needs validation data, but {name} defines no `validation_step`.")
         if trainer.limit_val_batches == 0:
             raise RuntimeError("EvalOnStart needs validation data, but `Trainer(limit_val_batches=0)` disables it.")
@@ -102,14 +102,15 @@ class EvalOnStart(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path is not None and not self.on_resume:
-            rank_zero_info("EvalOnStart: resuming from a checkpoint, skipping the start evaluation (on_resume=False).")
+            self._ns.rank_zero_info("EvalOnStart: resuming from a checkpoint, skipping the start evaluation "
+                                    "(on_resume=False).")
             return
         check_lightning_internals(trainer)
         self._check_validation_data(trainer, pl_module)
         self.run_validation(trainer)
 
-    @staticmethod
-    def run_validation(trainer: pl.Trainer) -> None:
+    @classmethod
+    def run_validation(cls, trainer: pl.Trainer) -> None:
         """Run the fit loop's validation loop now, without checkpoint or early-stopping side effects.
 
         Args:
@@ -120,7 +121,8 @@ class EvalOnStart(Callback):
         callback_metrics = dict(connector._callback_metrics)
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         all_callbacks = trainer.callbacks
-        trainer.callbacks = [cb for cb in all_callbacks if not isinstance(cb, (Checkpoint, EarlyStopping))]
+        quiet = (cls._ns.Checkpoint, cls._ns.EarlyStopping)
+        trainer.callbacks = [cb for cb in all_callbacks if not isinstance(cb, quiet)]
         try:
             with isolate_rng():
                 trainer.validating = True
@@ -132,3 +134,7 @@ class EvalOnStart(Callback):
             connector._first_loop_iter = first_loop_iter
             connector._callback_metrics.clear()
             connector._callback_metrics.update(callback_metrics)
+
+
+class EvalOnStart(_EvalOnStart, Callback):
+    __doc__ = _EvalOnStart.__doc__

@@ -8,10 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import atomic_directory
+from lit_trainer.callbacks._namespace import PackageBound
 
 
 def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None) -> Path:
@@ -39,11 +39,12 @@ def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict:
     return Path(target)
 
 
-class HFExport(Callback):
+class _HFExport(PackageBound):
     """Export ``pl_module.model`` (and ``pl_module.tokenizer``) with ``save_pretrained`` when fit ends.
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
     ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
+    A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step.
 
     Args:
         dirpath: export directory; default ``<trainer.log_dir>/hf_model`` (or ``<default_root_dir>/hf_model``).
@@ -63,15 +64,36 @@ class HFExport(Callback):
             return Path(self.dirpath)
         return Path(trainer.log_dir or trainer.default_root_dir) / "hf_model"
 
+    @staticmethod
+    def check_module(pl_module: pl.LightningModule) -> None:
+        """Refuse a module whose ``.model`` cannot be saved with ``save_pretrained`` (called before training).
+
+        Raises:
+            TypeError: naming what is missing and the fix.
+        """
+        name = type(pl_module).__name__
+        model = getattr(pl_module, "model", None)
+        if callable(getattr(model, "save_pretrained", None)):
+            return
+        found = f"{name} has no `.model`" if model is None else f"`{name}.model` is a {type(model).__name__}"
+        raise TypeError(f"HFExport needs `{name}.model` to be a transformers model with `save_pretrained`, but "
+                        f"{found}. Expose the model as `self.model` (e.g. an `AutoModelForCausalLM`), or remove "
+                        "HFExport for other modules.")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_module(pl_module)  # after configure_model (a lazily built .model exists), before any step
+
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = self.resolve_dir(trainer)
-        model = getattr(pl_module, "model", None)
-        if model is None or not hasattr(model, "save_pretrained"):
-            raise TypeError(f"HFExport needs `{type(pl_module).__name__}.model` to be a transformers model with "
-                            "`save_pretrained`; remove the callback for other modules.")
+        model = pl_module.model
         if trainer.is_global_zero:
             export_hf(model, getattr(pl_module, "tokenizer", None), target)
-            rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
+            self._ns.rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
         self.last_export = str(target)
         trainer.strategy.barrier("hf_export")
+
+
+class HFExport(_HFExport, Callback):
+    __doc__ = _HFExport.__doc__

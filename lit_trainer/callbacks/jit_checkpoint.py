@@ -58,12 +58,13 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
@@ -94,7 +95,7 @@ def _signal_numbers(signals: Sequence[str]) -> list[signal.Signals]:
     return [signal.Signals[s] for s in dict.fromkeys(signals)]
 
 
-class JITCheckpoint(Callback):
+class _JITCheckpoint(PackageBound):
     """Save the full training state at the next optimizer step after a signal, on every rank, then stop.
 
     See the module docstring for the protocol, the exit status and how to size the grace period.
@@ -185,6 +186,7 @@ class JITCheckpoint(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         if stage != TrainerFn.FITTING:
             return
         self._requested_at, self._done, self._at_boundary = None, False, False
@@ -194,7 +196,7 @@ class JITCheckpoint(Callback):
                            "until `min_steps`/`min_epochs` are reached; set an exit_code to stop right after the save.")
         # behind every other non-Checkpoint callback (rebinding, not mutating: the running hook loop is unaffected)
         others = [cb for cb in trainer.callbacks if cb is not self]
-        at = next((i for i, cb in enumerate(others) if isinstance(cb, Checkpoint)), len(others))
+        at = next((i for i, cb in enumerate(others) if isinstance(cb, self._ns.Checkpoint)), len(others))
         trainer.callbacks = others[:at] + [self] + others[at:]
 
     @override
@@ -276,3 +278,7 @@ def _remove_leftover(folder: Path, tmp: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+class JITCheckpoint(_JITCheckpoint, Callback):
+    __doc__ = _JITCheckpoint.__doc__

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lit_trainer.callbacks._namespace import PackageBound
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -193,7 +195,7 @@ class _MaskCapture:
         return self.batch_mask
 
 
-class NEFTune(Callback):
+class _NEFTune(PackageBound):
     """Add NEFTune noise to the input embeddings while training.
 
     Works on any LightningModule whose input embedding can be found (see ``find_input_embedding``). The hook is
@@ -338,6 +340,13 @@ class NEFTune(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.detach()
 
+    @property
+    @override
+    def state_key(self) -> str:
+        """``NEFTune{'embedding_path': ...}``: callbacks on different embeddings keep separate checkpoint states
+        (a checkpoint keyed ``NEFTune``, from earlier versions, still loads through Lightning's legacy key)."""
+        return self._generate_state_key(embedding_path=self.embedding_path)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._active_seed, "draws": self._draws, "noise_alpha": self.noise_alpha}
@@ -346,3 +355,7 @@ class NEFTune(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._active_seed = state_dict["seed"] if self.seed is None else self.seed
         self._draws = int(state_dict["draws"])
+
+
+class NEFTune(_NEFTune, Callback):
+    __doc__ = _NEFTune.__doc__

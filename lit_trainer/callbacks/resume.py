@@ -16,11 +16,12 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import (  # noqa: F401 (re-exported)
     SENTINEL_NAME,
     implicit_resume_sources,
@@ -116,7 +117,7 @@ def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-class ExactResume(Callback):
+class _ExactResume(PackageBound):
     """Save and restore every rank's RNG states so that a resumed run is the same run.
 
     What it does:
@@ -158,6 +159,7 @@ class ExactResume(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         if stage != TrainerFn.FITTING:
             return
         self._device, self._rank, self._trainer = trainer.strategy.root_device, trainer.global_rank, trainer
@@ -165,7 +167,7 @@ class ExactResume(Callback):
         # first, and the helper behind every other non-Checkpoint callback; rebinding (not mutating) the list
         # keeps the loop that calls this hook iterating the old one
         others = [cb for cb in trainer.callbacks if cb is not self and cb is not self._tail]
-        at = next((i for i, cb in enumerate(others) if isinstance(cb, Checkpoint)), len(others))
+        at = next((i for i, cb in enumerate(others) if isinstance(cb, self._ns.Checkpoint)), len(others))
         trainer.callbacks = [self] + others[:at] + [self._tail] + others[at:]
 
     @override
@@ -217,7 +219,7 @@ class _ExactResumeTail(Callback):
     """ExactResume's helper behind the other callbacks: records the states after a training batch's hooks and
     puts them back after a validation's hooks (stateless, so Lightning does not checkpoint it)."""
 
-    def __init__(self, owner: ExactResume) -> None:
+    def __init__(self, owner: _ExactResume) -> None:
         super().__init__()
         self.owner = owner
 
@@ -231,3 +233,7 @@ class _ExactResumeTail(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.owner._in_fit_validation():
             restore_rng(self.owner._before_validation, self.owner._device)  # type: ignore[arg-type]
+
+
+class ExactResume(_ExactResume, Callback):
+    __doc__ = _ExactResume.__doc__

@@ -1,0 +1,33 @@
+"""The same callbacks for projects that use the ``pytorch_lightning`` package (``import pytorch_lightning as pl``).
+
+``lightning.pytorch`` and ``pytorch_lightning`` are two copies of Lightning whose classes are distinct, and a trainer
+only recognises callbacks of its own package (``pytorch_lightning.Trainer`` looks for a
+``pytorch_lightning.callbacks.Checkpoint``; its helpers refuse a ``lightning.pytorch`` module). So each callback
+exists twice, built from one implementation (see ``lit_trainer/callbacks/_namespace.py``):
+
+* ``from lit_trainer.callbacks import BestCheckpoint`` for ``lightning.Trainer`` / ``lightning.pytorch.Trainer``;
+* ``from lit_trainer.callbacks.pytorch_lightning import BestCheckpoint`` for ``pytorch_lightning.Trainer`` (and
+  ``class_path: lit_trainer.callbacks.pytorch_lightning.BestCheckpoint`` in a ``pytorch_lightning`` CLI config).
+
+Same arguments, behaviour and checkpoint state keys (a checkpoint written under one package resumes under the other
+as far as Lightning itself allows). Importing this module needs the ``pytorch_lightning`` package.
+"""
+
+from __future__ import annotations
+
+from lit_trainer.callbacks import bema, checkpointing, eval_on_start, hf_export, jit_checkpoint, neftune, resume
+from lit_trainer.callbacks._namespace import namespace, twin
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
+
+namespace("pytorch_lightning")  # a clear error when the package is missing
+
+BEMA = twin(bema.BEMA, "pytorch_lightning", __name__)
+BestCheckpoint = twin(checkpointing.BestCheckpoint, "pytorch_lightning", __name__)
+EvalOnStart = twin(eval_on_start.EvalOnStart, "pytorch_lightning", __name__)
+ExactResume = twin(resume.ExactResume, "pytorch_lightning", __name__)
+HFExport = twin(hf_export.HFExport, "pytorch_lightning", __name__)
+JITCheckpoint = twin(jit_checkpoint.JITCheckpoint, "pytorch_lightning", __name__)
+NEFTune = twin(neftune.NEFTune, "pytorch_lightning", __name__)
+
+__all__ = ["BEMA", "BestCheckpoint", "EvalOnStart", "ExactResume", "HFExport", "JITCheckpoint", "JITCheckpointExit",
+           "NEFTune"]
