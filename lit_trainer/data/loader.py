@@ -121,11 +121,13 @@ class TrainLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.batch_sampler.set_epoch(self.epoch)
         self._generator.manual_seed(self.seed + self.epoch)
+        window = self.accumulate_grad_batches
+        # a mid-window resume re-reads (does not yield) the window's trained micro-batches: the count is the window's
+        replay = self._skipper.skip % window if self.count_items is not None else 0
+        self._skipper.skip -= replay
         self._consumed = self._skipper.skip
         batches = iter(self._inner)
-        window = self.accumulate_grad_batches
         while True:
-            # the first window after a mid-window resume is completed up to the next boundary
             chunk = list(islice(batches, window - self._consumed % window))
             if not chunk:
                 return
@@ -134,9 +136,11 @@ class TrainLoader:
                 count = torch.tensor(total, dtype=torch.int64)
                 for batch in chunk:
                     batch[NUM_ITEMS_KEY] = count
-            for batch in chunk:
+            self._consumed += min(replay, len(chunk))
+            for batch in chunk[replay:]:
                 self._consumed += 1
                 yield batch
+            replay = 0
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position"}``: the micro-batches of ``epoch`` already handed to the training loop."""
