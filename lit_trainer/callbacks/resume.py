@@ -10,6 +10,7 @@ resume (:mod:`.checkpoint_resolution`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +59,13 @@ def _flat_loaders(loaders: Any) -> list[Any]:
 
 def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _is_checkpoint_callback(callback: Any) -> bool:
+    """A ``Checkpoint`` of either package namespace (``lightning.pytorch`` or ``pytorch_lightning``, whichever the
+    project imported)."""
+    other = sys.modules.get("pytorch_lightning.callbacks")
+    return isinstance(callback, Checkpoint) or (other is not None and isinstance(callback, other.Checkpoint))
 
 
 def _strip_replay_markers(checkpoint: dict[str, Any]) -> None:
@@ -131,7 +139,7 @@ class ExactResume(Callback):
         # first, and the helper behind every other non-Checkpoint callback; rebinding (not mutating) the list
         # keeps the loop that calls this hook iterating the old one
         others = [cb for cb in trainer.callbacks if cb is not self and cb is not self._tail]
-        at = next((i for i, cb in enumerate(others) if isinstance(cb, Checkpoint)), len(others))
+        at = next((i for i, cb in enumerate(others) if _is_checkpoint_callback(cb)), len(others))
         trainer.callbacks = [self] + others[:at] + [self._tail] + others[at:]
 
     @override
