@@ -15,6 +15,7 @@ from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_trainer.callbacks import ExactResume
+from lit_trainer.callbacks._window_grads import mid_window_validation_error
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -58,3 +59,12 @@ def test_checkpoint_inside_an_accumulation_window_resumes_bit_exactly(tokenizer:
     assert rows == full_rows[3:] and rows[0][:2] == (1, 3)
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_sharded_strategy_with_validation_inside_windows_is_refused() -> None:
+    message = mid_window_validation_error("FSDPStrategy", False, 2, 3, True)
+    assert message is not None and "under FSDPStrategy" in message
+    assert "`val_check_interval` to a multiple of `accumulate_grad_batches` (2)" in message
+    assert mid_window_validation_error("FSDPStrategy", False, 2, 4, True) is None  # validations at step boundaries
+    assert mid_window_validation_error("DDPStrategy", True, 2, 3, True) is None  # gradients saved per rank
+    assert mid_window_validation_error("FSDPStrategy", False, 2, 3, False) is None  # no validation checkpoints

@@ -34,6 +34,24 @@ def grads_are_local(trainer: pl.Trainer) -> bool:
     return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not strategy.handles_gradient_accumulation
 
 
+def mid_window_validation_error(strategy: str, local_grads: bool, accumulate: int, val_check_batch: Any,
+                                validating: bool) -> str | None:
+    """Why a run cannot resume exactly from its validation checkpoints, or None.
+
+    Under a strategy whose gradients are sharded or held by the strategy (FSDP, DeepSpeed), the gradients of a window
+    in progress are not saved, so a validation between two micro-batches of one step (``val_check_batch`` counts
+    micro-batches) writes checkpoints that lose the window's first micro-batches.
+    """
+    if local_grads or not validating or accumulate <= 1 or not isinstance(val_check_batch, int):
+        return None
+    if val_check_batch % accumulate == 0:
+        return None
+    return (f"ExactResume: validation every {val_check_batch} micro-batches falls inside the accumulation windows of "
+            f"{accumulate} micro-batches, and under {strategy} the gradients of a window in progress cannot be saved, "
+            "so a run resumed from a checkpoint written at such a validation would not be exact. Set "
+            f"`val_check_interval` to a multiple of `accumulate_grad_batches` ({accumulate}), or drop ExactResume.")
+
+
 def collect_window_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of every parameter gradient accumulated so far in the window."""
     return {name: p.grad.detach().to("cpu", copy=True) for name, p in module.named_parameters() if p.grad is not None}

@@ -36,6 +36,7 @@ from lit_trainer.callbacks._rng_state import (  # noqa: F401 (re-exported)
 from lit_trainer.callbacks._window_grads import (
     collect_window_grads,
     grads_are_local,
+    mid_window_validation_error,
     restore_window_grads,
     window_in_progress,
 )
@@ -144,6 +145,12 @@ class ExactResume(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refusal = mid_window_validation_error(
+            type(trainer.strategy).__name__, grads_are_local(trainer), trainer.accumulate_grad_batches,
+            trainer.val_check_batch, trainer.enable_validation and any(map(_is_checkpoint_callback, trainer.callbacks)),
+        )
+        if refusal:
+            raise ValueError(refusal)
         self._install_replay(trainer, rebuild_iterator=True)
         unresumable = [type(x).__name__ for x in _flat_loaders(trainer.train_dataloader)
                        if not _is_stateful(x) and not isinstance(x, DataLoader)]
