@@ -53,7 +53,8 @@ def test_checkpoint_inside_an_accumulation_window_resumes_bit_exactly(tokenizer:
     # the validation after micro-batch 3 falls in step 1's window (micro-batches 2 and 3): only micro-batch 2 ran
     assert state["global_step"] == 1
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "position": 3}]
-    assert set(state["callbacks"]["ExactResume"]["window_grads"][0]) == {f"model.{n}" for n, _ in base.named_parameters()}
+    window_grads = state["callbacks"]["ExactResume"]["window_grads"]
+    assert set(window_grads[0]) == {f"model.{n}" for n, _ in base.named_parameters()}
     resumed, rows = _run(tokenizer, tmp_path, base, ckpt=path)
     # micro-batch 3 carries the token count of its whole window, as in the uninterrupted run
     assert rows == full_rows[3:] and rows[0][:2] == (1, 3)

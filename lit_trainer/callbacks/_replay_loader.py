@@ -46,7 +46,8 @@ class _SkipFirst:
 def loader_generators(loader: DataLoader) -> list[torch.Generator]:
     """The dedicated ``torch.Generator`` objects that drive ``loader``'s randomness (its own, its sampler's, its batch
     sampler's sampler's), without duplicates; the global generators are saved separately."""
-    holders = (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
     found = {id(g): g for g in (getattr(h, "generator", None) for h in holders) if isinstance(g, torch.Generator)}
     return list(found.values())
 

@@ -69,6 +69,11 @@ def _is_checkpoint_callback(callback: Any) -> bool:
     return isinstance(callback, Checkpoint) or (other is not None and isinstance(callback, other.Checkpoint))
 
 
+def _set_generator_states(loader: DataLoader, states: list[torch.Tensor]) -> None:
+    for generator, state in zip(loader_generators(loader), states, strict=False):  # a changed loader: warned elsewhere
+        generator.set_state(state)
+
+
 def _strip_replay_markers(checkpoint: dict[str, Any]) -> None:
     """Remove the (empty) states of :class:`ReplayLoader` wrappers from the fit loop's saved loader states, so the
     checkpoint resumes like any other, with or without ExactResume."""
@@ -181,7 +186,7 @@ class ExactResume(Callback):
         flat = combined.flattened
         wrapped = [ReplayLoader(x, self, i) if isinstance(x, DataLoader) and not _is_stateful(x) else x
                    for i, x in enumerate(flat)]
-        if all(a is b for a, b in zip(wrapped, flat)):
+        if all(a is b for a, b in zip(wrapped, flat, strict=True)):
             return
         combined.flattened = wrapped
         self._replays = [x for x in wrapped if isinstance(x, ReplayLoader)]
@@ -199,8 +204,7 @@ class ExactResume(Callback):
 
     def _restore_loader_states(self, loader: DataLoader, state: Mapping[str, Any]) -> None:
         apply_rng_state(state["rng"], self._device)
-        for generator, saved in zip(loader_generators(loader), state["generators"]):
-            generator.set_state(saved)
+        _set_generator_states(loader, state["generators"])
 
     def _own_state(self) -> dict[str, Any] | None:
         ranks = self._loaded["ranks"] if self._loaded is not None else []
@@ -221,8 +225,7 @@ class ExactResume(Callback):
                 apply_rng_state(own, self._device)
                 self._rng_applied = True
             if saved is not None:
-                for generator, state in zip(loader_generators(replay.loader), saved["generators"]):
-                    generator.set_state(state)
+                _set_generator_states(replay.loader, saved["generators"])
             return 0
         name = f"training loader {replay.index} ({type(replay.loader).__name__})"
         if saved is None or saved["epoch"] != trainer.current_epoch:
@@ -302,7 +305,9 @@ class ExactResume(Callback):
         self._loaded = state_dict
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         _strip_replay_markers(checkpoint)
 
 
