@@ -91,10 +91,16 @@ def test_synced_step_gradient_equals_the_full_batch_token_mean_gradient(run: Pat
     torch.testing.assert_close(ranks[0]["weights"]["model.norm.weight"], ranks[1]["weights"]["model.norm.weight"])
 
 
-def test_resume_in_the_middle_of_a_round_regenerates_on_every_rank(run: Path):
+def test_resume_in_the_middle_of_a_round_continues_the_same_rounds(run: Path):
     full, resumed = _facts(run, "full"), _facts(run, "resumed")
     for f, g in zip(full, resumed):
-        assert g["global_step"] == 2  # no rank hung on a collective the other rank skipped
-        # step 1 is half-way through round 0: the buffer is not in a DDP checkpoint, so both ranks regenerate
-        # round 0's prompts (the loader resumed at the same position) and finish the round from the buffer
-        assert g["calls"] == f["calls"][:1]
+        assert g["global_step"] == 4  # no rank hung on a collective the other rank skipped
+        # step 1 is half-way through round 0: every rank's buffer is in the checkpoint, so the resumed run finishes
+        # round 0 from it without generating, then generates round 1 with round 1's seed
+        assert g["calls"] == f["calls"][1:]
+    full_t, resumed_t = _tensors(run, "full"), _tensors(run, "resumed")
+    for f, g in zip(full_t, resumed_t):
+        assert torch.equal(f["rounds"][1]["completion_ids"], g["rounds"][0]["completion_ids"])
+        assert f["weights"].keys() == g["weights"].keys()
+        for name in f["weights"]:
+            assert torch.equal(f["weights"][name], g["weights"][name]), name

@@ -67,13 +67,23 @@ class _Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_plain_dataloader_warns_and_resume_callback_goes_first(tmp_path: Path) -> None:
+class _Batches:
+    """An iterable of batches that is neither a DataLoader (replayed by ExactResume) nor stateful."""
+
+    def __iter__(self):
+        return iter([torch.ones(2, 2), torch.ones(2, 2)])
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_loader_without_state_warns_and_resume_callback_goes_first(tmp_path: Path) -> None:
     callback = ExactResume()
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Callback(), callback], default_root_dir=tmp_path)
-    with pytest.warns(UserWarning, match=r"ExactResume: the training loader \(DataLoader\) .* cannot be restored"):
-        trainer.fit(_Linear(), DataLoader(torch.ones(4, 2), batch_size=2))
+    with pytest.warns(UserWarning, match=r"ExactResume: the training loader \(_Batches\) is neither .* not exact"):
+        trainer.fit(_Linear(), _Batches())
     assert trainer.callbacks[0] is callback
 
 

@@ -319,7 +319,8 @@ def test_resume_in_the_middle_of_a_generation_round_is_exact(tmp_path):
     # rounds start at steps 0 and 4; the checkpoint of step 2 is in the middle of the first round
     full, full_spy = fit(None, [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)])
     checkpoint = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)
-    assert checkpoint["grpo_rollouts"]["served"] == 2 and len(checkpoint["grpo_rollouts"]["slices"]) == 4
+    saved = checkpoint["grpo_rollouts"]
+    assert saved["world_size"] == 1 and saved["ranks"][0]["served"] == 2 and len(saved["ranks"][0]["slices"]) == 4
     resumed, resumed_spy = fit(str(tmp_path / "epoch=0-step=2.ckpt"), [])
     assert len(full_spy.calls) == 2 and resumed_spy.calls == full_spy.calls[1:]  # the buffer came back, no regeneration
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):

@@ -69,6 +69,13 @@ class RolloutBuffer:
         """True on the first micro-step of a round, or when the buffer is empty (e.g. after a DDP resume)."""
         return not self.slices or self.served >= self.round_length
 
+    @property
+    def next_round_index(self) -> int:
+        """The index of the round :meth:`fill` stores next: a new round, or the interrupted one when the buffer of a
+        round in progress was not restored (a resume with another world size), which must be regenerated with its
+        own seed, not the next round's."""
+        return self.rounds if self.served >= self.round_length else max(self.rounds - 1, 0)
+
     def end_round(self) -> None:
         """Make the next micro-step start a new round (its first micro-step generates)."""
         self.served = self.round_length
@@ -81,12 +88,12 @@ class RolloutBuffer:
             slice_tokens: (spg,) completion tokens of each slice summed over ranks (the normaliser parts).
             metrics: the round's generation metrics (served with every micro-step of the round).
         """
-        if self.served >= self.round_length:
-            self.served = 0  # a new round; a refill of an emptied buffer (resume) keeps the position instead
+        if self.served >= self.round_length:  # a new round; a refill of an emptied buffer (resume) keeps the position
+            self.served = 0
+            self.rounds += 1
         self.slices = slices
         self.slice_tokens = slice_tokens
         self.metrics = metrics
-        self.rounds += 1
 
     def shuffle(self, rows: dict[str, Tensor], generator: torch.Generator) -> list[dict[str, Tensor]]:
         """Permute the rows with ``generator`` and cut them into ``spg`` equal, trimmed slices."""

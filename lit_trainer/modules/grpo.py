@@ -18,9 +18,9 @@ reference, averaged over the step's micro-batches and the ranks.
 
 Randomness and resume. Sampling runs on the global RNG forked and seeded with a hash of ``(generation_seed, round,
 rank)``, and the buffer shuffle uses its own generator, so the training RNG stream is untouched and a resumed run
-regenerates identical rounds. Checkpoints store the round counters and, on a single process, the buffered rollouts
-(tensors only), so resuming in the middle of a round is exact. Under DDP rank 0 cannot hold the other ranks' buffers:
-a mid-round resume regenerates the round's completions on every rank for the same prompts.
+regenerates identical rounds. Checkpoints store the round counters and every rank's buffered rollouts (tensors only,
+gathered to the checkpoint under DDP), so resuming in the middle of a round is exact, on one process or several. Only
+a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 from typing_extensions import Self, override
 
+from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, REWARD_COLUMNS, RolloutGeometry
 from lit_trainer.data.repeat_sampler import needs_old_logps, resolve_generation_geometry
@@ -183,8 +184,11 @@ class GRPOModule(BaseModule):
         if self._restored is not None and self._buffer is not None:
             state, self._restored = self._restored, None
             self._seed = int(state["seed"])
-            keep = int(state["world_size"]) == 1 == self.trainer.world_size
-            self._buffer.load_state_dict(state if keep else {k: state[k] for k in ("served", "rounds")}, self.device)
+            ranks = state.get("ranks", [state])  # older checkpoints: one state, with rollouts on a single process
+            if len(ranks) == self.trainer.world_size == int(state["world_size"]):
+                self._buffer.load_state_dict(ranks[self.global_rank], self.device)
+            else:  # another world size: counters only, the interrupted round is regenerated
+                self._buffer.load_state_dict({k: ranks[0][k] for k in ("served", "rounds")}, self.device)
         if self._seed is None:
             self._seed = torch.initial_seed()
 
@@ -198,9 +202,8 @@ class GRPOModule(BaseModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._buffer is not None:
-            world = self.trainer.world_size
-            state = self._buffer.state_dict(with_rollouts=world == 1)
-            checkpoint[_STATE_KEY] = {"seed": self._seed, "world_size": world, **state}
+            ranks = gather_from_all_ranks(self._buffer.state_dict(with_rollouts=True))  # a collective under DDP
+            checkpoint[_STATE_KEY] = {"seed": self._seed, "world_size": len(ranks), "ranks": ranks}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -295,7 +298,7 @@ class GRPOModule(BaseModule):
     @torch.no_grad()
     def _make_rollouts(self, batch: dict[str, Any]) -> None:
         """Generate, score and buffer one round (see the module docstring)."""
-        rank, seed, round_index = self.global_rank, self._seed, self._buffer.rounds
+        rank, seed, round_index = self.global_rank, self._seed, self._buffer.next_round_index
         prompt_ids, prompt_mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         hp = self.hparams

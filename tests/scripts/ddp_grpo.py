@@ -9,8 +9,8 @@ and 8 x prompt 2), so prompt 1's group is split over the ranks and its advantage
 is 4 micro-steps = 2 optimizer steps.
 
 Phase 1 ("full"): 4 optimizer steps, a checkpoint after every step. Phase 2 ("resumed"): resume from the step-1
-checkpoint, which is in the middle of a round (under DDP the buffer is not saved, so both ranks regenerate), and
-finish the round (2 steps).
+checkpoint, which is in the middle of round 0 (the checkpoint holds every rank's buffer), and train to step 4 (round
+1 is generated after the resume), so its weights can be compared with phase 1's.
 
 Outputs in OUT_DIR, per rank ``r``: ``rank{r}.json`` (prompts of every generate call, steps) and ``rank{r}.pt``
 (round 0 before shuffling: completion ids and advantages; at step 0: the buffered slices and the synced gradient).
@@ -124,4 +124,4 @@ if __name__ == "__main__":
             json.dump(facts, f)
 
     run("full", None, STEPS)
-    run("resumed", os.path.join(out_dir, "ckpt", "epoch=0-step=1.ckpt"), 2)
+    run("resumed", os.path.join(out_dir, "ckpt", "epoch=0-step=1.ckpt"), STEPS)

@@ -1,0 +1,30 @@
+"""2-process DDP on CPU (gloo): ExactResume with a plain shuffled DataLoader (see tests/scripts/ddp_plain_resume.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_plain_resume.py"
+
+
+def test_ddp_resumes_mid_window_mid_epoch_and_at_the_epoch_boundary_bit_exactly(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=env, timeout=900, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mid_window = torch.load(tmp_path / "mid_window.ckpt", weights_only=True)
+    assert mid_window["global_step"] == 1
+    assert len(mid_window["callbacks"]["ExactResume"]["window_grads"]) == 2  # both ranks' half-window gradients
+    for rank in (0, 1):
+        full = torch.load(tmp_path / f"full_rank{rank}.pt", weights_only=True)
+        assert full["step"] == 8 and len(full["targets"]) == 16
+        for phase, trained in (("mid_window", 3), ("mid_epoch", 4), ("epoch_end", 8)):
+            resumed = torch.load(tmp_path / f"{phase}_rank{rank}.pt", weights_only=True)
+            assert resumed["targets"] == full["targets"][trained:], (phase, rank)
+            for name, value in full["weights"].items():
+                assert torch.equal(value, resumed["weights"][name]), (phase, rank, name)
