@@ -39,6 +39,95 @@ class _SkippingBatchSampler:
         self.batch_sampler = batch_sampler
         self.skip = 0
 
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self.skip = self.skip, 0
+        return islice(iter(self.batch_sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+class TrainLoader:
+    """A resumable training loader that attaches window item counts for token-exact accumulation.
+
+    Args:
+        dataset: a map-style dataset returning dict rows.
+        batch_sampler: a batch sampler following the protocol of :mod:`lit_trainer.data.batch_sampler`
+            (rank-aware, ``set_epoch``, same length on every rank).
+        collate_fn: turns a list of rows into a dict of tensors.
+        count_items: returns the number of loss items in a collated micro-batch (target tokens for SFT), or a 1-D
+            tensor of several counts (DPO: pairs and chosen tokens). ``None`` disables the count.
+        accumulate_grad_batches: micro-batches per optimizer step, used only while no ``windows`` source is set.
+        windows: returns the trainer's current :class:`~lit_trainer.data.windows.StepWindows` (the data modules
+            pass ``partial(step_windows, trainer)``; a ``BaseModule`` sets it on a loader that has none when
+            training starts). Read at the start of every window.
+        seed: base seed of the worker seeds (epoch ``e`` uses ``seed + e``), so no global RNG draw happens.
+        num_workers: ``DataLoader`` workers.
+        pin_memory: pin host memory.
+        persistent_workers: keep workers alive between epochs (requires ``num_workers > 0``).
+        prefetch_factor: batches prefetched per worker (requires ``num_workers > 0``).
+
+    Example::
+
+        loader = TrainLoader(ds, ShardedBatchSampler(len(ds), 8), collate, count_items=count_target_tokens)
+        for batch in loader:
+            batch["num_items_in_batch"]  # target tokens of this micro-batch's accumulation window (this rank)
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_sampler: Any,
+        collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        *,
+        count_items: Callable[[dict[str, Any]], int | torch.Tensor] | None = None,
+        accumulate_grad_batches: int = 1,
+        windows: Callable[[], StepWindows] | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
+        validate_loader_options(num_workers, persistent_workers, prefetch_factor)
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"`accumulate_grad_batches={accumulate_grad_batches}` is invalid: it must be >= 1.")
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.count_items = count_items
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.windows = windows
+        self.seed = seed
+        self.epoch = 0
+        self._consumed = 0
+        self._skipper = _SkippingBatchSampler(batch_sampler)
+        self._generator = torch.Generator()
+        self._inner = DataLoader(
+            dataset,
+            batch_sampler=self._skipper,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            generator=self._generator,
+        )
+
+    @property
+    def sampler(self) -> TrainLoader:
+        """Lightning calls ``loader.sampler.set_epoch(e)`` at every epoch start; route it to :meth:`set_epoch`."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; a pending resume position only applies to the epoch it was saved in."""
+        if epoch != self.epoch:
+            self._skipper.skip = 0
+        self.epoch = epoch
+        self.batch_sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.batch_sampler.set_epoch(self.epoch)
         self._generator.manual_seed(self.seed + self.epoch)
