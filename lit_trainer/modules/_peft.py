@@ -18,6 +18,7 @@ which is also the policy's starting point since LoRA starts with a zero update.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from collections.abc import Iterator, Mapping
@@ -67,7 +68,7 @@ def as_peft_config(spec: Any) -> Any:
     if not isinstance(spec, peft.PeftConfig):
         raise TypeError(f"`peft_config` must be a peft.PeftConfig (e.g. LoraConfig) or a mapping of its arguments, "
                         f"not {type(spec).__name__}.")
-    config = type(spec).from_dict(spec.to_dict())  # a copy: peft fills fields of the config it is given
+    config = copy.deepcopy(spec)  # peft fills fields of the config it is given: keep the caller's intact
     if config.task_type is None:
         config.task_type = "CAUSAL_LM"
     return config
@@ -77,7 +78,7 @@ def config_hparam(spec: Any) -> dict[str, Any] | None:
     """A plain (JSON) mapping of ``peft_config`` for ``hparams``: checkpoints stay loadable with ``weights_only``."""
     if spec is None or isinstance(spec, Mapping):
         return None if spec is None else dict(spec)
-    plain = json.dumps(spec.to_dict(), default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v))
+    plain = json.dumps(as_peft_config(spec).to_dict(), default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v))
     return json.loads(plain)
 
 
@@ -176,7 +177,7 @@ class AdapterReference:
 
     training = False
     #: why a separate reference cannot be written (appended to BEMA's error for ``update_ref_model=True``)
-    unsupported = (
+    why = (
         " (peft: the reference model is the policy network with its adapters disabled, with no weights of its own "
         "that BEMA could overwrite; writing the averaged adapter into the shared base would change the policy too)"
     )
