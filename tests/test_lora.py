@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from datasets import Dataset
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

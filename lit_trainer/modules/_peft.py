@@ -78,7 +78,8 @@ def config_hparam(spec: Any) -> dict[str, Any] | None:
     """A plain (JSON) mapping of ``peft_config`` for ``hparams``: checkpoints stay loadable with ``weights_only``."""
     if spec is None or isinstance(spec, Mapping):
         return None if spec is None else dict(spec)
-    plain = json.dumps(as_peft_config(spec).to_dict(), default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v))
+    as_list = lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)  # noqa: E731
+    plain = json.dumps(as_peft_config(spec).to_dict(), default=as_list)
     return json.loads(plain)
 
 
