@@ -183,3 +183,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(peft_config: dict | Non
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["sft_lora", "dpo_lora"])
+def test_lora_recipes_wrap_the_model_from_the_yaml_mapping(recipe: str, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    from lit_trainer.cli import LitTrainerCLI
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.yaml"
+    cli = LitTrainerCLI(args=["--config", str(config), "--trainer.logger=false"], run=False)
+    assert isinstance(cli.model.model, peft.PeftModel) and cli.model.model.peft_config["default"].r == 16
+    assert all(".lora_" in n for n, _ in cli.model.trainable_parameters())
