@@ -58,7 +58,10 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                             eval_max_new_tokens=4)
     before = exact_match(module)
     best = BestCheckpoint(dirpath=str(root / "ckpt"), monitor="train_loss", every_n_train_steps=50, export_hf=True)
-    callbacks = [HFExport(str(root / "adapter")), HFExport(str(root / "merged"), merge_adapters=True), best]
+    best_merged = BestCheckpoint(dirpath=str(root / "ckpt_merged"), monitor="loss", every_n_train_steps=50,
+                                 export_hf=True, merge_adapters=True, mode="min")  # another monitor: own state key
+    callbacks = [HFExport(str(root / "adapter")), HFExport(str(root / "merged"), merge_adapters=True), best,
+                 best_merged]
     pl.Trainer(max_steps=50, log_every_n_steps=10, callbacks=callbacks, **TRAINER).fit(module, sft_data())
     return {"root": root, "module": module, "before": before, "after": exact_match(module), "best": best}
 
@@ -112,9 +115,11 @@ def test_adapter_and_merged_exports_give_the_module_logits(lora_run: dict[str, A
         loaded = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
         torch.testing.assert_close(_logits(loaded, ids), expected, rtol=1e-5, atol=1e-5)
         assert AutoTokenizer.from_pretrained(str(adapter_dir)).encode("1+2=") == module.tokenizer.encode("1+2=")
-    merged = AutoModelForCausalLM.from_pretrained(str(root / "merged")).eval()
-    torch.testing.assert_close(_logits(merged, ids), expected, rtol=1e-4, atol=1e-4)
-    assert AutoTokenizer.from_pretrained(str(root / "merged")) is not None
+    for merged_dir in (root / "merged", root / "ckpt_merged" / "best"):
+        assert not (merged_dir / "adapter_config.json").exists()
+        merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+        torch.testing.assert_close(_logits(merged, ids), expected, rtol=1e-4, atol=1e-4)
+        assert AutoTokenizer.from_pretrained(str(merged_dir)).encode("1+2=") == module.tokenizer.encode("1+2=")
 
 
 def test_lora_checkpoint_holds_only_the_adapter_and_refuses_another_base(lora_run: dict[str, Any]) -> None:

@@ -179,6 +179,7 @@ class BaseModule(pl.LightningModule):
         super().save_hyperparameters(*args, ignore=[*ignore, "peft_config"], frame=frame, logger=logger)
         if getattr(self, "_peft_hparam", None) is not None:
             self._hparams["peft_config"] = self._peft_hparam
+            self._hparams_initial["peft_config"] = copy.deepcopy(self._peft_hparam)  # what loggers record
 
     @property
     def is_peft(self) -> bool:

@@ -106,7 +106,8 @@ class DPOModule(BaseModule):
     Args:
         model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
         ref_model: None (a frozen copy of the policy; with ``precompute_ref_log_probs`` no copy at all: the policy
-            scores the data before its first update), a path/hub id/preset to load, or a ``PreTrainedModel``.
+            scores the data before its first update; with ``peft_config`` the policy with its adapters disabled),
+            a path/hub id/preset to load, or a ``PreTrainedModel``.
         loss_type: one loss name or a list, from the pair types of ``dpo_loss`` plus ``"sft"``.
         loss_weights: one weight per loss type (default all 1.0). RPO is ``["sigmoid", "sft"]`` with ``[1.0, 1.0]``.
         beta: ``β`` of the pair losses and the rewards.
