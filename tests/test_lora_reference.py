@@ -139,3 +139,4 @@ def test_neftune_finds_the_embedding_through_the_peft_wrapper() -> None:
     noisy = embedding(ids)
     neftune.detach()
     assert (noisy - clean).abs().max() > 0 and torch.equal(clean, embedding(ids))
+
