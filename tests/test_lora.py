@@ -57,7 +57,8 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     module = CausalLMModule(str(root / "base"), peft_config=LORA, learning_rate=1e-2, eval_exact_match=True,
                             eval_max_new_tokens=4)
     before = exact_match(module)
-    best = BestCheckpoint(dirpath=str(root / "ckpt"), monitor="train_loss", every_n_train_steps=50, export_hf=True)
+    best = BestCheckpoint(dirpath=str(root / "ckpt"), monitor="train_loss", every_n_train_steps=50, export_hf=True,
+                          load_best_at_end=True)  # loads the adapter-only checkpoint back (non-strict)
     best_merged = BestCheckpoint(dirpath=str(root / "ckpt_merged"), monitor="loss", every_n_train_steps=50,
                                  export_hf=True, merge_adapters=True, mode="min")  # another monitor: own state key
     callbacks = [HFExport(str(root / "adapter")), HFExport(str(root / "merged"), merge_adapters=True), best,

@@ -15,8 +15,9 @@ from conftest import tiny_llama
 from lit_trainer import CausalLMModule, DPOModule, GRPOModule
 from lit_trainer.callbacks import BEMA, NEFTune
 from lit_trainer.callbacks.neftune import find_input_embedding
-from lit_trainer.data import SFTDataModule, builtin
+from lit_trainer.data import PromptDataModule, SFTDataModule, builtin
 from lit_trainer.data.preference import REF_CHOSEN_KEY, PreferenceDataModule
+from lit_trainer.models import build_tokenizer
 from lit_trainer.modules._peft import AdapterReference
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
@@ -99,16 +100,25 @@ def test_dpo_lora_precomputed_reference_equals_the_full_copy() -> None:
     assert isinstance(module.ref_model, AdapterReference)  # kept: it holds no weights, and scores new data
 
 
-def test_grpo_reference_log_probs_are_the_base_model_ones() -> None:
-    module = GRPOModule(tiny_llama(seed=9), peft_config=LORA, beta=0.04, reward_funcs=[lambda **_: [0.0]],
-                        num_generations=2)
+def _token_sum_reward(prompts: list, completions: list, completion_ids: list, **columns: object) -> list[float]:
+    """An arbitrary reward that differs between completions (non-zero advantages)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def test_grpo_lora_rollouts_carry_the_base_model_reference_log_probs() -> None:
+    module = GRPOModule(tiny_llama(seed=9), tokenizer=build_tokenizer(), peft_config=LORA, beta=0.04,
+                        reward_funcs=[_token_sum_reward],
+                        num_generations=2, max_completion_length=4, learning_rate=1e-2, generation_seed=0)
     assert isinstance(module.ref_model, AdapterReference)
-    _move_adapters(module)
-    rows = {"prompt_ids": torch.randint(3, 300, (2, 4)), "prompt_mask": torch.ones(2, 4, dtype=torch.long),
-            "completion_ids": torch.randint(3, 300, (2, 5)), "completion_mask": torch.ones(2, 5, dtype=torch.long)}
-    reference = module.completion_logps(module.ref_model, rows)[0]
-    torch.testing.assert_close(reference, module.completion_logps(tiny_llama(seed=9), rows)[0])
-    assert (module.completion_logps(module.model, rows)[0] - reference).abs().max() > 1e-2
+    data = PromptDataModule(tokenizer="tiny", dataset=builtin.prompt_rows("train").select(range(8)), val_size=0,
+                            batch_size=4, max_length=16, sampling="sequential")
+    pl.Trainer(max_steps=3, **TRAINER).fit(module, data)  # the adapters have moved before the last round
+    base = tiny_llama(seed=9)
+    rows = module._buffer.slices[0]
+    torch.testing.assert_close(rows["ref_logps"], module.completion_logps(base, rows)[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        policy = module.completion_logps(module.model, rows)[0]
+    assert (policy - rows["ref_logps"]).abs().max() > 1e-4  # the reference is not the trained policy
 
 
 def test_bema_averages_the_adapters_and_refuses_updating_a_shared_reference(tmp_path: Path) -> None:
