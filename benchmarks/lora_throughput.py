@@ -1,4 +1,4 @@
-"""LoRA vs full fine-tuning: tokens/s and memory of SFT and DPO on the same model and batches, plus gradient checkpointing.
+"""LoRA vs full fine-tuning: tokens/s and memory of SFT and DPO on the same model and batches; gradient checkpointing.
 
 Measured in one run, from the same starting weights, on the same built-in addition batches:
   * ``sft_full`` / ``sft_lora``: CausalLMModule step (forward, backward, AdamW step) training all weights vs LoRA
