@@ -27,7 +27,7 @@ from lit_trainer import CausalLMModule
 from lit_trainer.callbacks import BestCheckpoint, ExactResume, HFExport, JITCheckpoint
 from lit_trainer.data import SFTDataModule
 from lit_trainer.data.builtin import sft_rows
-from lit_trainer.modules import _adapter_checkpoint
+from lit_trainer.modules import _adapter_checkpoint, _peft
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 ROWS = sft_rows("train").select(range(64))
@@ -90,6 +90,10 @@ def test_peft_config_forms_and_errors() -> None:
         CausalLMModule(tiny_llama(), peft_config=[4])
     named = dict(typed.trainable_parameters())
     assert named and all(".lora_" in n for n in named)  # only adapters reach the optimizer
+    with pytest.raises(ValueError, match="FSDPStrategy is not supported.*strategy='ddp'"):
+        _peft.check_strategy(type("FSDPStrategy", (), {})())
+    with pytest.raises(ValueError, match="Linear does not support gradient checkpointing"):
+        _peft.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
 
 
 def test_lora_sft_raises_exact_match_and_changes_only_adapters(lora_run: dict[str, Any]) -> None:

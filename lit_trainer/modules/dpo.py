@@ -133,7 +133,8 @@ class DPOModule(BaseModule):
     Raises:
         ValueError: unknown loss types, mismatched weights, an f-divergence a selected type does not support, invalid
             ``beta``/``label_smoothing``/``discopop_tau``/``ld_alpha``/TR-DPO options, ``sync_ref_model`` with
-            ``precompute_ref_log_probs``, or ``ref_model`` being the policy object itself.
+            ``precompute_ref_log_probs`` or with ``peft_config``/``adapter_path``, or ``ref_model`` being the policy
+            object itself.
 
     Example::
 
