@@ -368,6 +368,11 @@ def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer
         for key in ("val_loss", "val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen"):
             assert r["precomputed"]["metrics"][key] == pytest.approx(r["live"]["metrics"][key], rel=1e-5, abs=1e-6)
     assert ranks[0]["ref_columns"] == ranks[1]["ref_columns"]  # both ranks hold every row after the all-gather
+    lora = [json.loads((tmp_path / f"lora_rank{r}.json").read_text()) for r in (0, 1)]  # LoRA: adapters-off reference
+    assert lora[0]["adapters"] == lora[1]["adapters"] and all(r["base_unchanged"] for r in lora)
+    assert lora[0]["reference"] == "AdapterReference" and any(v != 0 for n, v in lora[0]["adapters"].items()
+                                                                if "lora_B" in n)  # the adapters trained
+    assert all(".lora_" in k for k in torch.load(tmp_path / "lora.ckpt", weights_only=True)["state_dict"])
     # and the gathered rows (rank 0 scored 0, 2, 4, ..., rank 1 scored 1, 3, ...) are the single-process values
     pl.seed_everything(0)
     reference = tiny_llama(0)

@@ -32,8 +32,8 @@ def resolve_ref_params(pl_module: torch.nn.Module, tracked: dict[str, torch.nn.P
     ref = getattr(pl_module, "ref_model", None)
     if not isinstance(ref, torch.nn.Module):
         raise ValueError(f"`BEMA(update_ref_model=True)` needs `pl_module.ref_model` (a torch.nn.Module), but "
-                         f"{type(pl_module).__name__}.ref_model is {type(ref).__name__}. Give the module a "
-                         "frozen reference model, or set update_ref_model=False.")
+                         f"{type(pl_module).__name__}.ref_model is {type(ref).__name__}{getattr(ref, 'why', '')}. "
+                         "Give the module a frozen reference model, or set update_ref_model=False.")
     ref_named = dict(ref.named_parameters(remove_duplicate=False))
     live_ptrs = {p.data_ptr() for p in tracked.values()}
     shared = [n for n, p in ref_named.items() if p.data_ptr() in live_ptrs]

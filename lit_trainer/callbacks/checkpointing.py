@@ -109,7 +109,8 @@ class _BestCheckpoint(PackageBound):
             all. Must be >= 1.
         load_best_at_end: Load the best checkpoint's weights into the module when training ends, on every rank.
         export_hf: Also write ``.model`` (and ``.tokenizer``) with ``save_pretrained`` to ``<dirpath>/best/`` at each
-            new best, loadable by ``from_pretrained``.
+            new best, loadable by ``from_pretrained``. For a peft model: the adapter, as ``HFExport``.
+        merge_adapters: With ``export_hf`` and a peft model, export the merged model instead of the adapter.
         save_weights_only: Save only the module weights (the checkpoint cannot resume training).
         every_n_train_steps: Check for a new best every N optimizer steps (deferred to the next validation when the
             metric comes from validation), as ``ModelCheckpoint``.
@@ -144,6 +145,7 @@ class _BestCheckpoint(PackageBound):
         save_on_train_epoch_end: bool | None = None,
         auto_insert_metric_name: bool = True,
         verbose: bool = False,
+        merge_adapters: bool = False,
     ) -> None:
         if mode is not None and mode not in _IMPROVES:
             raise ValueError(f"`BestCheckpoint(mode={mode!r})` is invalid: use 'min', 'max' or None (inferred).")
@@ -168,6 +170,7 @@ class _BestCheckpoint(PackageBound):
         self.save_total_limit = save_total_limit
         self.load_best_at_end = load_best_at_end
         self.export_hf = export_hf
+        self.merge_adapters = merge_adapters
         self._decided_score: float = math.nan
         self._scorer: Any = None  # the callback whose validation scores other weights than the live ones
         self._saving = False  # True while this callback writes a checkpoint (its on_save_checkpoint adds weights)
@@ -317,7 +320,8 @@ class _BestCheckpoint(PackageBound):
             prefix = "model."
             state = load_checkpoint_state_dict(checkpoint_path)
             weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            export_hf(module.model, getattr(module, "tokenizer", None), self.hf_export_dir, state_dict=weights)
+            export_hf(module.model, getattr(module, "tokenizer", None), self.hf_export_dir, state_dict=weights,
+                      merge_adapters=self.merge_adapters)
         trainer.strategy.barrier("BestCheckpoint._export_hf")
 
     @override
@@ -345,7 +349,8 @@ class _BestCheckpoint(PackageBound):
                 f"keeps its final weights. Was `{self.monitor}` logged during validation?"
             )
             return False
-        pl_module.load_state_dict(load_checkpoint_state_dict(path), strict=True)
+        # a module that saves partial checkpoints (peft: trainable weights only) sets strict_loading = False
+        pl_module.load_state_dict(load_checkpoint_state_dict(path), strict=pl_module.strict_loading)
         self._ns.rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) "
                                 f"from {path}")
         return True

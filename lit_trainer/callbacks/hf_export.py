@@ -12,9 +12,11 @@ from typing_extensions import override
 
 from lit_trainer.callbacks._atomic import atomic_directory
 from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.callbacks._peft_export import is_adapter_model, save_adapter_model
 
 
-def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None) -> Path:
+def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None,
+              merge_adapters: bool = False) -> Path:
     """``save_pretrained`` the model (safetensors) and tokenizer into ``target`` atomically.
 
     Everything is written into a temporary sibling directory that replaces ``target`` only once complete
@@ -26,6 +28,8 @@ def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict:
         tokenizer: its tokenizer, or None.
         target: the export directory.
         state_dict: weights to save instead of the model's current ones (e.g. a best or averaged copy).
+        merge_adapters: for a peft model, write the base with the adapter merged in (a standalone transformers
+            model) instead of the adapter alone (see :mod:`lit_trainer.callbacks._peft_export`).
 
     Raises:
         TypeError: when ``model`` has no ``save_pretrained``.
@@ -33,7 +37,10 @@ def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict:
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"Cannot export {type(model).__name__} in HF format: it has no `save_pretrained`.")
     with atomic_directory(target) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if is_adapter_model(model):
+            save_adapter_model(model, tmp, state_dict, merge_adapters)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
     return Path(target)
@@ -45,17 +52,21 @@ class _HFExport(PackageBound):
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
     ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
     A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step.
+    For a peft (LoRA) model it writes the adapter, which loads with ``peft.PeftModel.from_pretrained(base, dirpath)``
+    on the same base model, or with ``merge_adapters=True`` the merged model; the tokenizer goes with both.
 
     Args:
         dirpath: export directory; default ``<trainer.log_dir>/hf_model`` (or ``<default_root_dir>/hf_model``).
+        merge_adapters: peft models only: export the base with the adapter merged in instead of the adapter.
 
     Example::
 
         trainer = Trainer(callbacks=[HFExport()])
     """
 
-    def __init__(self, dirpath: str | None = None) -> None:
+    def __init__(self, dirpath: str | None = None, merge_adapters: bool = False) -> None:
         self.dirpath = dirpath
+        self.merge_adapters = merge_adapters
         self.last_export: str | None = None
 
     def resolve_dir(self, trainer: pl.Trainer) -> Path:
@@ -89,7 +100,7 @@ class _HFExport(PackageBound):
         target = self.resolve_dir(trainer)
         model = pl_module.model
         if trainer.is_global_zero:
-            export_hf(model, getattr(pl_module, "tokenizer", None), target)
+            export_hf(model, getattr(pl_module, "tokenizer", None), target, merge_adapters=self.merge_adapters)
             self._ns.rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
         self.last_export = str(target)
         trainer.strategy.barrier("hf_export")

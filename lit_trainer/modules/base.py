@@ -21,6 +21,7 @@ norm, real (non-padding) tokens per second and the padding fraction, reduced ove
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -40,6 +41,7 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.rebalance import microbatch_cost
 from lit_trainer.data.windows import step_windows
 from lit_trainer.models import load_model, load_tokenizer
+from lit_trainer.modules import _adapter_checkpoint, _peft
 
 SchedulerName = Literal["cosine", "linear", "constant"]
 # strategies whose gradients are plain ``param.grad`` tensors once ``backward`` returns
@@ -109,6 +111,14 @@ class BaseModule(pl.LightningModule):
         min_lr_ratio: final learning rate as a fraction of the peak.
         max_grad_norm: gradient clipping by global norm when the Trainer sets no ``gradient_clip_val`` (HF's default
             1.0); None or 0 disables clipping (the norm is still logged).
+        peft_config: train adapters instead of all weights (needs ``pip install "lit_trainer[peft]"``): a
+            ``peft.LoraConfig`` (any ``peft.PeftConfig``), or a mapping such as ``{r: 16, lora_alpha: 32,
+            target_modules: all-linear}`` (``LoraConfig(**mapping)``; with a ``peft_type`` key,
+            ``peft.get_peft_config``). The model is wrapped here; checkpoints then hold only the trainable weights
+            (see :mod:`lit_trainer.modules._peft` and :mod:`lit_trainer.modules._adapter_checkpoint`).
+        adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
+        gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
+            non-reentrant): less activation memory, about one more forward of compute.
 
     Raises:
         ValueError: on a negative learning rate, warmup or ``max_grad_norm``.
@@ -128,8 +138,12 @@ class BaseModule(pl.LightningModule):
         scheduler: SchedulerName = "cosine",
         min_lr_ratio: float = 0.0,
         max_grad_norm: float | None = 1.0,
+        peft_config: Any = None,
+        adapter_path: str | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        self._peft_hparam = _peft.config_hparam(peft_config)
         if learning_rate < 0 or weight_decay < 0:
             raise ValueError(f"`learning_rate={learning_rate}`, `weight_decay={weight_decay}`: both must be >= 0.")
         if warmup_steps < 0:
@@ -144,6 +158,13 @@ class BaseModule(pl.LightningModule):
         # from_pretrained returns eval-mode models and Lightning 2.6 keeps each submodule's mode: train the policy in
         # train mode (dropout on), as the HF Trainer does
         self.model.train()
+        if gradient_checkpointing:
+            _peft.enable_gradient_checkpointing(self.model)
+        if peft_config is not None or adapter_path is not None:
+            self.model = _peft.wrap_model(self.model, peft_config, adapter_path, self.uses_reference_adapter)
+            self.strict_loading = False  # checkpoints hold only the trainable weights (_adapter_checkpoint)
+        self._frozen_fingerprint: dict[str, Any] | None = None
+        self.parameter_counts: tuple[int, int] | None = None
         if tokenizer is None and isinstance(model, str):
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer
@@ -156,6 +177,40 @@ class BaseModule(pl.LightningModule):
         self._warned_no_items = False
         self._last_global_step = 0
         self._reset_log_window()
+
+    #: DPO/GRPO: load ``adapter_path`` a second time as the frozen reference adapter
+    uses_reference_adapter = False
+
+    @override
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
+        """Lightning's, with ``peft_config`` stored as a plain mapping (a config object would make checkpoints
+        unloadable with ``weights_only=True``)."""
+        ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
+        frame = frame or inspect.currentframe().f_back
+        super().save_hyperparameters(*args, ignore=[*ignore, "peft_config"], frame=frame, logger=logger)
+        if getattr(self, "_peft_hparam", None) is not None:
+            self._hparams["peft_config"] = self._peft_hparam
+            self._hparams_initial["peft_config"] = copy.deepcopy(self._peft_hparam)  # what loggers record
+
+    @property
+    def is_peft(self) -> bool:
+        """Whether ``self.model`` is wrapped by peft (``peft_config`` or ``adapter_path``)."""
+        return _peft.is_peft_model(self.model)
+
+    def default_reference(self) -> Any:
+        """The reference model DPO/GRPO use when none is given: the policy with its adapters disabled under peft
+        (:class:`~lit_trainer.modules._peft.AdapterReference`, no copy), else a frozen in-memory copy."""
+        return _peft.reference_or_copy(self.model, frozen_copy)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.is_peft:  # adapter-only checkpoints
+            self._frozen_fingerprint = _adapter_checkpoint.drop_frozen(self, checkpoint, self._frozen_fingerprint)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.is_peft:
+            _adapter_checkpoint.check_frozen(self, checkpoint)
 
     # --------------------------------------------------------------------------------------------- subclass API
     def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -268,6 +323,9 @@ class BaseModule(pl.LightningModule):
     def on_train_start(self) -> None:
         # the step counter may start above 0 (resume): a change of it marks an optimizer step
         self._last_global_step = self.trainer.global_step
+        if self.is_peft:
+            _peft.check_strategy(self.trainer.strategy)
+        self.parameter_counts = _peft.log_parameter_counts(self.model)
         self._reset_log_window()
         self._bind_train_loaders()
 

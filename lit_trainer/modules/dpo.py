@@ -21,7 +21,7 @@ from lit_trainer.losses.dpo import (
 from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
 from lit_trainer.models import load_model
 from lit_trainer.modules import _ref_logps
-from lit_trainer.modules.base import BaseModule, frozen_copy
+from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = (*DPO_LOSS_TYPES, "sft")
@@ -98,10 +98,16 @@ class DPOModule(BaseModule):
     fails for an in-memory model), ``ref_model=None`` makes a frozen in-memory copy of the policy. Runs on one device
     or under DDP; sharded strategies (FSDP, DeepSpeed) are refused at setup.
 
+    With ``peft_config`` (LoRA) and ``ref_model=None`` there is no copy: the reference is the policy network with its
+    adapters disabled (the base model), or, with ``adapter_path``, with a frozen second load of that adapter active
+    (the adapter's starting point); see :class:`~lit_trainer.modules._peft.AdapterReference`. ``sync_ref_model`` is
+    refused then; ``precompute_ref_log_probs`` works and keeps that reference for new data.
+
     Args:
         model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
         ref_model: None (a frozen copy of the policy; with ``precompute_ref_log_probs`` no copy at all: the policy
-            scores the data before its first update), a path/hub id/preset to load, or a ``PreTrainedModel``.
+            scores the data before its first update; with ``peft_config`` the policy with its adapters disabled),
+            a path/hub id/preset to load, or a ``PreTrainedModel``.
         loss_type: one loss name or a list, from the pair types of ``dpo_loss`` plus ``"sft"``.
         loss_weights: one weight per loss type (default all 1.0). RPO is ``["sigmoid", "sft"]`` with ``[1.0, 1.0]``.
         beta: ``β`` of the pair losses and the rewards.
@@ -127,7 +133,8 @@ class DPOModule(BaseModule):
     Raises:
         ValueError: unknown loss types, mismatched weights, an f-divergence a selected type does not support, invalid
             ``beta``/``label_smoothing``/``discopop_tau``/``ld_alpha``/TR-DPO options, ``sync_ref_model`` with
-            ``precompute_ref_log_probs``, or ``ref_model`` being the policy object itself.
+            ``precompute_ref_log_probs`` or with ``peft_config``/``adapter_path``, or ``ref_model`` being the policy
+            object itself.
 
     Example::
 
@@ -135,6 +142,8 @@ class DPOModule(BaseModule):
         trainer = lightning.Trainer(max_steps=300, accumulate_grad_batches=2)
         trainer.fit(module, datamodule=PreferenceDataModule("runs/sft/hf_model", batch_size=32, max_length=32))
     """
+
+    uses_reference_adapter = True
 
     def __init__(
         self,
@@ -178,13 +187,17 @@ class DPOModule(BaseModule):
                              "that keeps changing cannot be precomputed. Turn one of them off.")
         if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
             raise ValueError(f"`precompute_ref_batch_size={precompute_ref_batch_size}` is invalid: use >= 1 or None.")
+        if sync_ref_model and self.is_peft:
+            raise ValueError("`DPOModule(sync_ref_model=True)` with `peft_config`/`adapter_path` is invalid: the "
+                             "reference is the policy network with its adapters disabled, which TR-DPO cannot mix "
+                             "into. Turn sync_ref_model off, or fine-tune all weights.")
         if reference is self.model:
             raise ValueError("`DPOModule(ref_model=...)` is the policy object itself: pass a separate model, or None "
                              "for a frozen copy.")
         if disable_dropout:
             disable_dropout_in_model(self.model)
         self.ref_model = self._build_reference(reference, precompute_ref_log_probs, trust_remote_code)
-        if self.ref_model is not None and disable_dropout:
+        if isinstance(self.ref_model, torch.nn.Module) and disable_dropout:
             disable_dropout_in_model(self.ref_model)
         self.val_metrics = torch.nn.ModuleDict({_slug(n): MeanMetric() for n in ("loss", *METRIC_NAMES)})
         self.val_metrics[_SFT_NLL] = MeanMetric()
@@ -192,8 +205,8 @@ class DPOModule(BaseModule):
         self._sync_params: tuple[list[Tensor], list[Tensor]] | None = None
 
     def _build_reference(self, reference: Any, precompute: bool, trust_remote_code: bool) -> torch.nn.Module | None:
-        if reference is None:
-            return None if precompute else frozen_copy(self.model)
+        if reference is None:  # under peft: the adapter-disabled policy (no copy), kept for precomputing new data
+            return None if precompute and not self.is_peft else self.default_reference()
         if isinstance(reference, str):
             reference = load_model(reference, trust_remote_code=trust_remote_code)
         reference.eval()
@@ -369,7 +382,7 @@ class DPOModule(BaseModule):
 
     def _release_reference(self) -> None:
         self._precomputed.released = True
-        if self.ref_model is not None:
+        if isinstance(self.ref_model, torch.nn.Module):  # the adapter-disabled policy holds nothing to free
             self.ref_model = None
             gc.collect()
             if torch.cuda.is_available():
@@ -379,16 +392,18 @@ class DPOModule(BaseModule):
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         if self._precomputed.entries:
             checkpoint[_ref_logps.CKPT_KEY] = self._precomputed.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the precomputed log-probs; reconcile ``ref_model.*`` weights saved before/after the release."""
+        super().on_load_checkpoint(checkpoint)
         self._precomputed.load_state_dict(checkpoint.get(_ref_logps.CKPT_KEY, {}))
         state = checkpoint.get("state_dict", {})
         saved = [k for k in state if k.startswith("ref_model.")]
-        if self.ref_model is None:
+        if not isinstance(self.ref_model, torch.nn.Module):  # released, or the adapter-disabled policy
             for name in saved:
                 del state[name]
         elif not saved:

@@ -46,7 +46,7 @@ from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules._grpo_normaliser import StepNormaliser
 from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
 from lit_trainer.modules._rollout_buffer import RolloutBuffer
-from lit_trainer.modules.base import GRAD_RESCALE_STRATEGIES, BaseModule, frozen_copy
+from lit_trainer.modules.base import GRAD_RESCALE_STRATEGIES, BaseModule
 from lit_trainer.rewards import call_reward_functions, reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
@@ -80,7 +80,9 @@ class GRPOModule(BaseModule):
         epsilon: lower clip; also the upper one when ``epsilon_high`` is None.
         epsilon_high: upper clip (and the CISPO cap).
         delta: two-sided cap of the unclipped ratio (> 1), None = off.
-        beta: KL coefficient; != 0 keeps a frozen in-memory copy of the initial policy as reference model.
+        beta: KL coefficient; != 0 keeps a frozen in-memory copy of the initial policy as reference model (with
+            ``peft_config`` no copy: the policy with its adapters disabled, or the adapter ``adapter_path`` started
+            from; see :class:`~lit_trainer.modules._peft.AdapterReference`).
         use_bias_correction_kl: weight the k3 KL by the per-token ratio.
         importance_sampling_level: "token" or "sequence" (GSPO).
         scale_rewards: "group", "batch" or "none".
@@ -102,6 +104,8 @@ class GRPOModule(BaseModule):
         trainer = lightning.Trainer(max_steps=200, accumulate_grad_batches=1)
         trainer.fit(module, datamodule=PromptDataModule(batch_size=64, max_length=16))
     """
+
+    uses_reference_adapter = True
 
     def __init__(
         self,
@@ -146,7 +150,7 @@ class GRPOModule(BaseModule):
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs"])
         self.hparams["reward_funcs"] = [f if isinstance(f, str) else reward_function_name(f)
                                         for f in rollout.as_list(reward_funcs)]  # names only: checkpoint-safe
-        self.ref_model = frozen_copy(self.model) if beta != 0 else None
+        self.ref_model = self.default_reference() if beta != 0 else None  # under peft: adapters disabled, no copy
         self.rollout_geometry: RolloutGeometry | None = None
         self._buffer: RolloutBuffer | None = None
         self._restored: dict[str, Any] | None = None
@@ -201,12 +205,14 @@ class GRPOModule(BaseModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         if self._buffer is not None:
             ranks = gather_from_all_ranks(self._buffer.state_dict(with_rollouts=True))  # a collective under DDP
             checkpoint[_STATE_KEY] = {"seed": self._seed, "world_size": len(ranks), "ranks": ranks}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self._restored = checkpoint.get(_STATE_KEY)
 
     # ---------------------------------------------------------------------------------------------- training

@@ -1,8 +1,9 @@
-"""DPOModule on 2 CPU ranks (gloo): a live-reference run and a precomputed-reference run with the same seed.
+"""DPOModule on 2 CPU ranks (gloo): a live-reference run and a precomputed-reference run with the same seed, then a
+LoRA run (reference = adapters disabled) that saves a checkpoint.
 
 21 training pairs (uneven shards for the precompute pass: 11 + 10 rows), 5 validation pairs, batch 4, 3 steps.
-Usage: python ddp_dpo.py OUT_DIR  (writes OUT_DIR/rank{0,1}.json, checked by
-tests/test_dpo_module.py::test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live)
+Usage: python ddp_dpo.py OUT_DIR  (writes OUT_DIR/rank{0,1}.json, OUT_DIR/lora_rank{0,1}.json, OUT_DIR/lora.ckpt,
+checked by tests/test_dpo_module.py::test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live)
 """
 
 import json
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import ByT5Tokenizer
 
@@ -55,3 +57,16 @@ if __name__ == "__main__":
             result["ref_columns"] = {split: [list(ds["ref_chosen_logps"]), list(ds["ref_rejected_logps"])]
                                      for split, ds in (("train", dm.train_dataset), ("validation", dm.val_dataset))}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    lora = DPOModule(tiny_llama(0), peft_config={"r": 4, "target_modules": "all-linear"}, learning_rate=1e-2, beta=0.1)
+    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(lora, datamodule=datamodule())
+    trainer.save_checkpoint(out / "lora.ckpt")
+    base = dict(tiny_llama(0).named_parameters())
+    frozen = {n.replace(".base_layer", ""): p for n, p in lora.model.get_base_model().named_parameters()
+              if "lora_" not in n}
+    (out / f"lora_rank{trainer.global_rank}.json").write_text(json.dumps({
+        "adapters": {n: p.detach().double().sum().item() for n, p in lora.trainable_parameters()},
+        "base_unchanged": all(torch.equal(frozen[n], p) for n, p in base.items()),
+        "reference": type(lora.ref_model).__name__}))

@@ -1,0 +1,82 @@
+"""Adapter-only checkpoints: under peft a checkpoint holds what training changes, not the frozen base.
+
+``drop_frozen`` removes every frozen parameter (the base model, a frozen ``"reference"`` adapter, an explicit frozen
+reference model) from ``checkpoint["state_dict"]``; trainable parameters, buffers, optimizer, scheduler and callback
+states stay. In its place the checkpoint records a fingerprint of the frozen weights (names, shapes, dtypes and a
+float64 checksum), and ``check_frozen`` compares it on load: resuming onto a different base fails with an error instead
+of silently training another model. The module loads non-strictly (Lightning's ``strict_loading = False``, the
+documented way to load partial checkpoints); ``check_frozen`` makes sure every trainable parameter is in the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+
+FINGERPRINT_KEY = "lit_trainer_frozen_weights"
+
+
+def frozen_names(module: torch.nn.Module) -> list[str]:
+    """State-dict names of the frozen parameters of ``module`` (tied aliases included)."""
+    return [n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+
+def trainable_names(module: torch.nn.Module) -> list[str]:
+    """State-dict names of the trainable parameters of ``module`` (tied aliases included)."""
+    return [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
+
+
+@torch.no_grad()
+def fingerprint(module: torch.nn.Module) -> dict[str, Any]:
+    """``{"layout": sha256 of names/shapes/dtypes, "checksum": float64 sum of |w|}`` over the frozen parameters."""
+    named = dict((n, p) for n, p in module.named_parameters() if not p.requires_grad)
+    layout = hashlib.sha256("|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named.items()).encode())
+    checksum = sum(float(p.detach().abs().sum(dtype=torch.float64)) for p in named.values())
+    return {"layout": layout.hexdigest(), "checksum": checksum, "count": len(named)}
+
+
+def drop_frozen(module: torch.nn.Module, checkpoint: dict[str, Any], cached: dict[str, Any] | None) -> dict[str, Any]:
+    """Remove the frozen parameters from ``checkpoint["state_dict"]`` and record their fingerprint.
+
+    Args:
+        module: the LightningModule.
+        checkpoint: the checkpoint being written.
+        cached: the fingerprint computed at an earlier save (frozen weights do not change), or None.
+
+    Returns:
+        The fingerprint (for the caller to cache).
+    """
+    print_ = fingerprint(module) if cached is None else cached
+    state = checkpoint.get("state_dict")
+    if state is not None:
+        for name in frozen_names(module):
+            state.pop(name, None)
+    checkpoint[FINGERPRINT_KEY] = dict(print_)
+    return print_
+
+
+def check_frozen(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Check an adapter-only checkpoint against the live module before Lightning loads it.
+
+    Raises:
+        ValueError: the checkpoint lacks trainable parameters of the module, or was made on other frozen weights.
+    """
+    saved = checkpoint.get(FINGERPRINT_KEY)
+    state = checkpoint.get("state_dict", {})
+    missing = [n for n in trainable_names(module) if n not in state]
+    if missing:
+        raise ValueError(f"The checkpoint has no values for trainable parameters {missing[:3]} (of {len(missing)}): "
+                         "it was written by a module with other adapters. Resume with the same peft_config / "
+                         "adapter_path as the run that wrote it.")
+    if saved is None:
+        return  # a full checkpoint: every weight is in the file
+    live = fingerprint(module)
+    same = saved["layout"] == live["layout"] and math.isclose(saved["checksum"], live["checksum"], rel_tol=1e-6)
+    if not same:
+        raise ValueError("The checkpoint holds only the trainable (adapter) weights, and the frozen base weights of "
+                         "this module differ from those it was trained on (layout or checksum of the "
+                         f"{live['count']} frozen tensors, saved {saved['count']}). Build the module on the same base "
+                         "model as the run that wrote the checkpoint.")
