@@ -91,9 +91,9 @@ class PromptDataModule(BaseDataModule):
     """Prompts for GRPO: a prompt column, plus any other columns, passed to the reward functions row by row.
 
     * Standard prompts (strings) are tokenized with the tokenizer's default special tokens (a BOS is kept), except
-      that an EOS the tokenizer appends (ByT5 does) is dropped: a prompt must not end the text before the
-      completion starts. The reference keeps that EOS (reference/trl.md 2.5), which makes a byte-level model trained
-      by SFT on ``prompt + completion`` see an unfamiliar ``</s>`` before its answer.
+      that an EOS the tokenizer appends (``ByT5Tokenizer`` does; the presets' tokenizer does not) is dropped: a
+      prompt must not end the text before the completion starts. TRL's GRPOTrainer keeps that EOS, which makes a
+      byte-level model trained by SFT on ``prompt + completion`` see an unfamiliar ``</s>`` before its answer.
     * Conversational prompts (lists of ``{"role", "content"}`` messages) go through the tokenizer's chat template
       with ``add_generation_prompt=True``; a tokenizer without a template is an error.
     * Prompts are never truncated (as the reference); prompts longer than ``max_length`` tokens are dropped and
