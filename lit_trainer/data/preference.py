@@ -1,9 +1,9 @@
 """PreferenceDataModule: prompt/chosen/rejected rows for DPO, preprocessed and collated as TRL 1.16's DPOTrainer.
 
-Preprocessing (reference/trl.md 1.2), in order: rows are validated (a malformed row raises an error naming its index
-and column); an implicit prompt (no ``prompt`` column) is extracted as the common prefix of chosen and rejected;
-standard (string) rows get the tokenizer's EOS string appended to each completion; then
-``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat template with
+Preprocessing (as TRL's DPOTrainer), in order: rows are validated before any split (a malformed row raises an error
+naming its file and line, or its index, and its column); an implicit prompt (no ``prompt`` column) is extracted as
+the common prefix of chosen and rejected; standard (string) rows get the tokenizer's EOS string appended to each
+completion; then ``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat template with
 ``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common prefix. With
 ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and counted.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
-from lit_trainer.data.sources import describe_columns
+from lit_trainer.data.sources import Locator, describe_columns
 
 TruncationMode = Literal["keep_start", "keep_end"]
 REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
@@ -60,31 +61,50 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
     return chosen[:i], chosen[i:], rejected[i:]
 
 
-def _row_error(split: str, index: int, column: str, problem: str) -> ValueError:
-    return ValueError(f"Malformed preference row {index} of the {split} data, column {column!r}: {problem}. Fix or "
-                      "drop that row (chosen and rejected must be non-empty strings, or lists of "
-                      "{'role': str, 'content': str} messages).")
+class _RowProblem(Exception):
+    """A malformed cell, raised by the row checks and reported with the row's location."""
+
+    def __init__(self, column: str, problem: str) -> None:
+        super().__init__(column, problem)
+        self.column, self.problem = column, problem
 
 
-def _check_value(value: Any, split: str, index: int, column: str, allow_empty: bool) -> bool:
-    """Validate one cell; return True when it is a conversation (a list of messages)."""
-    if value is None:
-        raise _row_error(split, index, column, "the value is missing")
+def _check_value(value: Any, column: str, allow_empty: bool) -> bool:
+    """Validate one cell; return True when it is a conversation (a list of messages).
+
+    Raises:
+        _RowProblem: naming the column and what is wrong.
+    """
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise _RowProblem(column, "the value is missing (an empty cell or null)")
     if isinstance(value, str):
         if not value and not allow_empty:
-            raise _row_error(split, index, column, "the value is empty")
+            raise _RowProblem(column, "the value is empty")
         return False
     if not isinstance(value, list):
-        raise _row_error(split, index, column, f"expected a string or a list of messages, got {type(value).__name__}")
+        raise _RowProblem(column, f"expected a string or a list of messages, got {type(value).__name__}")
     if not value and not allow_empty:
-        raise _row_error(split, index, column, "the message list is empty")
+        raise _RowProblem(column, "the message list is empty")
     for m, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _row_error(split, index, column, f"message {m} is not a {{'role': str, 'content': str}} dict")
+            raise _RowProblem(column, f"message {m} is not a {{'role': str, 'content': str}} dict")
         if not isinstance(message.get("content"), str):
-            raise _row_error(split, index, column,
-                             f"message {m} has non-string content ({type(message.get('content')).__name__})")
+            raise _RowProblem(column, f"message {m} has non-string content ({type(message.get('content')).__name__})")
     return True
+
+
+def _check_row(row: dict[str, Any]) -> None:
+    """Validate a row's prompt (optional, may be empty), chosen and rejected cells, and that they share one format.
+
+    Raises:
+        _RowProblem: naming the column and what is wrong.
+    """
+    formats = {column: _check_value(row[column], column, allow_empty=False) for column in ("chosen", "rejected")}
+    if "prompt" in row:
+        formats["prompt"] = _check_value(row["prompt"], "prompt", allow_empty=True)
+    odd = next((column for column, is_chat in formats.items() if is_chat != formats["chosen"]), None)
+    if odd is not None:
+        raise _RowProblem(odd, "mixes plain strings and message lists within one row")
 
 
 class PreferenceCollator:
@@ -165,18 +185,27 @@ class PreferenceDataModule(BaseDataModule):
         self._reference_keys: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------------ preprocessing
-    def _normalise(self, row: dict[str, Any], index: int, split: str, explicit: bool) -> tuple[Any, Any, Any, bool]:
-        """Validate a row; return ``(prompt, chosen, rejected, is_conversation)`` with the prompt made explicit."""
-        formats = {column: _check_value(row[column], split, index, column, allow_empty=False)
-                   for column in ("chosen", "rejected")}
+    @staticmethod
+    def _normalise(row: dict[str, Any], explicit: bool) -> tuple[Any, Any, Any, bool]:
+        """``(prompt, chosen, rejected, is_conversation)`` of a checked row, with the prompt made explicit."""
+        is_chat = isinstance(row["chosen"], list)
         if explicit:
-            formats["prompt"] = _check_value(row["prompt"], split, index, "prompt", allow_empty=True)
-        odd = next((column for column, is_chat in formats.items() if is_chat != formats["chosen"]), None)
-        if odd is not None:
-            raise _row_error(split, index, odd, "mixes plain strings and message lists within one row")
-        if explicit:
-            return row["prompt"], row["chosen"], row["rejected"], formats["chosen"]
-        return (*extract_prompt(row["chosen"], row["rejected"]), formats["chosen"])
+            return row["prompt"], row["chosen"], row["rejected"], is_chat
+        return (*extract_prompt(row["chosen"], row["rejected"]), is_chat)
+
+    @override
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        columns = [c for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
+        if "chosen" not in columns or "rejected" not in columns:
+            return  # _preprocess names the missing columns
+        for index, values in enumerate(zip(*(rows[c] for c in columns))):
+            try:
+                _check_row(dict(zip(columns, values)))
+            except _RowProblem as bad:
+                message = (f"Malformed preference row at {where(index)}, column {bad.column!r}: {bad.problem}. Fix "
+                           "or drop that row (chosen and rejected must be non-empty strings, or lists of "
+                           "{'role': str, 'content': str} messages).")
+                raise ValueError(message) from None
 
     def _encode_text(self, prompt: str, chosen: str, rejected: str) -> list[list[int]]:
         tok, eos = self.tokenizer, self.tokenizer.eos_token
@@ -196,12 +225,12 @@ class PreferenceDataModule(BaseDataModule):
                 tok.apply_chat_template(prompt + chosen, **options),
                 tok.apply_chat_template(prompt + rejected, **options)]
 
-    def _tokenize(self, batch: dict[str, list], indices: list[int], split: str, explicit: bool) -> dict[str, list]:
+    def _tokenize(self, batch: dict[str, list], explicit: bool) -> dict[str, list]:
         out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated")}
         max_length = self.hparams.max_length
-        for i, index in enumerate(indices):
+        for i in range(len(batch["chosen"])):
             row = {key: values[i] for key, values in batch.items()}
-            prompt, chosen, rejected, is_chat = self._normalise(row, index, split, explicit)
+            prompt, chosen, rejected, is_chat = self._normalise(row, explicit)
             encode = self._encode_chat(row, prompt, chosen, rejected) if is_chat else self._encode_text(
                 prompt, chosen, rejected)
             prompt_ids, pc, pr = encode
@@ -226,7 +255,7 @@ class PreferenceDataModule(BaseDataModule):
         keep = ["answer"] if "answer" in rows.column_names else []
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
-            data = rows.map(lambda b, idx: self._tokenize(b, idx, split, explicit), batched=True, with_indices=True,
+            data = rows.map(lambda b: self._tokenize(b, explicit), batched=True,
                             remove_columns=[c for c in rows.column_names if c not in keep], desc=f"Tokenizing {split}")
         usable = data
         if self.hparams.truncation_mode == "keep_start":

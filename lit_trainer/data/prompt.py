@@ -28,7 +28,7 @@ from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.repeat_sampler import RepeatSampler
-from lit_trainer.data.sources import describe_columns
+from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 
 PROMPT_IDS = "prompt_input_ids"
 PROMPT_MASK = "prompt_attention_mask"
@@ -85,6 +85,10 @@ class GenerationBatchSampler:
 
 def _is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    return None if _is_conversational(prompt) else missing_or_not_text(prompt)
 
 
 class PromptDataModule(BaseDataModule):
@@ -148,6 +152,11 @@ class PromptDataModule(BaseDataModule):
             return False
         with_special, plain = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
         return with_special == plain + [eos]
+
+    @override
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        if self.hparams.prompt_column in rows.column_names:  # else _check_format names the missing column
+            check_cells(rows, [self.hparams.prompt_column], where, _prompt_problem, "prompt row")
 
     def _check_format(self, rows: Dataset, split: str) -> None:
         column = self.hparams.prompt_column
