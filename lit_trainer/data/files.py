@@ -112,7 +112,7 @@ def read_file(path: Path, builder: str) -> Dataset:
 
 
 @cache
-def _row_lines(path: Path, builder: str, modified: float) -> tuple[str, list[int]]:  # noqa: ARG001 - cache key
+def _row_lines(path: Path, builder: str, modified: float) -> tuple[str, list[int]]:  # `modified`: cache key
     """``(unit, numbers)``: the 1-based line (or record/row) number of every row of a file, in row order."""
     if builder == "csv":
         with path.open(newline="", encoding="utf-8") as stream:

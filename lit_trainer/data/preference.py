@@ -3,9 +3,10 @@
 Preprocessing (as TRL's DPOTrainer), in order: rows are validated before any split (a malformed row raises an error
 naming its file and line, or its index, and its column); an implicit prompt (no ``prompt`` column) is extracted as
 the common prefix of chosen and rejected; standard (string) rows get the tokenizer's EOS string appended to each
-completion; then ``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat template with
-``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common prefix. With
-``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and counted.
+completion; then ``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat
+template with ``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common
+prefix. With ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and
+counted; pairs whose chosen and rejected rows are the same tokens (zero gradient) are counted and, by default, dropped.
 
 Collation (1.3): a micro-batch of B pairs becomes 2B right-padded rows, chosen rows ``0..B-1`` then rejected rows
 ``B..2B-1``, each truncated to ``max_length`` on its own (first or last tokens), with ``input_ids``,
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import warnings
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
+from lit_trainer.data.preference_checks import RowProblem, check_row
 from lit_trainer.data.sources import Locator, describe_columns
 
 TruncationMode = Literal["keep_start", "keep_end"]
@@ -61,50 +62,22 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
     return chosen[:i], chosen[i:], rejected[i:]
 
 
-class _RowProblem(Exception):
-    """A malformed cell, raised by the row checks and reported with the row's location."""
+def same_model_inputs(prompt: list[int], chosen: list[int], rejected: list[int], max_length: int,
+                      truncation_mode: TruncationMode) -> bool:
+    """Whether a pair's chosen and rejected rows are the same model inputs once truncated as the collator does.
 
-    def __init__(self, column: str, problem: str) -> None:
-        super().__init__(column, problem)
-        self.column, self.problem = column, problem
+    Such a pair has a zero DPO gradient: both log-probabilities, and both reference log-probabilities, are equal.
 
-
-def _check_value(value: Any, column: str, allow_empty: bool) -> bool:
-    """Validate one cell; return True when it is a conversation (a list of messages).
-
-    Raises:
-        _RowProblem: naming the column and what is wrong.
+    Example:
+        >>> same_model_inputs([7], [5, 1], [5, 1], 8, "keep_start")
+        True
+        >>> same_model_inputs([7], [5, 1, 9], [5, 1, 8], 2, "keep_start")  # both rows are cut to [7, 5]
+        True
     """
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        raise _RowProblem(column, "the value is missing (an empty cell or null)")
-    if isinstance(value, str):
-        if not value and not allow_empty:
-            raise _RowProblem(column, "the value is empty")
-        return False
-    if not isinstance(value, list):
-        raise _RowProblem(column, f"expected a string or a list of messages, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise _RowProblem(column, "the message list is empty")
-    for m, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _RowProblem(column, f"message {m} is not a {{'role': str, 'content': str}} dict")
-        if not isinstance(message.get("content"), str):
-            raise _RowProblem(column, f"message {m} has non-string content ({type(message.get('content')).__name__})")
-    return True
-
-
-def _check_row(row: dict[str, Any]) -> None:
-    """Validate a row's prompt (optional, may be empty), chosen and rejected cells, and that they share one format.
-
-    Raises:
-        _RowProblem: naming the column and what is wrong.
-    """
-    formats = {column: _check_value(row[column], column, allow_empty=False) for column in ("chosen", "rejected")}
-    if "prompt" in row:
-        formats["prompt"] = _check_value(row["prompt"], "prompt", allow_empty=True)
-    odd = next((column for column, is_chat in formats.items() if is_chat != formats["chosen"]), None)
-    if odd is not None:
-        raise _RowProblem(odd, "mixes plain strings and message lists within one row")
+    cut = _TRUNCATE[truncation_mode]
+    chosen_row, rejected_row = ((cut(prompt + c, max_length), cut([0] * len(prompt) + [1] * len(c), max_length))
+                                for c in (chosen, rejected))
+    return chosen_row == rejected_row
 
 
 class PreferenceCollator:
@@ -148,7 +121,8 @@ class PreferenceDataModule(BaseDataModule):
     messages, rendered with ``tokenizer.chat_template``; optional ``tools`` and ``chat_template_kwargs`` columns are
     forwarded). ``count_items`` is the number of PAIRS (DPO's loss is a per-pair mean). The ``length`` column holds
     the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
-    Counters in ``self.stats``: ``<split>_rows_truncated`` and ``<split>_rows_dropped_prompt_too_long``.
+    Counters in ``self.stats``: ``<split>_rows_truncated``, ``<split>_rows_dropped_prompt_too_long`` and
+    ``<split>_rows_identical_pairs``.
 
     Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
     instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
@@ -158,12 +132,17 @@ class PreferenceDataModule(BaseDataModule):
         truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
             or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
         pad_to_multiple_of: round padded lengths up to a multiple.
+        drop_identical_pairs: drop the pairs whose chosen and rejected rows are the same tokens once truncated
+            (e.g. ``"4"`` and ``"4</s>"``): their DPO gradient is zero. They are counted
+            (``<split>_rows_identical_pairs``) and reported in one warning either way. Keep them (False) when a
+            chosen-only term (``loss_type`` with ``"sft"``, ``rpo_alpha``) should still learn from them.
         **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
             ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
 
     Raises:
-        ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its index and column
-            are named), conversational rows without a chat template, or no row left after filtering.
+        ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its file and line,
+            or index, and its column are named), conversational rows without a chat template, or no row left after
+            filtering.
 
     Example::
 
@@ -174,7 +153,7 @@ class PreferenceDataModule(BaseDataModule):
     builtin = {"builtin:addition": builtin.preference_rows}
 
     def __init__(self, *args: Any, truncation_mode: TruncationMode = "keep_start",
-                 pad_to_multiple_of: int | None = None, **kwargs: Any) -> None:
+                 pad_to_multiple_of: int | None = None, drop_identical_pairs: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if truncation_mode not in _TRUNCATE:
             raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use 'keep_start' or 'keep_end'.")
@@ -200,8 +179,8 @@ class PreferenceDataModule(BaseDataModule):
             return  # _preprocess names the missing columns
         for index, values in enumerate(zip(*(rows[c] for c in columns))):
             try:
-                _check_row(dict(zip(columns, values)))
-            except _RowProblem as bad:
+                check_row(dict(zip(columns, values)))
+            except RowProblem as bad:
                 message = (f"Malformed preference row at {where(index)}, column {bad.column!r}: {bad.problem}. Fix "
                            "or drop that row (chosen and rejected must be non-empty strings, or lists of "
                            "{'role': str, 'content': str} messages).")
@@ -226,8 +205,8 @@ class PreferenceDataModule(BaseDataModule):
                 tok.apply_chat_template(prompt + rejected, **options)]
 
     def _tokenize(self, batch: dict[str, list], explicit: bool) -> dict[str, list]:
-        out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated")}
-        max_length = self.hparams.max_length
+        out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated", "identical")}
+        max_length, mode = self.hparams.max_length, self.hparams.truncation_mode
         for i in range(len(batch["chosen"])):
             row = {key: values[i] for key, values in batch.items()}
             prompt, chosen, rejected, is_chat = self._normalise(row, explicit)
@@ -240,6 +219,7 @@ class PreferenceDataModule(BaseDataModule):
                 out[name].append(value)
             out["length"].append(min(longest, max_length))
             out["truncated"].append(longest > max_length)
+            out["identical"].append(same_model_inputs(prompt_ids[:cut], pc[cut:], pr[cut:], max_length, mode))
         return out
 
     @override
@@ -261,7 +241,9 @@ class PreferenceDataModule(BaseDataModule):
         if self.hparams.truncation_mode == "keep_start":
             limit = self.hparams.max_length
             usable = data.filter(lambda b: [len(p) < limit for p in b["prompt_ids"]], batched=True)
-        dropped, truncated = len(data) - len(usable), sum(usable["truncated"])
+        dropped = len(data) - len(usable)
+        usable, identical = self._identical_pairs(usable, split)
+        truncated = sum(usable["truncated"])
         self.stats[f"{split}_rows_truncated"] = truncated
         self.stats[f"{split}_rows_dropped_prompt_too_long"] = dropped
         if truncated or dropped:
@@ -270,9 +252,24 @@ class PreferenceDataModule(BaseDataModule):
                            f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length "
                            "were dropped.")
         if len(usable) == 0:
-            raise ValueError(f"No {split} row is left: every prompt has >= max_length={self.hparams.max_length} "
-                             "tokens. Raise max_length, shorten the prompts or use truncation_mode='keep_end'.")
-        return usable.remove_columns("truncated")
+            raise ValueError(f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "
+                             f"max_length={self.hparams.max_length} tokens (raise max_length, shorten the prompts or "
+                             f"use truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
+                             "drop_identical_pairs=False keeps them).")
+        return usable.remove_columns(["truncated", "identical"])
+
+    def _identical_pairs(self, data: Dataset, split: str) -> tuple[Dataset, int]:
+        """Count (and by default drop) the pairs whose chosen and rejected inputs are the same; warn once."""
+        count = sum(data["identical"])
+        self.stats[f"{split}_rows_identical_pairs"] = count
+        if not count:
+            return data, 0
+        drop = self.hparams.drop_identical_pairs
+        rank_zero_warn(f"[lit_trainer] {split}: {count} preference rows have identical chosen and rejected tokens "
+                       f"(after truncation to max_length={self.hparams.max_length}), so their DPO gradient is zero; "
+                       + ("they were dropped (drop_identical_pairs=False keeps them)." if drop else
+                          "they are kept (drop_identical_pairs=False)."))
+        return (data.filter(lambda b: [not x for x in b["identical"]], batched=True) if drop else data), count
 
     # ------------------------------------------------------------------------------------------------- batches
     @override
