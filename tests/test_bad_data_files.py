@@ -125,3 +125,23 @@ def test_in_memory_rows_keep_their_index(tokenizer):
     rows = Dataset.from_dict({"prompt": ["a", "b", "c"], "completion": ["x", None, "z"]})
     with pytest.raises(ValueError, match=r"row 1 of the train data, column 'completion': the value is missing"):
         SFTDataModule(tokenizer=tokenizer, dataset=rows, val_size=0).setup("fit")
+
+
+@pytest.mark.parametrize("blank", [True, False])
+def test_mixed_json_types_name_the_line_as_written(tokenizer, tmp_path, blank):
+    # pyarrow refuses the type change (with a 0-based "row 1"), or datasets' fallback casts "1" to 1 so that the
+    # loaded row 0 looks wrong: either way the message names the line as written
+    path = tmp_path / "train.jsonl"
+    path.write_text(jsonl([{"prompt": "a", "completion": "1"}, *[""] * blank, {"prompt": "b", "completion": 2}]))
+    line = 3 if blank else 2
+    raises_one_message(rf"line {line} of {re.escape(str(path))}(: column 'completion' holds a number here but a "
+                       r"string on line 1|, column 'completion': expected text, got int 2)", "sft", tokenizer,
+                       str(path))
+
+
+def test_mixed_json_types_in_preference_data_name_the_line_as_written(tokenizer, tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"prompt": "a", "chosen": "1", "rejected": "x"}, {"prompt": "b", "chosen": 2, "rejected": "y"}]
+    path.write_text(jsonl(rows))
+    raises_one_message(rf"line 2 of {re.escape(str(path))}, column 'chosen': expected a string or a list of "
+                       "messages, got int", "preference", tokenizer, str(path))

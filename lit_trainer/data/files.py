@@ -12,7 +12,7 @@ import contextlib
 import csv
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -68,25 +68,42 @@ def _is_json_lines(lines: Sequence[str]) -> bool:
         return not first.lstrip().startswith("[")
 
 
+def _json_kind(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "number", float: "number", list: "list", dict: "object"}.get(type(value), "value")
+
+
 def first_json_error(path: Path) -> tuple[int, str] | None:
-    """``(line, problem)`` of the first JSON syntax error of a JSON-lines or JSON file; None when it parses."""
+    """``(line, problem)`` of the first problem a JSON-lines or JSON file has for ``datasets``: a syntax error, a line
+    that is not an object, or (JSON lines) a column whose type changes from one line to another. None if none."""
     text = path.read_text(encoding="utf-8", errors="replace")
     lines = text.splitlines()
     if not _is_json_lines(lines):
         try:
             json.loads(text)
         except json.JSONDecodeError as error:
-            return error.lineno, f"{error.msg} at column {error.colno}"
+            return error.lineno, f"not valid JSON ({error.msg} at column {error.colno})"
         return None
+    kinds: dict[str, tuple[str, int]] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError as error:
-            return number, f"{error.msg} at column {error.colno}"
-        if not isinstance(value, dict):
-            return number, f"expected one JSON object per line, got {type(value).__name__}"
+            return number, f"not valid JSON ({error.msg} at column {error.colno})"
+        if not isinstance(row, dict):
+            return number, f"expected one JSON object per line, got {type(row).__name__}"
+        for column, value in row.items():
+            kind, first = _json_kind(value), kinds.get(column)
+            if kind is not None and first is not None and first[0] != kind:
+                return number, (f"column {column!r} holds a {kind} here but a {first[0]} on line {first[1]} (a column "
+                                "has one type: quote the numbers of a text column)")
+            if kind is not None and first is None:
+                kinds[column] = (kind, number)
     return None
 
 
@@ -99,13 +116,14 @@ def read_file(path: Path, builder: str) -> Dataset:
     """
     _check_not_empty(path)
     try:
+        options = _read_options(path, builder)
         with _quiet(_JSON_LOADER_LOGGER):
-            return load_dataset(builder, data_files=[str(path)], split="train", **_read_options(path, builder))
+            return load_dataset(builder, data_files=[str(path)], split="train", **options)
     except Exception as error:  # noqa: BLE001 - datasets wraps every parser error; we name the file and line instead
         found = first_json_error(path) if builder == "json" else None
         if found is not None:
             line, problem = found
-            message = f"line {line} of {path}: not valid JSON ({problem}). Fix or remove that line."
+            message = f"line {line} of {path}: {problem}. Fix or remove that line."
         else:
             message = f"Cannot read {path} as {builder}: {_root_message(error)}"
     raise ValueError(message)
@@ -150,6 +168,21 @@ class RowLocator:
 
     def __init__(self, parts: Sequence[FilePart]) -> None:
         self.parts = list(parts)
+
+    def first_raw_problem(self, column: str, problem: Callable[[Any], str | None]) -> tuple[str, str] | None:
+        """``(where, problem)`` of the first row whose value AS WRITTEN in a JSON-lines file has a problem.
+
+        ``datasets`` casts a JSON column to one type (``"1"`` and ``2`` become ``1`` and ``2``), so the loaded value
+        of a row can hide which line is wrong; the raw lines cannot. None when the files are not JSON lines.
+        """
+        for part in self.parts:
+            lines = part.path.read_text(encoding="utf-8", errors="replace").splitlines()
+            if part.builder != "json" or not _is_json_lines(lines):
+                return None
+            for number, line in enumerate(lines, start=1):
+                if line.strip() and (found := problem(json.loads(line).get(column))) is not None:
+                    return f"line {number} of {part.path}", found
+        return None
 
     def __call__(self, index: int) -> str:
         for part in self.parts:

@@ -16,6 +16,7 @@ Collation (1.3): a micro-batch of B pairs becomes 2B right-padded rows, chosen r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -31,8 +32,8 @@ from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
-from lit_trainer.data.preference_checks import RowProblem, check_row
-from lit_trainer.data.sources import Locator, describe_columns
+from lit_trainer.data.preference_checks import RowProblem, check_row, value_problem
+from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
 TruncationMode = Literal["keep_start", "keep_end"]
 REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
@@ -181,7 +182,9 @@ class PreferenceDataModule(BaseDataModule):
             try:
                 check_row(dict(zip(columns, values)))
             except RowProblem as bad:
-                message = (f"Malformed preference row at {where(index)}, column {bad.column!r}: {bad.problem}. Fix "
+                check = functools.partial(value_problem, column=bad.column)
+                place, problem = locate_problem(where, index, bad.column, check, bad.problem)
+                message = (f"Malformed preference row at {place}, column {bad.column!r}: {problem}. Fix "
                            "or drop that row (chosen and rejected must be non-empty strings, or lists of "
                            "{'role': str, 'content': str} messages).")
                 raise ValueError(message) from None

@@ -50,3 +50,12 @@ def check_row(row: dict[str, Any]) -> None:
     odd = next((column for column, is_chat in formats.items() if is_chat != formats["chosen"]), None)
     if odd is not None:
         raise RowProblem(odd, "mixes plain strings and message lists within one row")
+
+
+def value_problem(value: Any, column: str) -> str | None:
+    """What is wrong with one cell of ``column`` (None when it is valid); the prompt may be empty."""
+    try:
+        _check_value(value, column, allow_empty=column == "prompt")
+    except RowProblem as bad:
+        return bad.problem
+    return None

@@ -165,4 +165,17 @@ def check_cells(
         for index, value in enumerate(rows[column]):
             found = problem(value)
             if found is not None:
-                raise ValueError(f"Bad {what} at {where(index)}, column {column!r}: {found}. Fix or drop that row.")
+                place, found = locate_problem(where, index, column, problem, found)
+                raise ValueError(f"Bad {what} at {place}, column {column!r}: {found}. Fix or drop that row.")
+
+
+def locate_problem(
+    where: Locator, index: int, column: str, problem: Callable[[Any], str | None], found: str
+) -> tuple[str, str]:
+    """``(place, problem)`` to report for a bad cell found at loaded row ``index``.
+
+    For JSON-lines files the first line whose value as written has a problem wins: ``datasets`` may have cast the
+    column (``"1"`` and ``2`` both load as numbers), which moves the visible problem to an earlier, correct line.
+    """
+    raw = where.first_raw_problem(column, problem) if isinstance(where, RowLocator) else None
+    return raw or (where(index), found)
