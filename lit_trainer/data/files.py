@@ -112,7 +112,8 @@ def read_file(path: Path, builder: str) -> Dataset:
 
     Raises:
         ValueError: an empty file, or a file the builder cannot read: the message names the file and, for JSON, the
-            line of the first syntax error (one message: the parser's traceback is not chained).
+            line of the first problem (a syntax error, or a column whose type changes); one message, the parser's
+            traceback is not chained.
     """
     _check_not_empty(path)
     try:
@@ -176,8 +177,10 @@ class RowLocator:
         of a row can hide which line is wrong; the raw lines cannot. None when the files are not JSON lines.
         """
         for part in self.parts:
+            if part.builder != "json":
+                return None
             lines = part.path.read_text(encoding="utf-8", errors="replace").splitlines()
-            if part.builder != "json" or not _is_json_lines(lines):
+            if not _is_json_lines(lines):
                 return None
             for number, line in enumerate(lines, start=1):
                 if line.strip() and (found := problem(json.loads(line).get(column))) is not None:
