@@ -24,9 +24,9 @@ def test_default_sft_config_reaches_90_percent_exact_match(tmp_path, monkeypatch
     assert float(metrics["val_token_accuracy"]) > 0.95
     # the README's generate example, run as written on the export (plain transformers), answers held-out problems
     export = next(c.last_export for c in cli.trainer.callbacks if isinstance(c, HFExport))
-    problems = builtin.addition_problems("validation")[:10]
+    problems = builtin.addition_problems("validation")[:20]
     answers = [run_readme_generate(export, f"{a}+{b}=") for a, b in problems]
-    assert sum(text == f"{a}+{b}={a + b}" for text, (a, b) in zip(answers, problems)) >= 8, answers
+    assert sum(text == f"{a}+{b}={a + b}" for text, (a, b) in zip(answers, problems)) >= 17, answers  # 18 measured
     # the untrained model is at 0: check the logged history rose over the run
     rows = (tmp_path / "runs" / "lit_trainer" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
