@@ -1,11 +1,14 @@
 """Load a causal LM and its tokenizer: a built-in tiny preset, a local directory, or a hub id.
 
-Presets are small Llama-architecture models with the byte-level ``ByT5Tokenizer`` (which needs no files), built from a
-config, so nothing is downloaded. Llama rather than Qwen2: transformers' ``AutoTokenizer`` replaces the tokenizer class
-saved next to a ``qwen2`` config with the Qwen2 tokenizer, so an exported Qwen2 preset would not reload its ByT5
-tokenizer; a Llama config keeps it.
+Presets are small Llama-architecture models built from a config, with a byte-level tokenizer built in code (it needs
+no files), so nothing is downloaded. The tokenizer has ByT5's ids (pad 0, ``</s>`` 1, unk 2, byte ``b`` at ``b + 3``,
+384 ids in all) but behaves like a causal-LM tokenizer: encoding a prompt appends nothing, so
+``model.generate(**tokenizer(prompt, return_tensors="pt"))`` continues the prompt; the data modules add the EOS that
+training needs. It is a ``tokenizers`` model, saved as ``tokenizer.json``, and ``AutoTokenizer.from_pretrained`` reloads
+an export without remote code. Llama rather than Qwen2: ``AutoTokenizer`` replaces the tokenizer class saved next to a
+``qwen2`` config with the Qwen2 tokenizer; a Llama config keeps the saved one.
 
-This module knows nothing of training. ``trust_remote_code`` stays False unless the caller sets it (DESIGN rule 6).
+This module knows nothing of training. ``trust_remote_code`` stays False unless the caller sets it.
 """
 
 from __future__ import annotations
@@ -17,23 +20,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    ByT5Tokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 PRESET_PREFIX = "tiny"
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
+BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has id b + 3
+NUM_EXTRA_IDS = 125  # ByT5's <extra_id_N> tokens (ids 259..383): unused, kept so the vocabulary stays 384
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
 class Preset:
-    """Size of a built-in Llama-architecture preset (vocabulary: the 384 ids of ``ByT5Tokenizer``)."""
+    """Size of a built-in Llama-architecture preset (vocabulary: the 384 ids of :func:`build_tokenizer`)."""
 
     hidden_size: int
     intermediate_size: int
@@ -57,9 +65,24 @@ def is_preset(name: str) -> bool:
     return name.startswith(PRESET_PREFIX) and not os.path.exists(name)
 
 
-def build_tokenizer() -> ByT5Tokenizer:
-    """The byte-level tokenizer of every preset: ids 3..258 are bytes, pad = 0, eos = 1, unk = 2."""
-    return ByT5Tokenizer()
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer of every preset: ids 3..258 are bytes, pad = 0, eos = ``</s>`` = 1, unk = 2.
+
+    The ids are ByT5's, but no EOS is appended to an encoding (``tokenizer("12+34=")`` is the 6 byte ids): the data
+    modules end training rows with EOS themselves. ``"</s>"`` written in a text is the EOS token. Decoding is UTF-8
+    (an incomplete byte sequence decodes to U+FFFD). Built as a ``tokenizers`` byte-level BPE without merges, so
+    ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenizer`` reloads without ``trust_remote_code``.
+    """
+    extra = [f"<extra_id_{i}>" for i in range(NUM_EXTRA_IDS)]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab |= {char: byte + BYTE_OFFSET for byte, char in bytes_to_unicode().items()}
+    vocab |= {token: 256 + BYTE_OFFSET + i for i, token in enumerate(extra)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *extra)])
+    pad, eos, unk = SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk)
 
 
 def build_preset_model(name: str, **config_overrides: Any) -> LlamaForCausalLM:

@@ -6,7 +6,11 @@ through the CLI, with only the progress bar turned off.
 
 from pathlib import Path
 
+from _readme_example import run_readme_generate
+
+from lit_trainer.callbacks import HFExport
 from lit_trainer.cli import LitTrainerCLI
+from lit_trainer.data import builtin
 
 SFT = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 
@@ -18,6 +22,11 @@ def test_default_sft_config_reaches_90_percent_exact_match(tmp_path, monkeypatch
     assert cli.trainer.global_step == 1500
     assert float(metrics["val_exact_match"]) > 0.90, dict(metrics)
     assert float(metrics["val_token_accuracy"]) > 0.95
+    # the README's generate example, run as written on the export (plain transformers), answers held-out problems
+    export = next(c.last_export for c in cli.trainer.callbacks if isinstance(c, HFExport))
+    problems = builtin.addition_problems("validation")[:20]
+    answers = [run_readme_generate(export, f"{a}+{b}=") for a, b in problems]
+    assert sum(text == f"{a}+{b}={a + b}" for text, (a, b) in zip(answers, problems)) >= 17, answers  # 18 measured
     # the untrained model is at 0: check the logged history rose over the run
     rows = (tmp_path / "runs" / "lit_trainer" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")

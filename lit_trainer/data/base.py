@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lit_trainer.data.batch_sampler import SAMPLING_CHOICES, Sampling, make_batch_sampler
 from lit_trainer.data.loader import EvalLoader, TrainLoader, validate_loader_options
-from lit_trainer.data.sources import any_to_str, load_rows, split_validation
+from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
 
@@ -100,6 +100,10 @@ class BaseDataModule(pl.LightningDataModule):
         """Validate and tokenize raw rows; the result must have a ``length`` column. Updates ``self.stats``."""
         raise NotImplementedError
 
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        """Validate raw rows before any split or tokenization; name a bad row with ``where(index)`` (its file and
+        line for local files). Default: nothing to check."""
+
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -114,10 +118,14 @@ class BaseDataModule(pl.LightningDataModule):
             return
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=self.hparams.trust_remote_code)
-        train, validation = load_rows(self.dataset_source, self.builtin, split=self.hparams.split)
+        located, located_validation = load_located_rows(self.dataset_source, self.builtin, split=self.hparams.split)
         if self.validation_source is not None:
-            validation = load_rows(self.validation_source, self.builtin)[0]
-        elif validation is None:
+            located_validation = load_located_rows(self.validation_source, self.builtin)[0]
+        for split, part in (("train", located), ("validation", located_validation)):
+            if part is not None and len(part.rows):
+                self._check_rows(part.rows, split, part.where or (lambda i, s=split: f"row {i} of the {s} data"))
+        train, validation = located.rows, located_validation.rows if located_validation is not None else None
+        if validation is None:
             train, validation = split_validation(train, self.hparams.val_size, self.hparams.seed)
         if len(train) == 0:
             raise ValueError(f"The training data from {any_to_str(self.dataset_source)} is empty: nothing to train on.")

@@ -1,11 +1,12 @@
 """PreferenceDataModule: prompt/chosen/rejected rows for DPO, preprocessed and collated as TRL 1.16's DPOTrainer.
 
-Preprocessing (reference/trl.md 1.2), in order: rows are validated (a malformed row raises an error naming its index
-and column); an implicit prompt (no ``prompt`` column) is extracted as the common prefix of chosen and rejected;
-standard (string) rows get the tokenizer's EOS string appended to each completion; then
-``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat template with
-``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common prefix. With
-``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and counted.
+Preprocessing (as TRL's DPOTrainer), in order: rows are validated before any split (a malformed row raises an error
+naming its file and line, or its index, and its column); an implicit prompt (no ``prompt`` column) is extracted as
+the common prefix of chosen and rejected; standard (string) rows get the tokenizer's EOS string appended to each
+completion; then ``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat
+template with ``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common
+prefix. With ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and
+counted; pairs whose chosen and rejected rows are the same tokens (zero gradient) are counted and, by default, dropped.
 
 Collation (1.3): a micro-batch of B pairs becomes 2B right-padded rows, chosen rows ``0..B-1`` then rejected rows
 ``B..2B-1``, each truncated to ``max_length`` on its own (first or last tokens), with ``input_ids``,
@@ -15,6 +16,7 @@ Collation (1.3): a micro-batch of B pairs becomes 2B right-padded rows, chosen r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -30,7 +32,8 @@ from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
-from lit_trainer.data.sources import describe_columns
+from lit_trainer.data.preference_checks import RowProblem, check_row, value_problem
+from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
 TruncationMode = Literal["keep_start", "keep_end"]
 REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
@@ -60,31 +63,22 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
     return chosen[:i], chosen[i:], rejected[i:]
 
 
-def _row_error(split: str, index: int, column: str, problem: str) -> ValueError:
-    return ValueError(f"Malformed preference row {index} of the {split} data, column {column!r}: {problem}. Fix or "
-                      "drop that row (chosen and rejected must be non-empty strings, or lists of "
-                      "{'role': str, 'content': str} messages).")
+def same_model_inputs(prompt: list[int], chosen: list[int], rejected: list[int], max_length: int,
+                      truncation_mode: TruncationMode) -> bool:
+    """Whether a pair's chosen and rejected rows are the same model inputs once truncated as the collator does.
 
+    Such a pair has a zero DPO gradient: both log-probabilities, and both reference log-probabilities, are equal.
 
-def _check_value(value: Any, split: str, index: int, column: str, allow_empty: bool) -> bool:
-    """Validate one cell; return True when it is a conversation (a list of messages)."""
-    if value is None:
-        raise _row_error(split, index, column, "the value is missing")
-    if isinstance(value, str):
-        if not value and not allow_empty:
-            raise _row_error(split, index, column, "the value is empty")
-        return False
-    if not isinstance(value, list):
-        raise _row_error(split, index, column, f"expected a string or a list of messages, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise _row_error(split, index, column, "the message list is empty")
-    for m, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _row_error(split, index, column, f"message {m} is not a {{'role': str, 'content': str}} dict")
-        if not isinstance(message.get("content"), str):
-            raise _row_error(split, index, column,
-                             f"message {m} has non-string content ({type(message.get('content')).__name__})")
-    return True
+    Example:
+        >>> same_model_inputs([7], [5, 1], [5, 1], 8, "keep_start")
+        True
+        >>> same_model_inputs([7], [5, 1, 9], [5, 1, 8], 2, "keep_start")  # both rows are cut to [7, 5]
+        True
+    """
+    cut = _TRUNCATE[truncation_mode]
+    chosen_row, rejected_row = ((cut(prompt + c, max_length), cut([0] * len(prompt) + [1] * len(c), max_length))
+                                for c in (chosen, rejected))
+    return chosen_row == rejected_row
 
 
 class PreferenceCollator:
@@ -129,7 +123,8 @@ class PreferenceDataModule(BaseDataModule):
     forwarded). ``count_items`` gives two counts: PAIRS (the pair losses are per-pair means) and chosen completion
 tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length`` column holds
     the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
-    Counters in ``self.stats``: ``<split>_rows_truncated`` and ``<split>_rows_dropped_prompt_too_long``.
+    Counters in ``self.stats``: ``<split>_rows_truncated``, ``<split>_rows_dropped_prompt_too_long`` and
+    ``<split>_rows_identical_pairs``.
 
     Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
     instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
@@ -139,12 +134,17 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
             or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
         pad_to_multiple_of: round padded lengths up to a multiple.
+        drop_identical_pairs: drop the pairs whose chosen and rejected rows are the same tokens once truncated
+            (e.g. ``"4"`` and ``"4</s>"``): their DPO gradient is zero. They are counted
+            (``<split>_rows_identical_pairs``) and reported in one warning either way. Keep them (False) when a
+            chosen-only term (``loss_type`` with ``"sft"``, ``rpo_alpha``) should still learn from them.
         **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
             ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
 
     Raises:
-        ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its index and column
-            are named), conversational rows without a chat template, or no row left after filtering.
+        ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its file and line,
+            or index, and its column are named), conversational rows without a chat template, or no row left after
+            filtering.
 
     Example::
 
@@ -155,7 +155,7 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
     builtin = {"builtin:addition": builtin.preference_rows}
 
     def __init__(self, *args: Any, truncation_mode: TruncationMode = "keep_start",
-                 pad_to_multiple_of: int | None = None, **kwargs: Any) -> None:
+                 pad_to_multiple_of: int | None = None, drop_identical_pairs: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if truncation_mode not in _TRUNCATE:
             raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use 'keep_start' or 'keep_end'.")
@@ -166,18 +166,29 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         self._reference_keys: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------------ preprocessing
-    def _normalise(self, row: dict[str, Any], index: int, split: str, explicit: bool) -> tuple[Any, Any, Any, bool]:
-        """Validate a row; return ``(prompt, chosen, rejected, is_conversation)`` with the prompt made explicit."""
-        formats = {column: _check_value(row[column], split, index, column, allow_empty=False)
-                   for column in ("chosen", "rejected")}
+    @staticmethod
+    def _normalise(row: dict[str, Any], explicit: bool) -> tuple[Any, Any, Any, bool]:
+        """``(prompt, chosen, rejected, is_conversation)`` of a checked row, with the prompt made explicit."""
+        is_chat = isinstance(row["chosen"], list)
         if explicit:
-            formats["prompt"] = _check_value(row["prompt"], split, index, "prompt", allow_empty=True)
-        odd = next((column for column, is_chat in formats.items() if is_chat != formats["chosen"]), None)
-        if odd is not None:
-            raise _row_error(split, index, odd, "mixes plain strings and message lists within one row")
-        if explicit:
-            return row["prompt"], row["chosen"], row["rejected"], formats["chosen"]
-        return (*extract_prompt(row["chosen"], row["rejected"]), formats["chosen"])
+            return row["prompt"], row["chosen"], row["rejected"], is_chat
+        return (*extract_prompt(row["chosen"], row["rejected"]), is_chat)
+
+    @override
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        columns = [c for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
+        if "chosen" not in columns or "rejected" not in columns:
+            return  # _preprocess names the missing columns
+        for index, values in enumerate(zip(*(rows[c] for c in columns))):
+            try:
+                check_row(dict(zip(columns, values)))
+            except RowProblem as bad:
+                check = functools.partial(value_problem, column=bad.column)
+                place, problem = locate_problem(where, index, bad.column, check, bad.problem)
+                message = (f"Malformed preference row at {place}, column {bad.column!r}: {problem}. Fix "
+                           "or drop that row (chosen and rejected must be non-empty strings, or lists of "
+                           "{'role': str, 'content': str} messages).")
+                raise ValueError(message) from None
 
     def _encode_text(self, prompt: str, chosen: str, rejected: str) -> list[list[int]]:
         tok, eos = self.tokenizer, self.tokenizer.eos_token
@@ -197,12 +208,12 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
                 tok.apply_chat_template(prompt + chosen, **options),
                 tok.apply_chat_template(prompt + rejected, **options)]
 
-    def _tokenize(self, batch: dict[str, list], indices: list[int], split: str, explicit: bool) -> dict[str, list]:
-        out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated")}
-        max_length = self.hparams.max_length
-        for i, index in enumerate(indices):
+    def _tokenize(self, batch: dict[str, list], explicit: bool) -> dict[str, list]:
+        out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated", "identical")}
+        max_length, mode = self.hparams.max_length, self.hparams.truncation_mode
+        for i in range(len(batch["chosen"])):
             row = {key: values[i] for key, values in batch.items()}
-            prompt, chosen, rejected, is_chat = self._normalise(row, index, split, explicit)
+            prompt, chosen, rejected, is_chat = self._normalise(row, explicit)
             encode = self._encode_chat(row, prompt, chosen, rejected) if is_chat else self._encode_text(
                 prompt, chosen, rejected)
             prompt_ids, pc, pr = encode
@@ -212,6 +223,7 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
                 out[name].append(value)
             out["length"].append(min(longest, max_length))
             out["truncated"].append(longest > max_length)
+            out["identical"].append(same_model_inputs(prompt_ids[:cut], pc[cut:], pr[cut:], max_length, mode))
         return out
 
     @override
@@ -227,13 +239,15 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         keep = ["answer"] if "answer" in rows.column_names else []
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
-            data = rows.map(lambda b, idx: self._tokenize(b, idx, split, explicit), batched=True, with_indices=True,
+            data = rows.map(lambda b: self._tokenize(b, explicit), batched=True,
                             remove_columns=[c for c in rows.column_names if c not in keep], desc=f"Tokenizing {split}")
         usable = data
         if self.hparams.truncation_mode == "keep_start":
             limit = self.hparams.max_length
             usable = data.filter(lambda b: [len(p) < limit for p in b["prompt_ids"]], batched=True)
-        dropped, truncated = len(data) - len(usable), sum(usable["truncated"])
+        dropped = len(data) - len(usable)
+        usable, identical = self._identical_pairs(usable, split)
+        truncated = sum(usable["truncated"])
         self.stats[f"{split}_rows_truncated"] = truncated
         self.stats[f"{split}_rows_dropped_prompt_too_long"] = dropped
         if truncated or dropped:
@@ -242,9 +256,24 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
                            f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length "
                            "were dropped.")
         if len(usable) == 0:
-            raise ValueError(f"No {split} row is left: every prompt has >= max_length={self.hparams.max_length} "
-                             "tokens. Raise max_length, shorten the prompts or use truncation_mode='keep_end'.")
-        return usable.remove_columns("truncated")
+            raise ValueError(f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "
+                             f"max_length={self.hparams.max_length} tokens (raise max_length, shorten the prompts or "
+                             f"use truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
+                             "drop_identical_pairs=False keeps them).")
+        return usable.remove_columns(["truncated", "identical"])
+
+    def _identical_pairs(self, data: Dataset, split: str) -> tuple[Dataset, int]:
+        """Count (and by default drop) the pairs whose chosen and rejected inputs are the same; warn once."""
+        count = sum(data["identical"])
+        self.stats[f"{split}_rows_identical_pairs"] = count
+        if not count:
+            return data, 0
+        drop = self.hparams.drop_identical_pairs
+        rank_zero_warn(f"[lit_trainer] {split}: {count} preference rows have identical chosen and rejected tokens "
+                       f"(after truncation to max_length={self.hparams.max_length}), so their DPO gradient is zero; "
+                       + ("they were dropped (drop_identical_pairs=False keeps them)." if drop else
+                          "they are kept (drop_identical_pairs=False)."))
+        return (data.filter(lambda b: [not x for x in b["identical"]], batched=True) if drop else data), count
 
     # ------------------------------------------------------------------------------------------------- batches
     @override

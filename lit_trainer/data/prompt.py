@@ -28,7 +28,7 @@ from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.repeat_sampler import RepeatSampler
-from lit_trainer.data.sources import describe_columns
+from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 
 PROMPT_IDS = "prompt_input_ids"
 PROMPT_MASK = "prompt_attention_mask"
@@ -87,13 +87,17 @@ def _is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
 
 
+def _prompt_problem(prompt: Any) -> str | None:
+    return None if _is_conversational(prompt) else missing_or_not_text(prompt)
+
+
 class PromptDataModule(BaseDataModule):
     """Prompts for GRPO: a prompt column, plus any other columns, passed to the reward functions row by row.
 
     * Standard prompts (strings) are tokenized with the tokenizer's default special tokens (a BOS is kept), except
-      that an EOS the tokenizer appends (ByT5 does) is dropped: a prompt must not end the text before the
-      completion starts. The reference keeps that EOS (reference/trl.md 2.5), which makes a byte-level model trained
-      by SFT on ``prompt + completion`` see an unfamiliar ``</s>`` before its answer.
+      that an EOS the tokenizer appends (``ByT5Tokenizer`` does; the presets' tokenizer does not) is dropped: a
+      prompt must not end the text before the completion starts. TRL's GRPOTrainer keeps that EOS, which makes a
+      byte-level model trained by SFT on ``prompt + completion`` see an unfamiliar ``</s>`` before its answer.
     * Conversational prompts (lists of ``{"role", "content"}`` messages) go through the tokenizer's chat template
       with ``add_generation_prompt=True``; a tokenizer without a template is an error.
     * Prompts are never truncated (as the reference); prompts longer than ``max_length`` tokens are dropped and
@@ -148,6 +152,11 @@ class PromptDataModule(BaseDataModule):
             return False
         with_special, plain = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
         return with_special == plain + [eos]
+
+    @override
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        if self.hparams.prompt_column in rows.column_names:  # else _check_format names the missing column
+            check_cells(rows, [self.hparams.prompt_column], where, _prompt_problem, "prompt row")
 
     def _check_format(self, rows: Dataset, split: str) -> None:
         column = self.hparams.prompt_column

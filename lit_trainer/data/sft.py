@@ -12,7 +12,7 @@ from typing_extensions import override
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import SFTCollator, common_prefix_len
-from lit_trainer.data.sources import describe_columns
+from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.losses.causal_lm import count_target_tokens
 
 
@@ -64,6 +64,13 @@ class SFTDataModule(BaseDataModule):
             f"{hp.completion_column!r} columns (it has {describe_columns(rows)}). Rename your columns or set "
             "`text_column` / `prompt_column` / `completion_column`."
         )
+
+    @override
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        hp = self.hparams
+        fmt = self._row_format(rows, split)
+        columns = (hp.prompt_column, hp.completion_column) if fmt == "prompt_completion" else (hp.text_column,)
+        check_cells(rows, columns, where, missing_or_not_text, "SFT row")
 
     def _tokenize(self, batch: dict[str, list], fmt: str) -> dict[str, list]:
         tok, hp = self.tokenizer, self.hparams

@@ -1,16 +1,31 @@
-"""Where the rows come from: the built-in task, local files, a hub dataset, or a ``datasets`` object."""
+"""Where the rows come from: the built-in task, local files, a hub dataset, or a ``datasets`` object.
+
+Rows loaded from local files carry a locator (see :mod:`lit_trainer.data.files`), so that a data module can name the
+file and line of a bad row; rows from elsewhere are named by their index.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets, load_dataset
+
+from lit_trainer.data.files import FilePart, RowLocator, read_file
 
 _EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                ".text": "text"}
 VALIDATION_SPLITS = ("validation", "valid", "val", "test", "eval")
+Locator = Callable[[int], str]
+
+
+class Located(NamedTuple):
+    """Rows and, when they were read from local files, ``where(index) -> "line 7 of data.csv"`` (else None)."""
+
+    rows: Dataset
+    where: Locator | None
 
 
 def _builder_for(path: Path) -> str:
@@ -23,26 +38,31 @@ def _builder_for(path: Path) -> str:
     return builder
 
 
-def _load_local(path: Path) -> DatasetDict:
+def _read_files(files: list[Path], builder: str) -> Located:
+    parts = [read_file(path, builder) for path in files]
+    rows = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    return Located(rows, RowLocator([FilePart(path, builder, len(p)) for path, p in zip(files, parts)]))
+
+
+def _load_local(path: Path) -> dict[str, Located]:
     builder = _builder_for(path)
     if path.is_file():
-        return load_dataset(builder, data_files={"train": str(path)})
-    files = sorted(str(p) for p in path.iterdir() if p.suffix in _EXTENSIONS)
-    split_files: dict[str, list[str]] = {"train": []}
-    for name in files:
-        stem = Path(name).stem.lower()
+        return {"train": _read_files([path], builder)}
+    split_files: dict[str, list[Path]] = {"train": []}
+    for name in sorted(p for p in path.iterdir() if p.suffix in _EXTENSIONS):
+        stem = name.stem.lower()
         split = next((s for s in VALIDATION_SPLITS if stem == s or stem.startswith(s + "-")), "train")
         split_files.setdefault(split, []).append(name)
-    return load_dataset(builder, data_files={k: v for k, v in split_files.items() if v})
+    return {split: _read_files(files, builder) for split, files in split_files.items() if files}
 
 
-def load_rows(
+def load_located_rows(
     source: str | Dataset | DatasetDict,
     builtin: dict[str, Callable[[str], Dataset]],
     *,
     split: str | None = None,
-) -> tuple[Dataset, Dataset | None]:
-    """Load ``(train, validation-or-None)`` rows from a source.
+) -> tuple[Located, Located | None]:
+    """Load ``(train, validation-or-None)`` rows from a source, with file locators for local files.
 
     Args:
         source: ``"builtin:<name>"``; a local ``.json/.jsonl/.csv/.parquet/.txt`` file or a directory of them (files
@@ -53,30 +73,42 @@ def load_rows(
 
     Raises:
         FileNotFoundError: a local-looking path that does not exist.
-        ValueError: an unknown built-in name, an iterable dataset, or an unreadable file type.
+        ValueError: an unknown built-in name, an iterable dataset, an unreadable file type, or a file that cannot be
+            read (empty, not valid JSON, ...): the message names the file and line.
     """
     if isinstance(source, IterableDataset):
         raise ValueError("Iterable (streaming) datasets are not supported: load a map-style `datasets.Dataset`.")
     if isinstance(source, Dataset):
-        return source, None
+        return Located(source, None), None
     if isinstance(source, DatasetDict):
-        return _pick_splits(source, split)
+        return _pick_splits({name: Located(rows, None) for name, rows in source.items()}, split)
     if not isinstance(source, str):
         raise ValueError(f"`dataset` must be a string or a datasets.Dataset, got {type(source).__name__}.")
     if source.startswith("builtin:"):
         if source not in builtin:
             raise ValueError(f"Unknown built-in dataset {source!r}: valid ones are {sorted(builtin)}.")
-        return builtin[source]("train"), builtin[source]("validation")
+        return Located(builtin[source]("train"), None), Located(builtin[source]("validation"), None)
     path = Path(source).expanduser()
     if path.exists():
         return _pick_splits(_load_local(path), split)
     if source.startswith(("/", ".", "~")) or path.suffix in _EXTENSIONS or source.count("/") > 1:
         raise FileNotFoundError(f"Data path {source!r} does not exist: give an existing file or directory, a hub "
                                 f"dataset name, or one of {sorted(builtin)}.")
-    return _pick_splits(load_dataset(source), split)
+    return _pick_splits({name: Located(rows, None) for name, rows in load_dataset(source).items()}, split)
 
 
-def _pick_splits(data: DatasetDict, split: str | None) -> tuple[Dataset, Dataset | None]:
+def load_rows(
+    source: str | Dataset | DatasetDict,
+    builtin: dict[str, Callable[[str], Dataset]],
+    *,
+    split: str | None = None,
+) -> tuple[Dataset, Dataset | None]:
+    """:func:`load_located_rows` without the locators: ``(train, validation-or-None)`` datasets."""
+    train, validation = load_located_rows(source, builtin, split=split)
+    return train.rows, validation.rows if validation is not None else None
+
+
+def _pick_splits(data: dict[str, Located], split: str | None) -> tuple[Located, Located | None]:
     train_split = split or "train"
     if train_split not in data:
         raise ValueError(f"Split {train_split!r} not found; available splits: {sorted(data)}. Set `split`.")
@@ -110,3 +142,40 @@ def describe_columns(data: Dataset) -> str:
 def any_to_str(value: Any) -> str:
     """Short description of a data source for log messages."""
     return value if isinstance(value, str) else f"<{type(value).__name__} with {len(value)} rows>"
+
+
+def missing_or_not_text(value: Any) -> str | None:
+    """What is wrong with a cell that should hold text (None when it is a string)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "the value is missing (an empty cell or null)"
+    if not isinstance(value, str):
+        return f"expected text, got {type(value).__name__} {value!r:.60}"
+    return None
+
+
+def check_cells(
+    rows: Dataset, columns: Iterable[str], where: Locator, problem: Callable[[Any], str | None], what: str
+) -> None:
+    """Raise for the first cell of ``columns`` for which ``problem(value)`` is not None.
+
+    Raises:
+        ValueError: ``"Bad <what> at line 4 of data.csv, column 'completion': the value is missing ..."``.
+    """
+    for column in columns:
+        for index, value in enumerate(rows[column]):
+            found = problem(value)
+            if found is not None:
+                place, found = locate_problem(where, index, column, problem, found)
+                raise ValueError(f"Bad {what} at {place}, column {column!r}: {found}. Fix or drop that row.")
+
+
+def locate_problem(
+    where: Locator, index: int, column: str, problem: Callable[[Any], str | None], found: str
+) -> tuple[str, str]:
+    """``(place, problem)`` to report for a bad cell found at loaded row ``index``.
+
+    For JSON-lines files the first line whose value as written has a problem wins: ``datasets`` may have cast the
+    column (``"1"`` and ``2`` both load as numbers), which moves the visible problem to an earlier, correct line.
+    """
+    raw = where.first_raw_problem(column, problem) if isinstance(where, RowLocator) else None
+    return raw or (where(index), found)
