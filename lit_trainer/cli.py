@@ -35,7 +35,8 @@ from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_
 from lit_trainer.callbacks.cpu_threads import CPUThreadCheck
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
 from lit_trainer.callbacks.run_identity import RunIdentity, class_path, identity_mismatch, read_record
-from lit_trainer.cli_errors import FriendlyParser, join_negative_numbers
+from lit_trainer.cli_errors import FriendlyParser, friendly_value_error, join_negative_numbers
+from lit_trainer.cli_noise import quiet_frozen_eval_mode_warning, quiet_startup_noise
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.runs import DEFAULT_ROOT, default_run_name, fresh_version, version_of
@@ -98,6 +99,7 @@ class LitTrainerCLI(LightningCLI):
         trainer_defaults = {"logger": default_loggers(), "num_sanity_val_steps": 0}
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}))
         self._resume_from: str | None = None
+        quiet_startup_noise()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
             super().__init__(
@@ -156,6 +158,16 @@ class LitTrainerCLI(LightningCLI):
             for key, value in (("save_dir", str(root)), ("name", name), ("version", version)):
                 logger["init_args"][key] = value
 
+    def instantiate_classes(self) -> None:
+        """Build the classes; a validation error of ours comes out alone, not inside jsonargparse's Union text."""
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            friendly = friendly_value_error(error)
+            if friendly is None:
+                raise
+            raise friendly from None
+
     def _resume_target(self, config: Any, run_root: Path) -> tuple[str | None, int | str | None]:
         """The checkpoint to resume (``None``: fresh start) and the version folder the run continues in."""
         requested = str(config["ckpt_path"])
@@ -197,6 +209,8 @@ class LitTrainerCLI(LightningCLI):
     def before_fit(self) -> None:
         """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises."""
         config = self.config_init[self.config_init.subcommand]
+        quiet_frozen_eval_mode_warning(self.model)
+        rank_zero_info(f"[lit_trainer] run folder: {self.trainer.log_dir}")
         if self._resume_from is None:
             resolve_resume("never", [], self.trainer)
         config["ckpt_path"] = self._resume_from

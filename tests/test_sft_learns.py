@@ -19,7 +19,7 @@ def test_default_sft_config_reaches_90_percent_exact_match(tmp_path, monkeypatch
     assert float(metrics["val_exact_match"]) > 0.90, dict(metrics)
     assert float(metrics["val_token_accuracy"]) > 0.95
     # the untrained model is at 0: check the logged history rose over the run
-    rows = (tmp_path / "runs" / "lit_trainer" / "version_0" / "metrics.csv").read_text().splitlines()
+    rows = (tmp_path / "runs" / "sft" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     column = header.index("val_exact_match")
     history = [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]

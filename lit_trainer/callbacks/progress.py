@@ -95,7 +95,8 @@ class LineProgressBar(ProgressBar):
             return
         self._last_step = step
         if step % every == 0 or step == trainer.max_steps:
-            print(self._line(trainer, self.get_metrics(trainer, pl_module), ""), flush=True)
+            metrics = {k: v for k, v in trainer.callback_metrics.items() if not k.startswith("val")}
+            print(self._line(trainer, metrics, ""), flush=True)
 
     @override
     @rank_zero_only
