@@ -213,6 +213,8 @@ class LitTrainerCLI(LightningCLI):
         rank_zero_info(f"[lit_trainer] run folder: {self.trainer.log_dir}")
         if self._resume_from is None:
             resolve_resume("never", [], self.trainer)
+        else:  # continuing in the run's own folder is the point; Lightning would warn that it is not empty
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         config["ckpt_path"] = self._resume_from
 
 
