@@ -25,7 +25,7 @@ import importlib
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -120,7 +120,7 @@ class LitTrainerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         """Link the model's name/path to the data module's tokenizer; add ``--run_name``."""
         parser.link_arguments("model.init_args.model", "data.init_args.tokenizer", apply_on="parse")
-        parser.add_argument("--run_name", type=Optional[str], default=None,
+        parser.add_argument("--run_name", type=str | None, default=None,
                             help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
                                  "from the model class; the class name in lower case for other modules).")
 

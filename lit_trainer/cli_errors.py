@@ -49,8 +49,9 @@ def lead_message(message: str) -> str:
     dump) and names the class; any other message is returned as is.
 
     Example:
-        >>> text = ("Parser key \\"model\\":\\n  Does not validate against any of the Union subtypes\\n  Subtypes: [A]\\n"
-        ...         "  Errors:\\n    - Problem with given class_path 'pkg.A':\\n        Option 'lr' is not accepted\\n"
+        >>> text = ("Parser key \\"model\\":\\n  Does not validate against any of the Union subtypes\\n"
+        ...         "  Subtypes: [A]\\n  Errors:\\n    - Problem with given class_path 'pkg.A':\\n"
+        ...         "        Option 'lr' is not accepted\\n"
         ...         "    - Expected a <class 'NoneType'>\\n  Given value type: x\\n  Given value: y")
         >>> lead_message(text)
         "model (pkg.A): Option 'lr' is not accepted"

@@ -31,9 +31,11 @@ def _error(args, capsys) -> str:
 
 @pytest.mark.parametrize(("args", "expected"), [
     (["--model.init_args.learnin_rate", "1e-3"],
-     "error: model (lit_trainer.CausalLMModule): Option 'learnin_rate' is not accepted (did you mean 'learning_rate'?)"),
+     "error: model (lit_trainer.CausalLMModule): Option 'learnin_rate' is not accepted "
+     "(did you mean 'learning_rate'?)"),
     (["--model.init_args.scheduler", "cosin"], "Got value: cosin (did you mean 'cosine'?)"),
-    (["--trainer.max_stepz", "3"], "unrecognized arguments: --trainer.max_stepz 3 (did you mean '--trainer.max_steps'?)"),
+    (["--trainer.max_stepz", "3"],
+     "unrecognized arguments: --trainer.max_stepz 3 (did you mean '--trainer.max_steps'?)"),
 ])
 def test_parse_errors_lead_with_the_problem_and_suggest_the_close_name(args, expected, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -46,7 +48,8 @@ def test_parse_errors_lead_with_the_problem_and_suggest_the_close_name(args, exp
 def test_our_validation_message_comes_out_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as refused:
-        LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.learning_rate", "-1", "--trainer.max_steps", "1"])
+        LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.learning_rate", "-1",
+                            "--trainer.max_steps", "1"])
     assert str(refused.value).startswith("`learning_rate=-1.0`") and "Union" not in str(refused.value)
 
 
