@@ -125,13 +125,16 @@ class LitTrainerCLI(LightningCLI):
                                  "from the model class; the class name in lower case for other modules).")
 
     def _parse_ckpt_path(self) -> None:
-        """Keep the configuration given (file and command line) on a resume.
+        """``fit``: keep the configuration given (file and command line) on a resume.
 
         Lightning's CLI would replace the model's class and arguments with the checkpoint's hyper-parameters when
         ``--ckpt_path`` is a file (not for ``last``): an SFT config resumed from a GRPO checkpoint silently became a
-        GRPO run, and options changed on the command line for the resume were dropped. Here the config decides, and
-        a checkpoint of another run is refused (``before_instantiate_classes``).
+        GRPO run, and options changed on the command line for the resume were dropped. For ``fit`` the config
+        decides, and a checkpoint of another run is refused (``before_instantiate_classes``); ``validate``,
+        ``test`` and ``predict`` keep Lightning's behaviour (evaluate a checkpoint with its own hyper-parameters).
         """
+        if self.config.get("subcommand") != "fit":
+            super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         """Place the run: root, run name, version folder; find and check the checkpoint to resume."""
