@@ -31,7 +31,7 @@ def test_main_job_end_to_end_in_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "sft" / "version_0"
     # stdout is a pipe: plain progress lines instead of a bar, then the final metrics table and the run folder
-    assert "step 12/12 | epoch 0 | train_loss" in proc.stdout, proc.stdout
+    assert "step 12/12 | epoch 0 | loss " in proc.stdout, proc.stdout
     assert "Final validation metrics (step 12):" in proc.stdout and "val_exact_match" in proc.stdout
     assert "Run folder: runs/sft/version_0" in proc.stdout
     for noise in ("args parameter", "LeafSpec", "litlogger", "Epoch 0/-2", "v_num on_0", "v_num: on_0"):

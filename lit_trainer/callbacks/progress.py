@@ -51,7 +51,9 @@ class RunProgressBar(RichProgressBar):
 
 
 class LineProgressBar(ProgressBar):
-    """Plain-text progress: ``step 100/1500 | epoch 0 | train_loss 1.23 | ... | 12.3 s`` every ``every_n_steps``.
+    """Plain-text progress: ``step 100/1500 | epoch 0 | loss 1.23 | tok/s 7012 | 12.3 s`` every ``every_n_steps``.
+
+    A line holds what the progress bar would show (``get_metrics``, without ``v_num``) and the time since the start.
 
     Args:
         every_n_steps: optimizer steps between lines; ``None`` uses ``trainer.log_every_n_steps``.
@@ -95,7 +97,7 @@ class LineProgressBar(ProgressBar):
             return
         self._last_step = step
         if step % every == 0 or step == trainer.max_steps:
-            metrics = {k: v for k, v in trainer.callback_metrics.items() if not k.startswith("val")}
+            metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}  # as the bar
             print(self._line(trainer, metrics, ""), flush=True)
 
     @override
