@@ -139,6 +139,7 @@ def test_default_root_dir_is_the_root_of_everything_a_run_writes(tmp_path, monke
     cli = _fit("sft", 1, "--trainer.default_root_dir", "out")
     run = tmp_path / "out" / "sft" / "version_0"
     assert Path(cli.trainer.log_dir).resolve() == run.resolve()
+    assert cli.trainer.logger.version == 0  # an int: the bar shows `v_num: 0`, not the tail of "version_0"
     assert (run / "metrics.csv").exists() and (run / "checkpoints" / "last.ckpt").exists()
     assert (run / "hf_model" / "model.safetensors").exists() and (run / "config.yaml").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
