@@ -17,6 +17,7 @@ loaded with a warning that it could not be checked.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 import lightning.pytorch as pl
@@ -57,11 +58,16 @@ def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any], checkpo
 def read_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     """The run record of a checkpoint file, or ``None`` (no record, or a sharded checkpoint folder).
 
-    The file is memory-mapped, so only the small record is actually read.
+    The file is memory-mapped, so only the small record is actually read, and loaded with ``weights_only=True`` (no
+    arbitrary code runs before the user's own ``fit`` loads it); a checkpoint that needs more is reported as having
+    no record here, and :class:`RunIdentity` still checks it when ``fit`` loads it.
     """
     if os.path.isdir(checkpoint):
         return None
-    state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+    try:
+        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError:
+        return None
     return state.get(RECORD_KEY)
 
 
