@@ -1,108 +1,237 @@
 """``lit-trainer``: a LightningCLI with LLM-friendly defaults.
 
-What it changes from a plain ``LightningCLI`` (reference/lightning.md 1.9 and section 2):
+What it changes from a plain ``LightningCLI``:
 
 * model and data classes are chosen by ``class_path`` (``--model=lit_trainer.DPOModule``), and the model's name or
   path is linked to the data module's ``tokenizer``, so they never disagree;
 * optimizers and schedulers are injected into the module (``OptimizerCallable``/``LRSchedulerCallable``, trainable
   parameters only, stepped per optimizer step); the CLI's automatic ``--optimizer`` is off;
 * a fixed default seed (1234) instead of a random one, so a rerun or resume is reproducible;
-* the saved ``config.yaml`` may be overwritten (resuming into the same run directory works);
-* loggers default to CSV, plus TensorBoard when it is installed, under ``runs/<run_name>``;
+* one run = one folder: ``<trainer.default_root_dir (runs)>/<run_name (sft|dpo|grpo)>/version_<n>/`` holds the
+  CSV (and TensorBoard) logs, ``config.yaml``, ``checkpoints/`` and ``hf_model/``; a fresh run never writes into a
+  folder that holds files, a resumed run continues in its checkpoint's folder (:mod:`lit_trainer.runs`);
+* ``--ckpt_path last`` resumes the newest complete checkpoint of this run name, and a checkpoint of another module,
+  data module or run name is refused (:class:`~lit_trainer.callbacks.RunIdentity`);
 * no sanity-check validation by default (generation-based validation is costly and its result is thrown away);
-* ``fit`` refuses to run without ``max_steps`` or ``max_epochs`` (Lightning would silently run 1000 epochs);
+* ``fit`` refuses to run without a bound (``max_steps``, ``max_epochs`` or ``max_time``);
+* a final metrics table, plain progress lines when stdout is not a terminal, a warning when CPU threads are
+  oversubscribed (:mod:`lit_trainer.callbacks.progress`, :mod:`lit_trainer.callbacks.cpu_threads`);
+* parse errors lead with the actionable line and suggest close option names (:mod:`lit_trainer.cli_errors`).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_trainer.callbacks.checkpoint_resolution import resolve_resume
-
+from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_resume_checkpoint
+from lit_trainer.callbacks.cpu_threads import CPUThreadCheck
+from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
+from lit_trainer.callbacks.run_identity import RunIdentity, class_path, identity_mismatch, read_record
+from lit_trainer.cli_errors import FriendlyParser, friendly_value_error, join_negative_numbers
+from lit_trainer.cli_noise import quiet_frozen_eval_mode_warning, quiet_startup_noise
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
+from lit_trainer.runs import DEFAULT_ROOT, default_run_name, fresh_version, version_of
 
 DEFAULT_SEED = 1234
+_RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger")  # loggers placed in the run folder
 
 
-def next_version(save_dir: str, run_name: str) -> str:
-    """``version_<n>`` with ``n`` one past the highest existing version of ``<save_dir>/<run_name>``."""
-    root = Path(save_dir) / run_name
-    taken = [int(p.name.split("_", 1)[1]) for p in root.glob("version_*") if p.name.split("_", 1)[1].isdigit()]
-    return f"version_{max(taken, default=-1) + 1}"
+def default_loggers() -> list[dict[str, Any]]:
+    """CSV always; TensorBoard too when ``tensorboard`` is importable. Folder, name and version are filled in per
+    run (``LitTrainerCLI.before_instantiate_classes``)."""
+    import importlib.util
 
-
-def default_loggers(run_name: str = "lit_trainer", save_dir: str = "runs") -> list[dict[str, Any]]:
-    """CSV always; TensorBoard too when ``tensorboard`` is importable; both write into the same version directory."""
-    common = {"save_dir": save_dir, "name": run_name, "version": next_version(save_dir, run_name)}
-    loggers = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": dict(common)}]
+    common = {"save_dir": DEFAULT_ROOT, "name": None, "version": None}
+    loggers = [{"class_path": "lit_trainer.runs.RunCSVLogger", "init_args": dict(common)}]
     if importlib.util.find_spec("tensorboard") is not None:
         loggers.append({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                         "init_args": {**common, "default_hp_metric": False}})
     return loggers
 
 
-def checkpoint_dirs(trainer: Any) -> list[str]:
-    """Where ``--ckpt_path last`` looks: the explicit ``dirpath`` of every checkpointing callback, and the
-    ``checkpoints/`` folders of every version of this run name (the default location of ``ModelCheckpoint``)."""
-    dirs = [str(d) for cb in trainer.callbacks if (d := getattr(cb, "dirpath", None))]
-    for logger in trainer.loggers:
-        save_dir, name = getattr(logger, "save_dir", None), getattr(logger, "name", None)
-        if save_dir and name:
-            dirs += sorted(str(p) for p in (Path(save_dir) / name).glob("version_*/checkpoints"))
-    return list(dict.fromkeys(dirs))
+def unbounded_run_error(max_steps: int | None, max_epochs: int | None, max_time: Any) -> str | None:
+    """Why a ``fit`` with these limits would not stop by itself, or ``None`` when it is bounded.
+
+    Example:
+        >>> unbounded_run_error(1500, None, None) is None
+        True
+        >>> "forever" in unbounded_run_error(-1, -1, None)
+        True
+    """
+    if max_time is not None or max_steps not in (None, -1) or max_epochs not in (None, -1):
+        return None
+    epochs = ("`trainer.max_epochs=-1` (no epoch limit) means the run would train forever" if max_epochs == -1 else
+              "`trainer.max_epochs` unset means Lightning would stop after an arbitrary 1000 epochs")
+    return (f"`trainer.max_steps=-1` (no step limit) with {epochs}. Set --trainer.max_steps (e.g. 1500) or "
+            "--trainer.max_epochs to a positive number (or --trainer.max_time).")
+
+
+def _import(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None or isinstance(value, bool):
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _init_arg(entry: Any, key: str) -> Any:
+    init_args = entry.get("init_args") if hasattr(entry, "get") else None
+    return init_args.get(key) if init_args is not None and hasattr(init_args, "get") else None
 
 
 class LitTrainerCLI(LightningCLI):
     """The ``lit-trainer`` command (``fit``, ``validate``, ``test``, ``predict`` subcommands, ``--config``,
-    ``--print_config``)."""
+    ``--print_config``, ``--run_name``)."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         trainer_defaults = {"logger": default_loggers(), "num_sanity_val_steps": 0}
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}))
-        super().__init__(
-            model_class=BaseModule,
-            datamodule_class=BaseDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            seed_everything_default=DEFAULT_SEED,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            trainer_defaults=trainer_defaults,
-            args=args,
-            run=run,
-            **kwargs,
-        )
+        self._resume_from: str | None = None
+        quiet_startup_noise()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+            super().__init__(
+                model_class=BaseModule,
+                datamodule_class=BaseDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                seed_everything_default=DEFAULT_SEED,
+                parser_class=FriendlyParser,
+                save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
+                auto_configure_optimizers=False,
+                trainer_defaults=trainer_defaults,
+                args=join_negative_numbers(args) if isinstance(args, list) else args,
+                run=run,
+                **kwargs,
+            )
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        """Link the model's name/path to the data module's tokenizer."""
+        """Link the model's name/path to the data module's tokenizer; add ``--run_name``."""
         parser.link_arguments("model.init_args.model", "data.init_args.tokenizer", apply_on="parse")
+        parser.add_argument("--run_name", type=str | None, default=None,
+                            help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
+                                 "from the model class; the class name in lower case for other modules).")
+
+    def _parse_ckpt_path(self) -> None:
+        """``fit``: keep the configuration given (file and command line) on a resume.
+
+        Lightning's CLI would replace the model's class and arguments with the checkpoint's hyper-parameters when
+        ``--ckpt_path`` is a file (not for ``last``): an SFT config resumed from a GRPO checkpoint silently became a
+        GRPO run, and options changed on the command line for the resume were dropped. For ``fit`` the config
+        decides, and a checkpoint of another run is refused (``before_instantiate_classes``); ``validate``,
+        ``test`` and ``predict`` keep Lightning's behaviour (evaluate a checkpoint with its own hyper-parameters).
+        """
+        if self.config.get("subcommand") != "fit":
+            super()._parse_ckpt_path()
+
+    def before_instantiate_classes(self) -> None:
+        """Place the run: root, run name, version folder; find and check the checkpoint to resume."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config["trainer"]
+        if self.subcommand == "fit":
+            error = unbounded_run_error(trainer.get("max_steps"), trainer.get("max_epochs"), trainer.get("max_time"))
+            if error:
+                raise ValueError(error)
+        root = trainer.get("default_root_dir") or DEFAULT_ROOT
+        name = config.get("run_name") or default_run_name(config["model"]["class_path"])
+        trainer["default_root_dir"], config["run_name"] = str(root), name
+        loggers = [lg for lg in _as_list(trainer.get("logger")) if str(lg.get("class_path", "")).endswith(_RUN_LOGGERS)]
+        run_root = Path(root) / name
+        version = None
+        if self.subcommand == "fit" and config.get("ckpt_path") is not None:
+            self._resume_from, version = self._resume_target(config, run_root)
+        if version is None:
+            pinned = _init_arg(loggers[0], "version") if loggers else None
+            version, note = fresh_version(run_root, pinned)
+            if note:
+                rank_zero_info(f"[lit_trainer] {note}")
+        for logger in loggers:
+            for key, value in (("save_dir", str(root)), ("name", name), ("version", version)):
+                logger["init_args"][key] = value
+
+    def instantiate_classes(self) -> None:
+        """Build the classes; a validation error of ours comes out alone, not inside jsonargparse's Union text."""
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            friendly = friendly_value_error(error)
+            if friendly is None:
+                raise
+            raise friendly from None
+
+    def _resume_target(self, config: Any, run_root: Path) -> tuple[str | None, int | str | None]:
+        """The checkpoint to resume (``None``: fresh start) and the version folder the run continues in."""
+        requested = str(config["ckpt_path"])
+        if requested in ("last", "auto"):
+            dirs = [str(d) for cb in _as_list(config["trainer"].get("callbacks")) if (d := _init_arg(cb, "dirpath"))]
+            dirs += sorted(str(p) for p in run_root.glob("*/checkpoints"))
+            path = resolve_resume_checkpoint(dirs)
+            if path is None:
+                rank_zero_info(f"[lit_trainer] --ckpt_path {requested}: no complete checkpoint of run "
+                               f"'{run_root.name}' in {run_root}, starting fresh")
+                return None, None
+        else:
+            path = resolve_resume(requested, [])
+        record = read_record(path) or {}
+        if record:
+            data = config.get("data")
+            current = {"module": class_path(_import(config["model"]["class_path"])),
+                       "datamodule": class_path(_import(data["class_path"])) if data else None,
+                       "run_name": run_root.name}
+            message = identity_mismatch(record, current, path)
+            if message:
+                raise ValueError(message)
+        version = version_of(path, run_root, record.get("run_dir"))
+        rank_zero_info(f"[lit_trainer] resuming from {path}" + (
+            f"; the run continues in {run_root / _folder_name(version)}" if version is not None else ""))
+        return path, version
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Any:
+        """Add the run record, the final metrics table, the CPU thread check and our progress bar."""
+        given = _as_list(config.get("callbacks")) + callbacks
+        run_name = (self.config[self.subcommand] if self.subcommand else self.config).get("run_name")
+        extra: list[Callback] = [RunIdentity(run_name=run_name), FinalMetrics(), CPUThreadCheck()]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            extra.append(default_progress_bar())
+        present = {type(c) for c in given}
+        callbacks = callbacks + [c for c in extra if type(c) not in present]
+        return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:
-        """Refuse an unbounded run; resolve ``ckpt_path`` explicitly (never a silent resume)."""
-        trainer = self.trainer
-        if trainer.max_steps == -1 and trainer.max_epochs in (None, -1):
-            raise ValueError("Set `trainer.max_steps` (or `trainer.max_epochs`): without either, Lightning would run "
-                             "1000 epochs.")
+        """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises."""
         config = self.config_init[self.config_init.subcommand]
-        requested = config.get("ckpt_path")
-        resume = "never" if requested is None else "auto" if requested in ("last", "auto") else requested
-        config["ckpt_path"] = resolve_resume(resume, checkpoint_dirs(trainer), trainer)
-        if resume == "auto":
-            found = config["ckpt_path"]
-            rank_zero_info(f"[lit_trainer] resuming from {found}" if found else
-                           "[lit_trainer] --ckpt_path last: no complete checkpoint found, starting fresh")
+        quiet_frozen_eval_mode_warning(self.model)
+        rank_zero_info(f"[lit_trainer] run folder: {self.trainer.log_dir}")
+        if self._resume_from is None:
+            resolve_resume("never", [], self.trainer)
+        else:  # continuing in the run's own folder is the point; Lightning would warn that it is not empty
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        config["ckpt_path"] = self._resume_from
+
+
+def _folder_name(version: int | str) -> str:
+    return f"version_{version}" if isinstance(version, int) else str(version)
 
 
 def main(args: Any = None) -> None:
     """Entry point of the ``lit-trainer`` console script."""
-    LitTrainerCLI(args=args if args is not None else sys.argv[1:])
+    if args is None:
+        sys.argv[1:] = join_negative_numbers(sys.argv[1:])
+        LitTrainerCLI()
+    else:
+        LitTrainerCLI(args=args)
 
 
 if __name__ == "__main__":

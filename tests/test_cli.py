@@ -26,11 +26,16 @@ def _console_script() -> str:
 
 def test_main_job_end_to_end_in_subprocess(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([_console_script(), "fit", "--config", str(SFT), *FAST,
-                           "--trainer.enable_progress_bar", "false"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([_console_script(), "fit", "--config", str(SFT), *FAST], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "lit_trainer" / "version_0"
+    run = tmp_path / "runs" / "sft" / "version_0"
+    # stdout is a pipe: plain progress lines instead of a bar, then the final metrics table and the run folder
+    assert "step 12/12 | epoch 0 | loss " in proc.stdout, proc.stdout
+    assert "Final validation metrics (step 12):" in proc.stdout and "val_exact_match" in proc.stdout
+    assert "Run folder: runs/sft/version_0" in proc.stdout
+    for noise in ("args parameter", "LeafSpec", "litlogger", "Epoch 0/-2", "v_num on_0", "v_num: on_0"):
+        assert noise not in proc.stdout + proc.stderr, noise
     metrics = (run / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
     for key in ("train_loss", "learning_rate", "grad_norm", "tokens_per_sec", "padding_fraction", "val_loss",
@@ -74,7 +79,7 @@ def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
 
 def test_fit_without_a_bound_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="Set `trainer.max_steps`"):
+    with pytest.raises(ValueError, match="Lightning would stop after an arbitrary 1000 epochs"):
         LitTrainerCLI(args=["fit", "--config", str(SFT), "--trainer.max_steps", "-1", "--trainer.max_epochs", "null"])
 
 
@@ -99,14 +104,14 @@ def _fit(args, *, every=500, extra_callbacks=()):
 def test_resume_policy_last_picks_newest_complete_and_fresh_never_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = _fit(["--trainer.max_steps", "4"], every=2)
-    ckpts = tmp_path / "runs" / "lit_trainer" / "version_0" / "checkpoints"
+    ckpts = tmp_path / "runs" / "sft" / "version_0" / "checkpoints"
     assert first.trainer.global_step == 4 and (ckpts / "last.ckpt").exists()
     # a fresh run (no --ckpt_path) starts from step 0 even though checkpoints exist
     fresh = _fit(["--trainer.max_steps", "1"])
     assert fresh.trainer.global_step == 1
     # the fresh run's checkpoint (version_1, step 1) is the newest: mark it incomplete, so `last` must skip it
     # (with a warning naming it) and resume from the first run's step-4 checkpoint
-    newer = tmp_path / "runs" / "lit_trainer" / "version_1" / "checkpoints"
+    newer = tmp_path / "runs" / "sft" / "version_1" / "checkpoints"
     write_sentinel(newer, "last.ckpt", step=1)
     with pytest.warns(UserWarning, match="last.ckpt"):
         resumed = _fit(["--trainer.max_steps", "6", "--ckpt_path", "last"])

@@ -28,7 +28,7 @@ def test_default_sft_config_reaches_90_percent_exact_match(tmp_path, monkeypatch
     answers = [run_readme_generate(export, f"{a}+{b}=") for a, b in problems]
     assert sum(text == f"{a}+{b}={a + b}" for text, (a, b) in zip(answers, problems)) >= 17, answers  # 18 measured
     # the untrained model is at 0: check the logged history rose over the run
-    rows = (tmp_path / "runs" / "lit_trainer" / "version_0" / "metrics.csv").read_text().splitlines()
+    rows = (tmp_path / "runs" / "sft" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     column = header.index("val_exact_match")
     history = [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]

@@ -12,6 +12,7 @@ from lit_trainer.callbacks.hf_export import HFExport
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.callbacks.neftune import NEFTune
 from lit_trainer.callbacks.resume import ExactResume
+from lit_trainer.callbacks.run_identity import RunIdentity
 
 __all__ = [
     "BEMA",
@@ -22,6 +23,7 @@ __all__ = [
     "JITCheckpoint",
     "JITCheckpointExit",
     "NEFTune",
+    "RunIdentity",
     "resolve_resume",
     "resolve_resume_checkpoint",
 ]

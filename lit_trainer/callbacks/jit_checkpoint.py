@@ -103,8 +103,10 @@ class _JITCheckpoint(PackageBound):
     Args:
         kill_wait: seconds between the signal and the earliest save (the reference's ``kill_wait``, fixed at 3 there).
         signals: names of the signals that request a checkpoint (``SIGKILL``/``SIGSTOP`` cannot be caught).
-        dirpath: folder of the checkpoints; ``None`` is ``<trainer.default_root_dir>/checkpoints`` (where a default
-            ``ModelCheckpoint`` writes when there is no logger). Local paths only (the rename must be atomic).
+        dirpath: folder of the checkpoints; ``None`` is the run's own ``checkpoints`` folder, where a default
+            ``ModelCheckpoint`` writes: ``<save_dir>/<name>/<version>/checkpoints`` of the first logger, or
+            ``<trainer.default_root_dir>/checkpoints`` without a logger (so ``--ckpt_path last`` finds it). Local
+            paths only (the rename must be atomic).
         filename: name of the checkpoint without ``.ckpt``; ``{epoch}`` and ``{step}`` are filled in.
         exit_code: status of :class:`JITCheckpointExit` raised after the save (0-255); ``None`` sets
             ``trainer.should_stop`` instead, so ``fit`` returns (Lightning then runs one validation and the
@@ -190,7 +192,7 @@ class _JITCheckpoint(PackageBound):
         if stage != TrainerFn.FITTING:
             return
         self._requested_at, self._done, self._at_boundary = None, False, False
-        self.dirpath = self._dirpath_arg or str(Path(trainer.default_root_dir) / "checkpoints")
+        self.dirpath = self._dirpath_arg or run_checkpoint_dir(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
             rank_zero_warn("JITCheckpoint(exit_code=None) stops through `trainer.should_stop`, which Lightning ignores "
                            "until `min_steps`/`min_epochs` are reached; set an exit_code to stop right after the save.")
@@ -265,6 +267,20 @@ class _JITCheckpoint(PackageBound):
         self.checkpoint_path = str(final)
         self.save_seconds = time.perf_counter() - start
         return self.checkpoint_path
+
+
+def run_checkpoint_dir(trainer: pl.Trainer) -> str:
+    """The run's own checkpoint folder, where Lightning's ``ModelCheckpoint`` writes by default.
+
+    ``<save_dir>/<name>/<version>/checkpoints`` of the first logger (``version_<n>`` for an int version), or
+    ``<default_root_dir>/checkpoints`` without a logger. Rank 0 decides (a logger's version is chosen there).
+    """
+    if not trainer.loggers:
+        return str(Path(trainer.default_root_dir) / "checkpoints")
+    logger = trainer.loggers[0]
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    folder = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints"
+    return trainer.strategy.broadcast(str(folder))
 
 
 def _remove_leftover(folder: Path, tmp: Path) -> None:

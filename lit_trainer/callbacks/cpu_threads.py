@@ -1,0 +1,87 @@
+"""CPUThreadCheck: say once when torch's CPU threads compete with other processes for the cores.
+
+torch runs its CPU kernels on ``torch.get_num_threads()`` OpenMP threads (one per core by default). When other
+processes keep the cores busy, each parallel region waits for its slowest thread to get a core, and a step can take
+5-15 times longer than on a quiet machine (``configs/sft.yaml``: 87 s quiet, 7 to 24 minutes on a busy 2-core
+machine). One thread (``OMP_NUM_THREADS=1``) then runs far faster.
+
+The check is cheap and stable: once, after ``after_steps`` optimizer steps, it compares the 1-minute load average
+(runnable threads, ours included) with the number of cores. It warns only when torch uses more than one thread and
+the load exceeds the cores by more than ``margin``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+
+def oversubscription_warning(
+    cpu_count: int, torch_threads: int, load_1min: float, seconds_per_step: float, margin: float = 0.5
+) -> str | None:
+    """The warning to show, or ``None`` when the cores are not oversubscribed.
+
+    Args:
+        cpu_count: cores available to this process.
+        torch_threads: ``torch.get_num_threads()``.
+        load_1min: ``os.getloadavg()[0]``: runnable threads averaged over a minute, this process's included.
+        seconds_per_step: measured wall time per optimizer step (shown in the message).
+        margin: load above ``cpu_count`` that is still tolerated (noise, short-lived processes).
+
+    Example:
+        >>> oversubscription_warning(2, 2, 1.9, 0.05) is None
+        True
+        >>> "OMP_NUM_THREADS=1" in oversubscription_warning(2, 2, 4.0, 0.5)
+        True
+    """
+    if torch_threads <= 1 or load_1min <= cpu_count + margin:
+        return None
+    return (f"Training is likely slowed down by CPU oversubscription: torch uses {torch_threads} threads on "
+            f"{cpu_count} cores while the load average is {load_1min:.1f} ({seconds_per_step:.3f} s per step so "
+            "far). Its OpenMP threads stall when other processes share the cores; run with OMP_NUM_THREADS=1 (or "
+            "call torch.set_num_threads(1) before training), or give the job cores of its own.")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class CPUThreadCheck(Callback):
+    """Warn once, after ``after_steps`` optimizer steps of a CPU run, when the cores are oversubscribed.
+
+    Args:
+        after_steps: optimizer steps before the check (so the measured step time is past the warm-up).
+    """
+
+    def __init__(self, after_steps: int = 20) -> None:
+        self.after_steps = after_steps
+        self._start: tuple[float, int] | None = None
+        self.message: str | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = (time.monotonic(), trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
+        if self._start is None or trainer.global_step - self._start[1] < self.after_steps:
+            return
+        started, first_step = self._start
+        self._start = None  # once
+        if trainer.strategy.root_device.type != "cpu" or not hasattr(os, "getloadavg"):
+            return
+        seconds = (time.monotonic() - started) / max(trainer.global_step - first_step, 1)
+        self.message = oversubscription_warning(_cores(), torch.get_num_threads(), os.getloadavg()[0], seconds)
+        if self.message:
+            rank_zero_warn(self.message)

@@ -1,0 +1,154 @@
+"""One run = one folder: per-recipe run names, resume into the run's own folder (JIT checkpoint included), refusal
+of another run's checkpoint, no overwrite when a saved config is re-run, ``default_root_dir`` as the root."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
+from lit_trainer.cli import LitTrainerCLI
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+         "--trainer.val_check_interval", "1000", "--trainer.enable_model_summary", "false",
+         "--trainer.log_every_n_steps", "1"]
+FAST = {
+    "sft": [],
+    "dpo": ["--data.init_args.batch_size", "8"],
+    "grpo": ["--data.init_args.batch_size", "8", "--model.init_args.num_generations", "4",
+             "--model.init_args.max_completion_length", "4", "--trainer.accumulate_grad_batches", "1"],
+}
+
+
+def _fit(recipe: str, steps: int, *args: str, config: str | None = None, **kwargs) -> LitTrainerCLI:
+    config = config or str(CONFIGS / f"{recipe}.yaml")
+    return LitTrainerCLI(args=["fit", "--config", config, "--trainer.max_steps", str(steps),
+                               *QUIET, *FAST[recipe], *args], **kwargs)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    with open(run_dir / "metrics.csv", newline="") as file:
+        return [int(row["step"]) for row in csv.DictReader(file) if row.get("train_loss")]
+
+
+@pytest.fixture(scope="module")
+def three_recipes(tmp_path_factory) -> Path:
+    """The README's sequence in one working directory: SFT (4 steps), DPO (1), GRPO (1)."""
+    work = tmp_path_factory.mktemp("recipes")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        _fit("sft", 4, "--trainer.log_every_n_steps", "1")
+        _fit("dpo", 1, "--trainer.log_every_n_steps", "1")
+        _fit("grpo", 1, "--trainer.log_every_n_steps", "1")
+    finally:
+        os.chdir(cwd)
+    return work
+
+
+def test_each_recipe_writes_its_own_run_folder(three_recipes):
+    for recipe in ("sft", "dpo", "grpo"):
+        run = three_recipes / "runs" / recipe / "version_0"
+        assert (run / "checkpoints" / "last.ckpt").exists(), recipe
+        assert (run / "metrics.csv").exists() and (run / "hf_model" / "config.json").exists(), recipe
+    assert sorted(p.name for p in (three_recipes / "runs").iterdir()) == ["dpo", "grpo", "sft"]
+
+
+def test_resume_refuses_another_recipes_checkpoint_naming_both(three_recipes, monkeypatch):
+    monkeypatch.chdir(three_recipes)
+    grpo = three_recipes / "runs" / "grpo" / "version_0" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ValueError, match=r"(?s)GRPOModule.*CausalLMModule") as refused:
+        _fit("sft", 6, "--ckpt_path", str(grpo))
+    assert str(grpo) in str(refused.value) and "'grpo'" in str(refused.value) and "'sft'" in str(refused.value)
+    # the same module under another run name is another run too
+    sft = three_recipes / "runs" / "sft" / "version_0" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ValueError, match=r"run_name: checkpoint 'sft', this run 'other'"):
+        _fit("sft", 6, "--ckpt_path", str(sft), "--run_name", "other")
+    assert not (three_recipes / "runs" / "sft" / "version_1").exists()
+
+
+def test_last_after_sft_dpo_grpo_resumes_sft_in_its_own_folder(three_recipes, monkeypatch):
+    monkeypatch.chdir(three_recipes)
+    run = three_recipes / "runs" / "sft" / "version_0"
+    resumed = _fit("sft", 6, "--trainer.log_every_n_steps", "1", "--ckpt_path", "last")
+    assert Path(resumed.trainer.ckpt_path).resolve() == (run / "checkpoints" / "last.ckpt").resolve()
+    assert resumed.trainer.global_step == 6
+    assert not (three_recipes / "runs" / "sft" / "version_1").exists()  # one run = one folder
+    assert _steps(run) == [0, 1, 2, 3, 4, 5]  # one curve: the first 4 steps kept, the resumed ones appended
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["lit_trainer_run"]["run_name"] == "sft"
+
+
+class _SignalAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((CONFIGS / "sft.yaml").read_text())
+    (jit,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"].endswith("JITCheckpoint")]
+    jit["init_args"] = {"kill_wait": 0}  # save at the next step (the default waits 3 s for a SIGKILL)
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    jit_fast = ["--trainer.log_every_n_steps", "1"]
+    with pytest.raises(JITCheckpointExit) as stopped:
+        _fit("sft", 6, *jit_fast, config="sft.yaml", trainer_defaults={"callbacks": [_SignalAt(2)]})
+    assert stopped.value.code == 143
+    run = tmp_path / "runs" / "sft" / "version_0"
+    saved = Path(stopped.value.checkpoint_path)
+    assert saved.parent.resolve() == (run / "checkpoints").resolve() and saved.name.startswith("jit-")
+    assert not (tmp_path / "checkpoints").exists()
+    resumed = _fit("sft", 4, *jit_fast, "--ckpt_path", "last", config="sft.yaml")
+    assert Path(resumed.trainer.ckpt_path).resolve() == saved.resolve()
+    assert resumed.trainer.global_step == 4
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    assert _steps(run)[-1] == 3
+
+
+def test_rerunning_a_saved_or_printed_config_never_overwrites(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _fit("sft", 1)
+    first = tmp_path / "runs" / "sft" / "version_0"
+    before = {p.name: p.read_bytes() for p in (first / "metrics.csv", first / "checkpoints" / "last.ckpt")}
+    saved = first / "config.yaml"
+    assert "version: 0" in saved.read_text()  # the saved config records the folder it wrote
+    again = LitTrainerCLI(args=["fit", "--config", str(saved), "--trainer.max_steps", "1"])
+    assert Path(again.trainer.log_dir).resolve() == (tmp_path / "runs" / "sft" / "version_1").resolve()
+    assert {p.name: p.read_bytes() for p in (first / "metrics.csv", first / "checkpoints" / "last.ckpt")} == before
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        LitTrainerCLI(args=["fit", "--config", str(saved), "--print_config"])
+    (tmp_path / "printed.yaml").write_text(capsys.readouterr().out)
+    printed = LitTrainerCLI(args=["fit", "--config", "printed.yaml", "--trainer.max_steps", "1"])
+    assert Path(printed.trainer.log_dir).name == "version_2"
+
+
+def test_default_root_dir_is_the_root_of_everything_a_run_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit("sft", 1, "--trainer.default_root_dir", "out")
+    run = tmp_path / "out" / "sft" / "version_0"
+    assert Path(cli.trainer.log_dir).resolve() == run.resolve()
+    assert cli.trainer.logger.version == 0  # an int: the bar shows `v_num: 0`, not the tail of "version_0"
+    assert (run / "metrics.csv").exists() and (run / "checkpoints" / "last.ckpt").exists()
+    assert (run / "hf_model" / "model.safetensors").exists() and (run / "config.yaml").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize(("steps", "epochs", "wording"), [("-1", "-1", "train forever"), ("-1", "null", "1000 epochs")])
+def test_unbounded_fit_is_refused_with_the_right_wording(tmp_path, monkeypatch, steps, epochs, wording):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=wording):
+        LitTrainerCLI(args=["fit", "--config", str(CONFIGS / "sft.yaml"), "--trainer.max_steps", steps,
+                            "--trainer.max_epochs", epochs])
+    assert not (tmp_path / "runs").exists()
