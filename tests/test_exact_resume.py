@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
-from torch.utils.data import DataLoader
 
 from lit_trainer.callbacks.resume import (
     SENTINEL_NAME,
