@@ -148,7 +148,8 @@ def call_reward_functions(
         completions: ``N`` decoded completions.
         completion_ids: ``N`` lists of completion token ids.
         columns: other dataset columns, each a list of ``N`` values.
-        extra_kwargs: more keyword arguments for every function (for example ``trainer_state``).
+        extra_kwargs: more keyword arguments for every function (``GRPOModule`` passes TRL's ``trainer_state``,
+            ``log_metric`` and ``log_extra``, see :mod:`lit_trainer.modules._reward_calls`).
 
     Returns:
         ``(N, F)`` float32 CPU tensor; ``None`` returns are NaN.
@@ -168,7 +169,7 @@ def call_reward_functions(
     kwargs: dict[str, Any] = {"prompts": list(prompts), "completions": list(completions)}
     kwargs["completion_ids"] = list(completion_ids)
     for key, values in (columns or {}).items():
-        if key in _RESERVED:
+        if key in _RESERVED or key in (extra_kwargs or {}):
             raise ValueError(f"Dataset column `{key}` clashes with a reward-function argument: rename the column.")
         if len(values) != n:
             raise ValueError(f"Column `{key}` has {len(values)} values for {n} completions: repeat it per completion.")

@@ -35,16 +35,17 @@ from transformers import GenerationConfig
 from typing_extensions import Self, override
 
 from lit_trainer.data.loader import NUM_ITEMS_KEY
-from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, REWARD_COLUMNS, RolloutGeometry
+from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
 from lit_trainer.data.repeat_sampler import needs_old_logps, resolve_generation_geometry
 from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
 from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
+from lit_trainer.modules._reward_calls import score_completions
 from lit_trainer.modules._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.base import BaseModule, frozen_copy
-from lit_trainer.rewards import call_reward_functions, reward_function_name
+from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
 _TOKEN_NORMALISED = ("dapo", "cispo")
@@ -137,6 +138,7 @@ class GRPOModule(BaseModule):
         super().__init__(model, **kwargs)
         self.reward_funcs = rollout.resolve_reward_funcs(reward_funcs)
         self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
+        self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
             raise ValueError(f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
                              "functions: give one weight per function (or none for all 1.0).")
@@ -317,7 +319,7 @@ class GRPOModule(BaseModule):
         """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics)."""
         hp = self.hparams
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards = call_reward_functions(self.reward_funcs, batch[PROMPTS], texts, kept, batch[REWARD_COLUMNS])
+        rewards, logged = score_completions(self, batch, texts, kept)
         lengths = completions.mask.sum(1, keepdim=True).float()
         local = torch.cat([rewards.to(self.device), lengths, completions.truncated.float().unsqueeze(1)], dim=1)
         table = self._gather_rows(local)
@@ -332,6 +334,7 @@ class GRPOModule(BaseModule):
         metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_weights=weights,
                                       scale_rewards=hp.scale_rewards, reward_names=self.reward_names)
         metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
+        metrics.update(logged)
         return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
 
     def _pad_token_id(self, eos: list[int]) -> int:
@@ -358,7 +361,9 @@ class GRPOModule(BaseModule):
                                   pad_token_id=self._pad_token_id(eos), eos_token_id=eos, use_cache=True)
         completions = rollout.generate_completions(self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos)
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards = call_reward_functions(self.reward_funcs, batch[PROMPTS], texts, kept, batch[REWARD_COLUMNS])
+        rewards, logged = score_completions(self, batch, texts, kept)
+        for name, value in logged.items():
+            self.log(f"val_{name}", value, on_epoch=True, sync_dist=True, batch_size=len(texts))
         rewards = rewards.to(self.device)
         weights = torch.as_tensor(self.hparams.reward_weights or [1.0] * rewards.shape[1], device=self.device)
         total = torch.nansum(rewards * weights, dim=1).masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
