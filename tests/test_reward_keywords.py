@@ -8,7 +8,6 @@ from typing import Any
 import lightning as L
 import transformers
 from lightning.pytorch.loggers import CSVLogger
-
 from test_grpo_module import QUIET, data, grpo
 
 

@@ -11,14 +11,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_trainer.callbacks._atomic import atomic_directory
+from lit_trainer._atomic import atomic_directory
 
 
 def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None) -> Path:
     """``save_pretrained`` the model (safetensors) and tokenizer into ``target`` atomically.
 
     Everything is written into a temporary sibling directory that replaces ``target`` only once complete
-    (:func:`~lit_trainer.callbacks._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
+    (:func:`~lit_trainer._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
     finished export.
 
     Args:
