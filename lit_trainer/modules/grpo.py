@@ -8,8 +8,8 @@ computes old/reference log-probs only when needed, shuffles the rows with a seed
 ``steps_per_generation`` micro-batches; the other micro-steps of the round are served from that buffer.
 
 Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
-``dapo``/``cispo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
-after truncation masking: when ``steps_per_generation`` is a multiple of ``accumulate_grad_batches`` (the default
+``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all
+ranks, after truncation masking: when ``steps_per_generation`` is a multiple of ``accumulate_grad_batches`` (the default
 makes them equal) the step's rows are all in the buffer, and the count is exact, so the step gradient equals the
 full-batch token-mean gradient on those rollouts. Otherwise (one step spans several generation rounds) the count is
 the reference's ``N * GA_cur / steps_per_generation`` with N the generation batch's tokens over all ranks. The other
@@ -48,7 +48,9 @@ from lit_trainer.modules.base import BaseModule, frozen_copy
 from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
-_TOKEN_NORMALISED = ("dapo", "cispo")
+_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+_SHAPE_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                  "vespo_lambda_neg")
 
 
 class GRPOModule(BaseModule):
@@ -74,7 +76,7 @@ class GRPOModule(BaseModule):
         repetition_penalty: 1.0 = off.
         generation_kwargs: extra ``GenerationConfig`` fields (win over the options above).
         mask_truncated_completions: drop completions without EOS from the loss (their rewards still count).
-        loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo.
+        loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo, vespo.
         epsilon: lower clip; also the upper one when ``epsilon_high`` is None.
         epsilon_high: upper clip (and the CISPO cap).
         delta: two-sided cap of the unclipped ratio (> 1), None = off.
@@ -85,6 +87,10 @@ class GRPOModule(BaseModule):
         multi_objective_aggregation: "sum_then_normalize" or "normalize_then_sum" (GDPO).
         sapo_temperature_pos: SAPO temperature for positive advantages.
         sapo_temperature_neg: SAPO temperature for non-positive advantages.
+        vespo_k_pos: VESPO gamma-weight exponent ``k`` for advantages >= 0.
+        vespo_lambda_pos: VESPO rate ``lambda`` for advantages >= 0.
+        vespo_k_neg: VESPO ``k`` for negative advantages.
+        vespo_lambda_neg: VESPO ``lambda`` for negative advantages.
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
@@ -130,6 +136,10 @@ class GRPOModule(BaseModule):
         multi_objective_aggregation: Aggregation = "sum_then_normalize",
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
         generation_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -248,9 +258,9 @@ class GRPOModule(BaseModule):
                    "importance_sampling_level": hp.importance_sampling_level}
         old, advantages = batch.get("old_logps"), batch["advantages"]
         loss = grpo_policy_loss(logps, old, advantages, mask, max_completion_length=hp.max_completion_length,
-                                num_items_in_batch=num_items_in_batch, sapo_temperature_pos=hp.sapo_temperature_pos,
-                                sapo_temperature_neg=hp.sapo_temperature_neg, **options)
-        metrics = grpo_loss_metrics(logps, old, advantages, mask, **options)
+                                num_items_in_batch=num_items_in_batch, **{k: hp[k] for k in _SHAPE_OPTIONS}, **options)
+        vespo = (hp.vespo_k_pos, hp.vespo_lambda_pos, hp.vespo_k_neg, hp.vespo_lambda_neg)
+        metrics = grpo_loss_metrics(logps, old, advantages, mask, vespo=vespo, **options)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, metrics
 
