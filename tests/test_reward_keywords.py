@@ -46,3 +46,21 @@ def test_trl_reward_keywords_reach_the_function_and_the_logs(tmp_path):
     assert all(float(r["extra/n_ids"]) > 0 for r in rows)
     extra = module.reward_extra
     assert set(extra) == {"n_ids", "note"} and len(extra["note"]) == 16 and extra["note"][0] == "text"
+
+
+def test_extra_keywords_go_to_functions_that_take_them():
+    from lit_trainer.rewards import call_reward_functions
+
+    seen: dict[str, Any] = {}
+
+    def strict(prompts, completions, completion_ids, answer):  # written before the keywords existed
+        return [1.0 for _ in completions]
+
+    def named(completions, trainer_state, **columns):
+        seen["named"] = (trainer_state, sorted(columns))
+        return [2.0 for _ in completions]
+
+    extra = {"trainer_state": "state", "log_metric": print, "log_extra": print}
+    rewards = call_reward_functions([strict, named], ["1+1="], ["2"], [[53]], {"answer": ["2"]}, extra_kwargs=extra)
+    assert rewards.tolist() == [[1.0, 2.0]]
+    assert seen["named"] == ("state", ["answer", "completion_ids", "log_extra", "log_metric", "prompts"])
