@@ -64,3 +64,15 @@ def test_extra_keywords_go_to_functions_that_take_them():
     rewards = call_reward_functions([strict, named], ["1+1="], ["2"], [[53]], {"answer": ["2"]}, extra_kwargs=extra)
     assert rewards.tolist() == [[1.0, 2.0]]
     assert seen["named"] == ("state", ["answer", "completion_ids", "log_extra", "log_metric", "prompts"])
+
+
+def test_metrics_logged_by_reward_functions_in_validation(tmp_path):
+    reward = CurriculumReward()
+    module = grpo(reward_funcs=[reward])
+    options = {**QUIET, "limit_val_batches": 1, "logger": CSVLogger(tmp_path, name="v")}
+    trainer = L.Trainer(max_steps=1, log_every_n_steps=1, val_check_interval=1, **options)
+    trainer.fit(module, datamodule=data(16, batch_size=16, val_size=4))
+    with open(tmp_path / "v" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val_curriculum/stage")]
+    assert [float(r["val_curriculum/stage"]) for r in rows] == [12.0]  # scored after step 1: mean of 11 and 13
+    assert float(rows[0]["val_extra/n_ids"]) > 0

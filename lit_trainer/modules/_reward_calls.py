@@ -39,8 +39,9 @@ def trainer_state(trainer: Any) -> TrainerState:
     batches = trainer.num_training_batches
     finite = isinstance(batches, int) and batches > 0
     batch_idx = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "batch_idx", -1)
-    total = trainer.estimated_stepping_batches
-    max_steps = trainer.max_steps if trainer.max_steps > 0 else (int(total) if math.isfinite(total) else 0)
+    fitting = trainer.state.fn == "fit"  # outside fit, the estimate would load the training data
+    total = trainer.estimated_stepping_batches if fitting and trainer.max_steps <= 0 else trainer.max_steps
+    max_steps = int(total) if 0 < total < math.inf else 0
     epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else 0
     if not epochs and finite and max_steps:  # as HF with max_steps: ceil(max_steps / optimizer steps per epoch)
         epochs = math.ceil(max_steps / math.ceil(batches / trainer.accumulate_grad_batches))
