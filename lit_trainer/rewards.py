@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -110,6 +111,19 @@ def _to_float(value: Any, name: str, row: int) -> float:
         ) from err
 
 
+def _accepted(func: RewardFunc, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``extra`` keywords ``func`` can take: all of them with ``**kwargs`` (or no readable signature), else the
+    ones it names, so a function written before these keywords existed keeps working."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return dict(extra)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(extra)
+    names = {p.name for p in parameters}
+    return {key: value for key, value in extra.items() if key in names}
+
+
 def _call_one(func: RewardFunc, n: int, kwargs: dict[str, Any]) -> list[float]:
     name = reward_function_name(func)
     try:
@@ -148,7 +162,9 @@ def call_reward_functions(
         completions: ``N`` decoded completions.
         completion_ids: ``N`` lists of completion token ids.
         columns: other dataset columns, each a list of ``N`` values.
-        extra_kwargs: more keyword arguments for every function (for example ``trainer_state``).
+        extra_kwargs: more keyword arguments (``GRPOModule`` passes TRL's ``trainer_state``, ``log_metric`` and
+            ``log_extra``, see :mod:`lit_trainer.modules._reward_calls`), given to a function that takes
+            ``**kwargs`` or names them (so an older function without them keeps working).
 
     Returns:
         ``(N, F)`` float32 CPU tensor; ``None`` returns are NaN.
@@ -168,11 +184,10 @@ def call_reward_functions(
     kwargs: dict[str, Any] = {"prompts": list(prompts), "completions": list(completions)}
     kwargs["completion_ids"] = list(completion_ids)
     for key, values in (columns or {}).items():
-        if key in _RESERVED:
+        if key in _RESERVED or key in (extra_kwargs or {}):
             raise ValueError(f"Dataset column `{key}` clashes with a reward-function argument: rename the column.")
         if len(values) != n:
             raise ValueError(f"Column `{key}` has {len(values)} values for {n} completions: repeat it per completion.")
         kwargs[key] = list(values)
-    kwargs.update(extra_kwargs or {})
-    table = [_call_one(func, n, kwargs) for func in funcs]
+    table = [_call_one(func, n, {**kwargs, **_accepted(func, extra_kwargs or {})}) for func in funcs]
     return torch.tensor(table, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()

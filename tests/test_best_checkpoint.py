@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_trainer.callbacks import _atomic
+from lit_trainer import _atomic
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.neftune import NEFTune

@@ -107,7 +107,7 @@ def test_scheduler_warmup_then_cosine_per_optimizer_step(tokenizer):
                          callbacks=[Record()], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(module, datamodule=_dm(tokenizer))
-    # warmup: (step+1)/(warmup+1) = 1/3, 2/3; then cosine over the remaining 2 steps: 0.5*(1+cos(pi*0/2)) = 1.0,
+    # HF warmup: step / warmup = 0, 1/2; then cosine over the remaining 2 steps: 0.5*(1+cos(pi*0/2)) = 1.0,
     # 0.5*(1+cos(pi*1/2)) = 0.5
-    assert lrs == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
+    assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.5])
     assert [g["weight_decay"] for g in trainer.optimizers[0].param_groups] == [0.0, 0.0]

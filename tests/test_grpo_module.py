@@ -336,7 +336,7 @@ def test_mean_reward_rises_from_a_briefly_sft_trained_model():
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     L.seed_everything(0)
-    sft = CausalLMModule("tiny-64", learning_rate=3e-3, warmup_steps=10, scheduler="constant")
+    sft = CausalLMModule("tiny-64", learning_rate=3e-3, warmup_steps=10, scheduler="constant_with_warmup")
     sft_data = SFTDataModule(tokenizer="tiny", dataset=builtin.sft_rows("train").select(range(64)), batch_size=64,
                              max_length=32, val_size=0)
     L.Trainer(max_steps=80, **QUIET).fit(sft, datamodule=sft_data)

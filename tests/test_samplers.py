@@ -117,7 +117,7 @@ def test_multi_slot_split_is_near_optimal_against_brute_force():
         ours, (_, best) = straggler(lengths, plan), brute_force(lengths, replicas, slots)
         assert ours >= best * (1 - 1e-12)
         gaps.append(ours / best - 1)
-    # exact in most cases, about 0.3% above the optimum on average (slot blocks contiguous, 5% cap grid)
+    # exact in most cases, about 0.3% above the optimum on average (slot blocks contiguous, 1% cap grid)
     assert sum(gap == pytest.approx(0, abs=1e-12) for gap in gaps) >= 0.8 * len(gaps)
     assert sum(gaps) / len(gaps) < 0.01
 

@@ -21,7 +21,7 @@ Semantics (same as the reference unless noted):
 
 Differences from plain ``ModelCheckpoint``:
 
-* Writes are atomic (``lit_trainer.callbacks._atomic``): a checkpoint is written as ``.<name>.partial`` and
+* Writes are atomic (``lit_trainer._atomic``): a checkpoint is written as ``.<name>.partial`` and
   renamed when complete, so a crash mid-save never leaves a file with the final name. The ``best/`` export is
   written in a temporary folder and renamed likewise. Object-store paths and ``AsyncCheckpointIO`` fall back to
   Lightning's own writing.
@@ -53,7 +53,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
 
-from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lit_trainer.callbacks._atomic import atomic_directory
+from lit_trainer._atomic import atomic_directory
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks._peft_export import is_adapter_model, save_adapter_model
 
@@ -20,7 +20,7 @@ def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict:
     """``save_pretrained`` the model (safetensors) and tokenizer into ``target`` atomically.
 
     Everything is written into a temporary sibling directory that replaces ``target`` only once complete
-    (:func:`~lit_trainer.callbacks._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
+    (:func:`~lit_trainer._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
     finished export.
 
     Args:

@@ -63,7 +63,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.callbacks._atomic import commit, is_local_path, partial_path
+from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
 

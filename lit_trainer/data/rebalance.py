@@ -15,8 +15,9 @@ import numpy as np
 
 QUADRATIC_COST_COEF = 0.001
 _SCALE = 1000  # 1 / QUADRATIC_COST_COEF: integer costs are scaled by this
-_GRID_STEP = 20  # slot-cap grid of the step DP: consecutive caps differ by 1/_GRID_STEP (5%)
+_GRID_STEP = 100  # slot-cap grid of the step DP: consecutive caps differ by 1/_GRID_STEP (1%), coarser if needed
 _DP_CELL_BUDGET = 400_000  # table cells per DP (about 10 ms); larger steps use a coarser grid or skip a refinement
+_STEP_CELL_BUDGET = 4_000_000  # the whole-step waste DP (one table row of `band` cells per sample and group)
 
 
 def microbatch_cost(batch_size: int, max_len: int) -> float:
@@ -92,9 +93,9 @@ def _straggler(costs: Sequence[int], width: int) -> int:
 
 
 def _cap_grid(lo: int, hi: int, size: int) -> np.ndarray | None:
-    """At most ``size`` integer slot caps from ``lo`` to ``hi``, geometric: 5% apart, coarser if needed (integer
+    """At most ``size`` integer slot caps from ``lo`` to ``hi``, geometric: 1% apart, coarser if needed (integer
     arithmetic, so identical on every rank). ``None`` if even doubling steps need more."""
-    for divisor in (_GRID_STEP, 10, 5, 2, 1):
+    for divisor in (_GRID_STEP, 50, 20, 10, 5, 2, 1):
         caps, cap = [], max(lo, 1)
         while cap < hi and len(caps) < size:
             caps.append(cap)
@@ -105,7 +106,7 @@ def _cap_grid(lo: int, hi: int, size: int) -> np.ndarray | None:
 
 
 def _slot_bounds(w: Sequence[int], slots: int, width: int, upper: int) -> list[int] | None:
-    """Slot boundaries minimising the sum of slot caps (dynamic programming over a 5% grid of caps, coarser for
+    """Slot boundaries minimising the sum of slot caps (dynamic programming over a 1% grid of caps, coarser for
     very large steps).
 
     ``reach[i, g]``: how far ``width`` greedy groups of cap ``grid[g]`` get from sample ``i``; any end in
@@ -144,32 +145,37 @@ def _slot_bounds(w: Sequence[int], slots: int, width: int, upper: int) -> list[i
     return bounds + [m]
 
 
-def _least_padding_counts(lengths: Sequence[int], w: Sequence[int], width: int, cap: int) -> list[int] | None:
-    """Split one slot into ``width`` groups of cost <= ``cap`` with the fewest padded tokens (exact DP).
+def _least_padding_under_caps(
+    lengths: Sequence[int], w: Sequence[int], caps: Sequence[int], budget: int = _DP_CELL_BUDGET,
+    max_size: int | None = None,
+) -> list[int] | None:
+    """Split the sorted samples into ``len(caps)`` contiguous groups, group ``k`` costing at most ``caps[k]``, with
+    the fewest padded tokens (exact DP).
 
-    ``P_r(i)``: fewest padded tokens of samples ``[i, b)`` in ``r`` groups; a group from ``i`` holds at most
-    ``cap // w[i]`` samples, so the table is a band. Returns ``None`` when it would exceed the cell budget or no split
-    fits (the caller keeps its split).
+    ``P_k(i)``: fewest padded tokens of samples ``[i, b)`` in groups ``k..``; a group from ``i`` holds at most
+    ``caps[k] // w[i]`` samples, so the table is a band. Returns ``None`` when it would exceed the cell budget or no
+    split fits (the caller keeps its split).
     """
-    b = len(w)
+    b, groups = len(w), len(caps)
     la, wa = np.asarray(lengths, dtype=np.int64), np.asarray(w, dtype=np.int64)
-    most = np.minimum(cap // wa, b - np.arange(b))  # largest group from each start
-    band = int(most.max())
-    if b * band * width > _DP_CELL_BUDGET:
+    band = int(min(max(caps) // wa.min(), b - groups + 1, max_size or b))
+    if band < 1 or b * band * groups > budget:
         return None
+    starts = np.arange(b)
     size = np.arange(1, band + 1)[None, :]
-    ends = np.arange(b)[:, None] + size  # group [i, i + size)
-    fits = size <= most[:, None]
+    ends = starts[:, None] + size  # group [i, i + size)
+    cost = size * wa[:, None]
     padded = size * la[:, None]
     inf = np.int64(2**62)
     best = np.full(b + 1, inf)
-    best[:b] = np.where(most == b - np.arange(b), la * (b - np.arange(b)), inf)  # one group [i, b)
+    best[:b] = np.where((b - starts) * wa <= caps[-1], la * (b - starts), inf)  # the last group is [i, b)
     picks = []
-    for left in range(1, width):  # `left` groups follow the one starting at i
-        total = np.where(fits & (ends <= b - left), padded + best[np.minimum(ends, b)], inf)
+    for k in range(groups - 2, -1, -1):  # `groups - 1 - k` groups follow the one starting at i
+        fits = (cost <= caps[k]) & (ends <= b - (groups - 1 - k))
+        total = np.where(fits, padded + best[np.minimum(ends, b)], inf)
         pick = total.argmin(axis=1)
         picks.append(pick + 1)
-        best[:b] = np.minimum(total[np.arange(b), pick], inf)
+        best[:b] = np.minimum(total[starts, pick], inf)
     if best[0] >= inf:
         return None
     counts, i = [], 0
@@ -179,12 +185,28 @@ def _least_padding_counts(lengths: Sequence[int], w: Sequence[int], width: int, 
     return counts + [b - i]
 
 
+def _rank_caps(costs: Sequence[int], width: int) -> list[int]:
+    """Per-group caps that keep the straggler cost of a split with group ``costs``: group ``k`` may cost up to the
+    largest cost of its rank block (ranks ``0..width-1`` by descending cost, then the next ``width``, ...).
+
+    The caps are the ranked costs with each block raised to its maximum, permuted back to the groups, so ``costs``
+    itself fits them; and any split whose group ``k`` costs at most ``caps[k]`` has, sorted descending, costs no larger
+    than the sorted caps, hence a straggler cost (sum of the block maxima) no larger than ``costs``'s.
+    """
+    ranked = sorted(range(len(costs)), key=lambda k: -costs[k])
+    caps = [0] * len(costs)
+    for position, k in enumerate(ranked):
+        caps[k] = costs[ranked[position - position % width]]
+    return caps
+
+
 def _polish(lengths: Sequence[int], w: Sequence[int], width: int, bounds: Sequence[int]) -> list[int]:
     """Per slot ``[a, b)``: the exact minimax cap of its samples, then the least-padding split under that cap."""
     counts: list[int] = []
     for a, b in zip(bounds, bounds[1:]):
         split = _minimax_counts(w[a:b], 1, width)
-        counts += _least_padding_counts(lengths[a:b], w[a:b], width, max(_group_costs(w[a:b], split))) or split
+        cap = max(_group_costs(w[a:b], split))
+        counts += _least_padding_under_caps(lengths[a:b], w[a:b], [cap] * width) or split
     return counts
 
 
@@ -201,7 +223,17 @@ def _best_counts(lengths: Sequence[int], w: Sequence[int], slots: int, width: in
         ends = np.cumsum(counts)
         return _straggler(_group_costs(w, counts), width), sum(c * lengths[e - c] for c, e in zip(counts, ends))
 
-    return min(candidates, key=score)
+    best = min(candidates, key=score)
+    least = _waste_tie_break(lengths, w, width, best)
+    return least if least is not None and score(least) < score(best) else best
+
+
+def _waste_tie_break(lengths: Sequence[int], w: Sequence[int], width: int, best: list[int]) -> list[int] | None:
+    """The fewest padded tokens over the whole step among the splits whose groups fit :func:`_rank_caps` of ``best``
+    (so with a straggler cost no larger than ``best``'s; groups at most twice ``best``'s largest). Samples may
+    change slots; ``best`` itself fits, so the result never has more padding. ``None`` past the cell budget."""
+    caps = _rank_caps(_group_costs(w, best), width)
+    return _least_padding_under_caps(lengths, w, caps, _STEP_CELL_BUDGET, 2 * max(best))
 
 
 def balance_step(lengths: Sequence[int], num_replicas: int, num_slots: int) -> list[list[list[int]]]:
@@ -214,9 +246,11 @@ def balance_step(lengths: Sequence[int], num_replicas: int, num_slots: int) -> l
 
     * ``num_slots == 1``: exactly (integer binary search on the cost cap + greedy fill: the minimum over all
       contiguous splits of the maximum group cost);
-    * ``num_slots > 1``: a dynamic program over slot boundaries on a 5% grid of slot caps, each slot then split
+    * ``num_slots > 1``: a dynamic program over slot boundaries on a 1% grid of slot caps, each slot then split
       exactly; the result is never worse than the uniform minimax split (also computed; the better one is kept);
-    * among splits of equal cost, the one with fewer padded tokens (exact DP inside each slot).
+    * padding waste breaks ties: the straggler-best split is replaced by the split with the fewest padded tokens
+      over the whole step among those whose groups fit under its per-rank-block cost caps (so never a higher
+      straggler cost; exact DP, samples may change slots, see :func:`_waste_tie_break`).
 
     Args:
         lengths: the step's sample lengths (any order).

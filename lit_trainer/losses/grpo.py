@@ -8,6 +8,7 @@ and are re-exported here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -23,7 +24,7 @@ from lit_trainer.losses.grpo_advantages import (  # noqa: F401  (re-exported)
     nanstd,
 )
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """Loss types using the PPO-style two-sided clipped surrogate (and reporting ``clip_ratio/*`` metrics)."""
@@ -40,6 +41,7 @@ class _LossConfig(NamedTuple):
     num_items_in_batch: Tensor | float | int | None
     sapo_temperature_pos: float
     sapo_temperature_neg: float
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg)
 
 
 def _check_config(
@@ -67,6 +69,9 @@ def _check_config(
             f"`loss_type='dr_grpo'` needs `max_completion_length` >= 1 (got {c.max_completion_length}): pass the "
             "generation's max_completion_length."
         )
+    if c.loss_type == "vespo" and c.level != "token":
+        raise ValueError(f"`importance_sampling_level={c.level!r}` does not apply to `loss_type='vespo'`, which weights "
+                         "each sequence by its own summed log-ratio: use importance_sampling_level='token'.")
     if c.loss_type == "sapo" and (c.sapo_temperature_pos <= 0 or c.sapo_temperature_neg <= 0):
         raise ValueError(
             f"`sapo_temperature_pos={c.sapo_temperature_pos}`, `sapo_temperature_neg={c.sapo_temperature_neg}` are "
@@ -110,6 +115,29 @@ def _sapo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) 
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
 
 
+@torch.no_grad()
+def vespo_weights(
+    log_ratio: Tensor, mask: Tensor, advantages: Tensor, vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
+) -> Tensor:
+    """VESPO's gamma weight per sequence, ``(B, 1)``, without gradient.
+
+    With ``s = sum_t m clamp(lr, -20, 20)`` and ``log w = clamp(s, ln 1e-8, 20)``:
+    ``log phi = lambda + k log w - lambda w``, i.e. ``phi = w^k e^(lambda (1 - w))`` (so ``phi(1) = 1``), with
+    ``(k, lambda) = (k_pos, lambda_pos)`` if A >= 0 else ``(k_neg, lambda_neg)``; non-finite values become 0.
+
+    Example:
+        >>> vespo_weights(torch.tensor([[0.0, 0.0]]), torch.ones(1, 2), torch.tensor([1.0]))  # on-policy: w = 1
+        tensor([[1.]])
+    """
+    k_pos, lambda_pos, k_neg, lambda_neg = vespo
+    log_w = _masked(log_ratio.clamp(-20.0, 20.0), mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    positive = advantages.reshape(-1, 1) >= 0
+    k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(positive, lambda_pos, lambda_neg).to(log_w.dtype)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 _TOKEN_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor, _LossConfig], Tensor]] = {
     **dict.fromkeys(CLIPPED_LOSS_TYPES, _clipped_token_loss),
     "cispo": _cispo_token_loss,
@@ -144,6 +172,7 @@ _AGGREGATORS: dict[str, Callable[[Tensor, Tensor, _LossConfig], Tensor]] = {
     "dr_grpo": lambda loss, mask, c: _row_sums(loss, mask).sum() / (loss.shape[0] * c.max_completion_length),
     "dapo": _agg_num_items,
     "cispo": _agg_num_items,
+    "vespo": _agg_num_items,
     "luspo": lambda loss, mask, c: _row_sums(loss, mask).mean(),
 }
 
@@ -178,6 +207,10 @@ def grpo_policy_loss(
     num_items_in_batch: Tensor | float | int | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> Tensor:
     """GRPO policy loss of ONE micro-batch, without any gradient-accumulation or world-size factor.
 
@@ -187,7 +220,9 @@ def grpo_policy_loss(
     * grpo, bnpo, dr_grpo, dapo, luspo: ``-min(r' A, clamp(r, 1-eps, 1+eps_high) A)`` with ``r' = min(r, delta)``
       when ``delta`` is set (two-sided cap of the unclipped branch), else ``r' = r``;
     * cispo: ``-sg(min(r, eps_high)) A logp`` (cap at ``eps_high`` itself; the reference docs suggest 5.0);
-    * sapo: ``-(4/tau) sigmoid(tau (r - 1)) A``, ``tau = sapo_temperature_pos`` if A > 0 else ``..._neg``.
+    * sapo: ``-(4/tau) sigmoid(tau (r - 1)) A``, ``tau = sapo_temperature_pos`` if A > 0 else ``..._neg``;
+    * vespo: ``-phi A logp`` with ``phi`` the no-grad gamma weight of the sequence ratio (:func:`vespo_weights`);
+      token-level only, no clipping (``epsilon``/``delta`` unused).
 
     If ``beta != 0``: ``L += beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``, multiplied by the
     PER-TOKEN ratio ``exp(lr)`` when ``use_bias_correction_kl`` (not detached). Deliberate fix of the reference:
@@ -199,7 +234,7 @@ def grpo_policy_loss(
     * grpo, sapo: per-row token mean, then mean over all B rows (empty rows count as 0);
     * bnpo: ``max(1, sum m)`` of this micro-batch;
     * dr_grpo: ``B * max_completion_length``;
-    * dapo, cispo: ``max(1, num_items_in_batch)``, or the local ``max(1, sum m)`` when it is None. The reference
+    * dapo, cispo, vespo: ``max(1, num_items_in_batch)``, or the local ``max(1, sum m)`` when it is None. The reference
       uses ``N / P * GA_cur / spg`` with N the masked-token count of the whole generation batch over all ranks; for a
       token-exact mean over an optimizer step, pass the masked-token count of all that step's micro-batches summed
       over ranks (and undo DDP's gradient averaging by the world size in the module);
@@ -225,13 +260,18 @@ def grpo_policy_loss(
         num_items_in_batch: dapo/cispo normaliser (int, float or 0-dim tensor; no host sync).
         sapo_temperature_pos: SAPO temperature for A > 0 (reference default 1.0).
         sapo_temperature_neg: SAPO temperature for A <= 0 (reference default 1.05).
+        vespo_k_pos: VESPO gamma-weight exponent ``k`` for A >= 0 (reference default 2.0).
+        vespo_lambda_pos: VESPO rate ``lambda`` for A >= 0 (reference default 3.0).
+        vespo_k_neg: VESPO ``k`` for A < 0 (reference default 3.0).
+        vespo_lambda_neg: VESPO ``lambda`` for A < 0 (reference default 2.0).
 
     Returns:
         0-dim loss tensor.
 
     Raises:
         ValueError: on an unknown option, a shape mismatch, ``beta != 0`` without ``ref_logps``, dr_grpo without
-            ``max_completion_length``, a negative epsilon or beta, ``delta <= 1`` or a non-positive SAPO temperature.
+            ``max_completion_length``, a negative epsilon or beta, ``delta <= 1``, a non-positive SAPO temperature or
+            vespo with sequence-level importance sampling.
 
     Example:
         >>> logps = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
@@ -242,12 +282,17 @@ def grpo_policy_loss(
     c = _LossConfig(
         loss_type, epsilon, eps_high, delta, beta, use_bias_correction_kl, importance_sampling_level,
         max_completion_length, num_items_in_batch, sapo_temperature_pos, sapo_temperature_neg,
+        (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg),
     )  # fmt: skip
     _check_config(c, logps, old_logps, advantages, mask, ref_logps)
     mask_f = mask.to(logps.dtype)
     log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
     ratio = torch.exp(_IS_LEVELS[c.level](log_ratio, mask_f))
-    loss = _TOKEN_LOSSES[loss_type](ratio, advantages.reshape(-1, 1).to(logps.dtype), logps, c)
+    adv = advantages.reshape(-1, 1).to(logps.dtype)
+    if loss_type == "vespo":  # weights the sequence by its own summed log-ratio, not by `ratio`
+        loss = -vespo_weights(log_ratio, mask_f, adv, c.vespo) * adv * logps
+    else:
+        loss = _TOKEN_LOSSES[loss_type](ratio, adv, logps, c)
     if beta != 0:
         loss = loss + beta * _kl_term(logps, ref_logps, log_ratio, c)
     return _AGGREGATORS[loss_type](loss, mask_f, c)
@@ -282,6 +327,7 @@ def grpo_loss_metrics(
     ref_logps: Tensor | None = None,
     use_bias_correction_kl: bool = True,
     importance_sampling_level: ImportanceSamplingLevel = "token",
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
 ) -> dict[str, Tensor]:
     """Per-micro-step loss metrics (reference section 2.9) as 0-dim tensors, without grad or host sync.
 
@@ -292,6 +338,7 @@ def grpo_loss_metrics(
       ``r > 1+eps_high & A > 0``, ``clip_ratio/region_mean`` = of either; ``clip_ratio/low_min`` /
       ``clip_ratio/high_max`` = min / max over the rows (with at least one token) of the per-row fraction;
     * cispo: ``cispo_clip_ratio`` = token mean of ``r > eps_high & A > 0``;
+    * vespo: ``vespo/phi_seq_mean`` = mean over the rows of :func:`vespo_weights`;
     * ``beta != 0``: ``kl`` = token mean of k3 (times the per-token ratio if ``use_bias_correction_kl``).
 
     Args:
@@ -307,6 +354,7 @@ def grpo_loss_metrics(
         ref_logps: as :func:`grpo_policy_loss`.
         use_bias_correction_kl: as :func:`grpo_policy_loss`.
         importance_sampling_level: as :func:`grpo_policy_loss`.
+        vespo: ``(k_pos, lambda_pos, k_neg, lambda_neg)`` of :func:`vespo_weights`.
 
     Returns:
         Dict of metric name to 0-dim tensor (only the keys that apply to ``loss_type`` and ``beta``).
@@ -333,6 +381,8 @@ def grpo_loss_metrics(
         metrics["clip_ratio/region_mean"] = _token_mean(torch.maximum(low, high), mask_f)
         metrics["clip_ratio/low_min"] = _row_extreme(low, mask_f, lowest=True)
         metrics["clip_ratio/high_max"] = _row_extreme(high, mask_f, lowest=False)
+    if loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = vespo_weights(log_ratio, mask_f, adv, vespo).mean()
     if loss_type == "cispo":
         metrics["cispo_clip_ratio"] = _token_mean(((ratio > eps_high) & (adv > 0)).to(logps.dtype), mask_f)
     if beta != 0:

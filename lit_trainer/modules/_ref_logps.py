@@ -4,9 +4,12 @@ Before training, the reference model (or, without one, the policy before any upd
 training and validation data once; the per-pair sums are stored with the dataset as ``ref_chosen_logps`` /
 ``ref_rejected_logps`` columns, so the reference model can be freed and the training steps skip its forward pass.
 
-Keying: ``sha256(data fingerprint, sha256 of the reference state_dict, ld_alpha)``. The data fingerprint is a content
-hash of the tokenized pairs and the truncation settings (``PreferenceDataModule.fingerprint``), so a changed model,
-dataset, ``max_length`` or ``truncation_mode`` recomputes. Results are kept (a) on the data module, with their key, so
+Keying: ``sha256(data fingerprint, reference fingerprint, ld_alpha)``. The data fingerprint is a content hash of the
+tokenized pairs and the truncation settings (``PreferenceDataModule.fingerprint``); the reference fingerprint
+(:func:`reference_sha256`) hashes the reference's weights (names, dtypes, shapes, bytes) AND everything else that
+decides its forward: the model class, its config (rope, sliding window, ... and the attention implementation), the
+trainer's precision (autocast) and the torch/transformers versions. So a changed model (weights, config or dtype),
+precision, dataset, ``max_length``, ``truncation_mode`` or ``ld_alpha`` recomputes. Results are kept (a) on the data module, with their key, so
 a second ``fit`` with the same data and reference skips the pass; (b) on disk as
 ``<dir>/ref_logps-<key>.safetensors`` when a directory is known (``ref_logps_cache_dir``, else next to the dataset's
 own ``datasets`` cache files, which exist for data loaded from files or the hub); (c) in every checkpoint, so a
@@ -19,18 +22,19 @@ split); rank 0 writes the cache file; all ranks end with the same columns.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
 from typing import Any
 
 import torch
+import transformers
 from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from lit_trainer._atomic import atomic_write
 from lit_trainer.data.preference import REF_CHOSEN_KEY, REF_REJECTED_KEY
 
 CKPT_KEY = "dpo_reference_logps"
@@ -47,9 +51,28 @@ def state_dict_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def forward_sha256(model: torch.nn.Module, precision: str) -> str:
+    """sha256 of what, besides the weights, decides the model's log-probs: its class, its config (without the name
+    or path it was loaded from) including the attention implementation, the autocast ``precision`` and the
+    torch/transformers versions."""
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if config is not None else {}
+    for key in ("_name_or_path", "transformers_version"):
+        settings.pop(key, None)
+    settings["_attn_implementation"] = getattr(config, "_attn_implementation", None)
+    described = {"class": f"{type(model).__module__}.{type(model).__qualname__}", "config": settings,
+                 "precision": str(precision), "torch": torch.__version__, "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def reference_sha256(model: torch.nn.Module, precision: str) -> str:
+    """The reference fingerprint of the cache key: :func:`state_dict_sha256` and :func:`forward_sha256`."""
+    return f"{state_dict_sha256(model)}|{forward_sha256(model, precision)}"
+
+
 def reference_key(data_fingerprint: str, model_sha256: str, ld_alpha: float | None) -> str:
-    """The cache key of one split's reference log-probs."""
-    text = f"lit_trainer-ref-logps-v1|{data_fingerprint}|{model_sha256}|ld_alpha={ld_alpha}"
+    """The cache key of one split's reference log-probs (``model_sha256``: :func:`reference_sha256`)."""
+    text = f"lit_trainer-ref-logps-v2|{data_fingerprint}|{model_sha256}|ld_alpha={ld_alpha}"
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
@@ -67,17 +90,12 @@ def load_cached(directory: str | os.PathLike | None, key: str) -> tuple[Tensor, 
 
 
 def save_cached(directory: str | os.PathLike, key: str, chosen: Tensor, rejected: Tensor) -> Path:
-    """Write the cache file atomically (temporary file + rename: a crash never leaves a partial file)."""
+    """Write the cache file atomically (:func:`lit_trainer._atomic.atomic_write`: a crash never leaves a partial
+    file under the cache name)."""
     target = cache_path(directory, key)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(handle)
-    try:
-        save_file({"chosen": chosen.float().contiguous().cpu(), "rejected": rejected.float().contiguous().cpu()}, tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(target) as tmp:
+        save_file({"chosen": chosen.float().contiguous().cpu(), "rejected": rejected.float().contiguous().cpu()},
+                  str(tmp))
     return target
 
 
@@ -130,7 +148,8 @@ class PrecomputedReference:
     The module is duck-typed: ``ref_model``, ``model``, ``trainer``, ``device`` and ``score(model, batch).seq``.
 
     Args:
-        ld_alpha: the module's LD-DPO weight (part of the key: it changes the per-sequence sums).
+        ld_alpha: the module's LD-DPO weight (part of the key: it changes the per-sequence sums; every other forward
+            setting is in :func:`reference_sha256`).
         batch_size: pairs per batch of the scoring pass (None: the data module's eval batch size).
         cache_dir: directory of the cache files (None: next to the dataset's ``datasets`` cache files, if any).
     """
@@ -172,7 +191,7 @@ class PrecomputedReference:
 
     def _reference_sha256(self, module: Any) -> str:
         source = self._source(module)
-        digest = state_dict_sha256(source) if module.trainer.is_global_zero else None
+        digest = reference_sha256(source, module.trainer.precision) if module.trainer.is_global_zero else None
         return module.trainer.strategy.broadcast(digest)
 
     def _directory(self, datamodule: Any, split: str) -> str | None:

@@ -15,7 +15,9 @@ rounds) goes through :meth:`BaseModule.rescale_step_gradients` instead. ``docs/e
 Logging (reference/lightning.md 1.12). Lightning logs the last micro-batch's value; we keep device-side sums over the
 logging window (no per-step ``.item()``) and log, on the steps Lightning writes logs, the mean step loss of the
 window, the subclass's metrics averaged over the window's micro-steps, the learning rate, the pre-clipping gradient
-norm, real (non-padding) tokens per second and the padding fraction, reduced over ranks once per logging step.
+norm, real (non-padding) tokens per second and the padding fraction, reduced over ranks once per logging step. The
+learning rate is the one the last optimizer step used (read in :meth:`BaseModule.optimizer_step`, before Lightning
+steps the scheduler), as the HF Trainer logs it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import copy
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,8 +44,8 @@ from lit_trainer.data.rebalance import microbatch_cost
 from lit_trainer.data.windows import step_windows
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules import _adapter_checkpoint, _peft
+from lit_trainer.modules._schedules import SchedulerName, build_schedule, check_schedule
 
-SchedulerName = Literal["cosine", "linear", "constant"]
 # strategies whose gradients are plain ``param.grad`` tensors once ``backward`` returns
 GRAD_RESCALE_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _NO_DECAY = ("bias", "norm")
@@ -76,21 +78,6 @@ def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
     )
 
 
-def warmup_schedule(name: SchedulerName, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier per optimizer step: linear warmup over ``warmup`` steps, then cosine/linear/constant decay."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if name == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if name == "cosine" else 1.0 - progress
-        return min_ratio + (1.0 - min_ratio) * decay
-
-    return factor
-
-
 class BaseModule(pl.LightningModule):
     """Base LightningModule for causal-LM training recipes.
 
@@ -103,12 +90,16 @@ class BaseModule(pl.LightningModule):
             ``learning_rate``/``weight_decay`` (no decay on biases and norms, as HF), using torch's fused kernel when
             every parameter supports it (as HF's default ``adamw_torch_fused``; see :func:`fused_adamw_supported`).
         lr_scheduler: an ``LRSchedulerCallable`` (``optimizer -> scheduler``), stepped per optimizer step; default:
-            linear warmup then ``scheduler`` decay over ``trainer.estimated_stepping_batches``.
+            transformers' ``scheduler`` over ``trainer.estimated_stepping_batches`` optimizer steps.
         learning_rate: peak learning rate of the default optimizer.
         weight_decay: weight decay of the default optimizer.
-        warmup_steps: warmup length in optimizer steps, or a fraction (< 1) of the total steps.
-        scheduler: decay after warmup: ``cosine``, ``linear`` or ``constant``.
-        min_lr_ratio: final learning rate as a fraction of the peak.
+        warmup_steps: warmup length in optimizer steps, or a fraction (< 1) of the total steps (rounded up), as HF.
+        scheduler: a ``TrainingArguments.lr_scheduler_type`` name (``linear``, ``cosine``, ``cosine_with_min_lr``,
+            ``warmup_stable_decay``, ...; see :mod:`lit_trainer.modules._schedules`), built with
+            ``transformers.get_scheduler``: the same rate per step as the HF Trainer.
+        scheduler_kwargs: the scheduler's extra arguments (HF's ``lr_scheduler_kwargs``), e.g. ``{"min_lr_rate":
+            0.1}`` for ``cosine_with_min_lr`` (what ``min_lr_ratio`` did before) or ``{"num_decay_steps": 100}`` for
+            ``warmup_stable_decay``.
         max_grad_norm: gradient clipping by global norm when the Trainer sets no ``gradient_clip_val`` (HF's default
             1.0); None or 0 disables clipping (the norm is still logged).
         peft_config: train adapters instead of all weights (needs ``pip install "lit_trainer[peft]"``): a
@@ -121,7 +112,8 @@ class BaseModule(pl.LightningModule):
             non-reentrant): less activation memory, about one more forward of compute.
 
     Raises:
-        ValueError: on a negative learning rate, warmup or ``max_grad_norm``.
+        ValueError: on a negative learning rate, warmup or ``max_grad_norm``, or a scheduler option that does not fit
+            (see :func:`~lit_trainer.modules._schedules.check_schedule`).
     """
 
     def __init__(
@@ -136,7 +128,7 @@ class BaseModule(pl.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int | float = 0,
         scheduler: SchedulerName = "cosine",
-        min_lr_ratio: float = 0.0,
+        scheduler_kwargs: dict[str, Any] | None = None,
         max_grad_norm: float | None = 1.0,
         peft_config: Any = None,
         adapter_path: str | None = None,
@@ -146,12 +138,9 @@ class BaseModule(pl.LightningModule):
         self._peft_hparam = _peft.config_hparam(peft_config)
         if learning_rate < 0 or weight_decay < 0:
             raise ValueError(f"`learning_rate={learning_rate}`, `weight_decay={weight_decay}`: both must be >= 0.")
-        if warmup_steps < 0:
-            raise ValueError(f"`warmup_steps={warmup_steps}` is invalid: use steps >= 0 or a fraction in [0, 1).")
         if max_grad_norm is not None and max_grad_norm < 0:
             raise ValueError(f"`max_grad_norm={max_grad_norm}` is invalid: use a positive norm, or 0/None to disable.")
-        if scheduler not in ("cosine", "linear", "constant"):
-            raise ValueError(f"`scheduler={scheduler!r}` is invalid: use 'cosine', 'linear' or 'constant'.")
+        check_schedule(scheduler, warmup_steps, scheduler_kwargs)
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         self.model = load_model(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
@@ -176,6 +165,7 @@ class BaseModule(pl.LightningModule):
         self._pending_rescale: Tensor | None = None
         self._warned_no_items = False
         self._last_global_step = 0
+        self._step_lr: float | None = None
         self._reset_log_window()
 
     #: DPO/GRPO: load ``adapter_path`` a second time as the frozen reference adapter
@@ -369,9 +359,8 @@ class BaseModule(pl.LightningModule):
             "padding_fraction": 1.0 - total[1] / total[2].clamp(min=1.0),
         }
         values.update({name: total[3 + i] / world for i, name in enumerate(names)})
-        optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
-        if optimizer is not None:
-            values["learning_rate"] = float(optimizer.param_groups[0]["lr"])
+        if self._step_lr is not None:
+            values["learning_rate"] = self._step_lr
         if self._grad_norm is not None:
             values["grad_norm"] = self._grad_norm
         if world > 1 and self._step_costs:
@@ -420,12 +409,16 @@ class BaseModule(pl.LightningModule):
         if self._scheduler_fn is not None:
             scheduler = self._scheduler_fn(optimizer)
         else:
-            total = max(1, int(self.trainer.estimated_stepping_batches))
-            warmup = self.hparams.warmup_steps
-            warmup = int(math.ceil(total * warmup)) if isinstance(warmup, float) and warmup < 1 else int(warmup)
-            factor = warmup_schedule(self.hparams.scheduler, warmup, total, self.hparams.min_lr_ratio)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+            hp = self.hparams
+            scheduler = build_schedule(optimizer, hp.scheduler, hp.warmup_steps,
+                                       max(1, int(self.trainer.estimated_stepping_batches)), hp.scheduler_kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        # the rate this step uses: Lightning steps the scheduler after this hook and before the step's logs
+        self._step_lr = float(optimizer.param_groups[0]["lr"])
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     @override
     def configure_gradient_clipping(

@@ -8,7 +8,7 @@ computes old/reference log-probs only when needed, shuffles the rows with a seed
 ``steps_per_generation`` micro-batches; the other micro-steps of the round are served from that buffer.
 
 Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
-``dapo``/``cispo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
+``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
 after truncation masking, so the step gradient equals the full-batch token-mean gradient on its rollouts for any
 ``steps_per_generation`` and ``accumulate_grad_batches``: when the step's micro-batches are all in the buffer the
 count is exact from the start; when the step reaches into the next generation round, a provisional count is
@@ -37,7 +37,7 @@ from typing_extensions import Self, override
 
 from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
-from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, REWARD_COLUMNS, RolloutGeometry
+from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
 from lit_trainer.data.repeat_sampler import needs_old_logps, resolve_generation_geometry
 from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
@@ -45,12 +45,15 @@ from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules._grpo_normaliser import StepNormaliser
 from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
+from lit_trainer.modules._reward_calls import score_completions
 from lit_trainer.modules._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.base import GRAD_RESCALE_STRATEGIES, BaseModule
-from lit_trainer.rewards import call_reward_functions, reward_function_name
+from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
-_TOKEN_NORMALISED = ("dapo", "cispo")
+_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+_SHAPE_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                  "vespo_lambda_neg")
 
 
 class GRPOModule(BaseModule):
@@ -76,7 +79,7 @@ class GRPOModule(BaseModule):
         repetition_penalty: 1.0 = off.
         generation_kwargs: extra ``GenerationConfig`` fields (win over the options above).
         mask_truncated_completions: drop completions without EOS from the loss (their rewards still count).
-        loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo.
+        loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo, vespo.
         epsilon: lower clip; also the upper one when ``epsilon_high`` is None.
         epsilon_high: upper clip (and the CISPO cap).
         delta: two-sided cap of the unclipped ratio (> 1), None = off.
@@ -89,6 +92,10 @@ class GRPOModule(BaseModule):
         multi_objective_aggregation: "sum_then_normalize" or "normalize_then_sum" (GDPO).
         sapo_temperature_pos: SAPO temperature for positive advantages.
         sapo_temperature_neg: SAPO temperature for non-positive advantages.
+        vespo_k_pos: VESPO gamma-weight exponent ``k`` for advantages >= 0.
+        vespo_lambda_pos: VESPO rate ``lambda`` for advantages >= 0.
+        vespo_k_neg: VESPO ``k`` for negative advantages.
+        vespo_lambda_neg: VESPO ``lambda`` for negative advantages.
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
@@ -136,6 +143,10 @@ class GRPOModule(BaseModule):
         multi_objective_aggregation: Aggregation = "sum_then_normalize",
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
         generation_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -144,6 +155,7 @@ class GRPOModule(BaseModule):
         super().__init__(model, **kwargs)
         self.reward_funcs = rollout.resolve_reward_funcs(reward_funcs)
         self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
+        self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
             raise ValueError(f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
                              "functions: give one weight per function (or none for all 1.0).")
@@ -265,9 +277,9 @@ class GRPOModule(BaseModule):
                    "importance_sampling_level": hp.importance_sampling_level}
         old, advantages = batch.get("old_logps"), batch["advantages"]
         loss = grpo_policy_loss(logps, old, advantages, mask, max_completion_length=hp.max_completion_length,
-                                num_items_in_batch=num_items_in_batch, sapo_temperature_pos=hp.sapo_temperature_pos,
-                                sapo_temperature_neg=hp.sapo_temperature_neg, **options)
-        metrics = grpo_loss_metrics(logps, old, advantages, mask, **options)
+                                num_items_in_batch=num_items_in_batch, **{k: hp[k] for k in _SHAPE_OPTIONS}, **options)
+        vespo = (hp.vespo_k_pos, hp.vespo_lambda_pos, hp.vespo_k_neg, hp.vespo_lambda_neg)
+        metrics = grpo_loss_metrics(logps, old, advantages, mask, vespo=vespo, **options)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, metrics
 
@@ -338,7 +350,7 @@ class GRPOModule(BaseModule):
         """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics)."""
         hp = self.hparams
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards = call_reward_functions(self.reward_funcs, batch[PROMPTS], texts, kept, batch[REWARD_COLUMNS])
+        rewards, logged = score_completions(self, batch, texts, kept)
         lengths = completions.mask.sum(1, keepdim=True).float()
         local = torch.cat([rewards.to(self.device), lengths, completions.truncated.float().unsqueeze(1)], dim=1)
         table = self._gather_rows(local)
@@ -353,6 +365,7 @@ class GRPOModule(BaseModule):
         metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_weights=weights,
                                       scale_rewards=hp.scale_rewards, reward_names=self.reward_names)
         metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
+        metrics.update(logged)
         return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
 
     def _pad_token_id(self, eos: list[int]) -> int:
@@ -379,7 +392,9 @@ class GRPOModule(BaseModule):
                                   pad_token_id=self._pad_token_id(eos), eos_token_id=eos, use_cache=True)
         completions = rollout.generate_completions(self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos)
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards = call_reward_functions(self.reward_funcs, batch[PROMPTS], texts, kept, batch[REWARD_COLUMNS])
+        rewards, logged = score_completions(self, batch, texts, kept)
+        for name, value in logged.items():
+            self.log(f"val_{name}", value, on_epoch=True, sync_dist=True, batch_size=len(texts))
         rewards = rewards.to(self.device)
         weights = torch.as_tensor(self.hparams.reward_weights or [1.0] * rewards.shape[1], device=self.device)
         total = torch.nansum(rewards * weights, dim=1).masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
