@@ -1,4 +1,4 @@
-"""Padding collators: right padding for training, left padding for generation."""
+"""Collators: right padding for training, left padding for generation, and padding-free packed rows."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_trainer.data.packing import flatten_sequences, row_starts
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 
 
@@ -79,3 +80,35 @@ class SFTCollator:
             batch["prompt_attention_mask"] = pad_left([[1] * len(p) for p in prompts], 0)
             batch["completion_ids"] = pad_right([s[int(p):] for s, p in zip(ids, prompt_lengths)], IGNORE_INDEX)
         return batch
+
+
+def row_segments(rows: Sequence[dict[str, Any]]) -> tuple[list[list[int]], list[int]]:
+    """The token sequences and prompt lengths of collated rows: plain rows (``input_ids``, ``prompt_length``) or
+    packed bins (flat ``input_ids`` with ``seq_lengths`` and ``prompt_lengths``, see :func:`pack_bins`)."""
+    sequences, prompts = [], []
+    for row in rows:
+        if "seq_lengths" not in row:
+            sequences.append(list(row["input_ids"]))
+            prompts.append(int(row.get("prompt_length", 0)))
+            continue
+        ids = row["input_ids"]
+        for start, n in zip(row_starts(row["seq_lengths"]), row["seq_lengths"]):
+            sequences.append(list(ids[start : start + n]))
+        prompts.extend(int(p) for p in row["prompt_lengths"])
+    return sequences, prompts
+
+
+class PackedCollator:
+    """Flattens a micro-batch's rows (or bins of rows) into ONE padding-free row (:mod:`lit_trainer.data.packing`).
+
+    Returns ``input_ids``, ``position_ids`` (restarting at 0 per sequence) and ``labels`` (``-100`` on prompts and on
+    every sequence's first token), each ``(1, total_tokens)``, and no ``attention_mask``.
+    """
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids, positions, labels = flatten_sequences(*row_segments(rows))
+        return {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "position_ids": torch.tensor([positions], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+        }

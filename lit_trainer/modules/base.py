@@ -311,6 +311,11 @@ class BaseModule(pl.LightningModule):
                 self._log_real = self._log_real + value.sum()
                 self._log_padded += value.numel()
                 self._step_cost += microbatch_cost(value.shape[0], value.shape[1])
+        if "position_ids" in batch and not any(key.endswith("attention_mask") for key in batch):
+            tokens = batch["position_ids"].numel()  # a packed batch: every position is a real token, cost is linear
+            self._log_real = self._log_real + tokens
+            self._log_padded += tokens
+            self._step_cost += tokens
 
     def _should_write_logs(self) -> bool:
         connector = getattr(self.trainer, "_logger_connector", None)
