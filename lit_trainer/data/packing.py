@@ -22,6 +22,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
 from datasets import Dataset
 
 Packing = Literal["none", "padding_free", "bfd"]
@@ -149,3 +150,35 @@ def check_packing_options(packing: str, max_tokens_per_batch: int | None, hparam
         raise ValueError(f"`sampling='batch_rebalance'` balances padded micro-batch costs and does not support "
                          f"`packing={packing!r}`: use sampling='random' or 'group_by_length' (bfd bins are already "
                          "near-equal in tokens), or packing='none'.")
+
+
+def unpack_rows(flat: torch.Tensor, seq_lengths: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Per-row values of a packed row, right-padded with zeros: ``(1, N, *rest)`` to ``(R, W, *rest)``.
+
+    With ``shifted=False`` row ``r`` gets its ``seq_lengths[r]`` positions. With ``shifted=True`` ``flat`` holds
+    values after the causal shift (entry ``t`` predicts token ``t + 1``) and row ``r`` gets its first
+    ``seq_lengths[r] - 1`` entries, exactly what the same row alone yields after the shift; the entry at each
+    row's end, which would predict the next row's first token, belongs to no row.
+
+    Example:
+        >>> unpack_rows(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([3, 2])).tolist()
+        [[1, 2, 3], [4, 5, 0]]
+        >>> unpack_rows(torch.tensor([[1, 2, 3, 4]]), torch.tensor([3, 2]), shifted=True).tolist()
+        [[1, 2], [4, 0]]
+    """
+    lengths = seq_lengths.to(flat.device)
+    starts = torch.cumsum(lengths, 0) - lengths
+    widths = lengths - 1 if shifted else lengths
+    width = int(widths.max()) if widths.numel() else 0
+    offsets = torch.arange(width, device=flat.device)
+    valid = offsets[None, :] < widths[:, None]
+    index = (starts[:, None] + offsets[None, :]).clamp(max=max(flat.size(1) - 1, 0))
+    values = flat[0][index]
+    return values.masked_fill(~valid.reshape(*valid.shape, *([1] * (values.dim() - 2))), 0)
+
+
+def row_completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A preference batch's ``(2B, T)`` completion mask: as is when padded, split per row when packed."""
+    if "seq_lengths" in batch:
+        return unpack_rows(batch["completion_mask"], batch["seq_lengths"])
+    return batch["completion_mask"]

@@ -20,7 +20,9 @@ from lit_trainer.losses.dpo import (
 )  # fmt: skip
 from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
 from lit_trainer.models import load_model
+from lit_trainer.data.packing import row_completion_mask, unpack_rows
 from lit_trainer.modules import _ref_logps
+from lit_trainer.modules._packing import check_packing_support, datamodule_packing
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
@@ -219,11 +221,17 @@ class DPOModule(BaseModule):
 
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
         """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        rows = batch.get("seq_lengths")  # a packed batch: one row, position_ids restarting per row, no mask
+        masking = ({"attention_mask": batch["attention_mask"]} if rows is None
+                   else {"position_ids": batch["position_ids"]})
+        logits = model(input_ids=batch["input_ids"], use_cache=False, **masking).logits
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
         token_logps, mask = per_token_logps(logits, labels)
-        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
         logits_mean = logits[:, :-1].detach().mean(-1).float() if stats else None
+        if rows is not None:  # back to (2B, T - 1) rows, each row's sums over its own tokens only
+            token_logps, mask = unpack_rows(token_logps, rows, shifted=True), unpack_rows(mask, rows, shifted=True)
+            logits_mean = unpack_rows(logits_mean, rows, shifted=True) if stats else None
+        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
         return Scores(seq, token_logps, mask, logits_mean)
 
     def _reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
@@ -256,7 +264,7 @@ class DPOModule(BaseModule):
 
     def _total_loss(self, scores: Scores, ref: Tensor, batch: dict[str, Any], counts: Tensor | None) -> Tensor:
         """Pair terms / pairs + w_sft · chosen NLL / chosen tokens, with the step's global counts when given."""
-        losses, (nll, tokens) = self.pair_losses(scores, ref, batch["completion_mask"]), self.chosen_nll(scores)
+        losses, (nll, tokens) = self.pair_losses(scores, ref, row_completion_mask(batch)), self.chosen_nll(scores)
         pairs = losses.numel() if counts is None else counts.reshape(-1)[0]
         if counts is not None and self.sft_weight:
             if counts.numel() < 2:
@@ -286,7 +294,7 @@ class DPOModule(BaseModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         scores = self.score(self.model, batch, stats=True)
         ref = self._reference_logps(batch)
-        losses = self.pair_losses(scores, ref, batch["completion_mask"])
+        losses = self.pair_losses(scores, ref, row_completion_mask(batch))
         pairs = losses.numel()
         self.val_metrics[_slug("loss")].update(losses.mean(), weight=pairs)
         nll, tokens = self.chosen_nll(scores)
@@ -347,6 +355,10 @@ class DPOModule(BaseModule):
         if strategy not in _SUPPORTED_STRATEGIES:
             raise ValueError(f"DPOModule runs on one device or under DDP; {strategy} is not supported: the frozen "
                              "reference, TR-DPO and the precompute pass need unsharded weights. Use strategy='ddp'.")
+        packing = datamodule_packing(self.trainer)
+        if stage == "fit" and packing != "none":
+            for model in {id(m): m for m in (self.model, self.ref_model) if m is not None}.values():
+                check_packing_support(model, packing)
 
     @override
     def on_fit_start(self) -> None:
