@@ -82,7 +82,7 @@ def test_padding_free_accumulation_equals_full_batch_gradient(tokenizer):
 
 def test_bfd_bins_hold_every_row_and_give_the_full_batch_gradient(tokenizer):
     model = tiny_llama(seed=2)
-    dm = _dm(tokenizer, "bfd", batch_size=1)
+    dm = _dm(tokenizer, "bfd", batch_size=2)  # two bins per micro-batch, each bin one row
     dm.setup("fit")
     bins = dm.train_dataset
     assert len(bins) < len(TEXTS)  # rows were really packed together
@@ -92,8 +92,25 @@ def test_bfd_bins_hold_every_row_and_give_the_full_batch_gradient(tokenizer):
     reference_dm.setup("fit")
     reference = full_batch_gradient(copy.deepcopy(model), reference_dm, list(range(8)))
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
-    grads = _fit(module, dm, accumulate=len(bins), max_steps=1)
+    grads = _fit(module, dm, accumulate=-(-len(bins) // 2), max_steps=1)
     assert relative_error(grads[0], reference) < 1e-5
+
+
+def test_bfd_micro_batch_is_one_row_per_bin_with_inert_end_padding(tokenizer):
+    dm = _dm(tokenizer, "bfd", batch_size=2, max_tokens_per_batch=None)
+    dm.tokenizer = tokenizer
+    bins = [{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2], "prompt_lengths": [0, 1]},
+            {"input_ids": [10, 11, 12], "seq_lengths": [3], "prompt_lengths": [0]}]
+    batch = dm._collate(bins, True)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100, 11, 12, -100, -100]]
+    assert batch["packed_token_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    module = CausalLMModule(tiny_llama(), tokenizer=tokenizer)
+    module._reset_log_window()
+    module._step_loss = 0.0
+    module._track(torch.tensor(0.0), {}, batch)
+    assert (int(module._log_real), module._log_padded) == (8, 10)
 
 
 def test_packed_fit_trains_like_the_padded_fit(tokenizer):

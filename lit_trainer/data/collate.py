@@ -99,16 +99,32 @@ def row_segments(rows: Sequence[dict[str, Any]]) -> tuple[list[list[int]], list[
 
 
 class PackedCollator:
-    """Flattens a micro-batch's rows (or bins of rows) into ONE padding-free row (:mod:`lit_trainer.data.packing`).
+    """Padding-free training batches (:mod:`lit_trainer.data.packing`), without ``attention_mask``.
 
+    Plain rows (``packing="padding_free"``): the micro-batch's rows are flattened into ONE row. Bins
+    (``packing="bfd"``): each bin is one row; the bins of a micro-batch are right-padded to the longest (bins are
+    nearly full, so this is little), the padding with ``-100`` labels and its own ``position_ids`` run, so no real
+    token attends to it; ``packed_token_mask`` (1 = real token) then tells the logging which positions are real.
     Returns ``input_ids``, ``position_ids`` (restarting at 0 per sequence) and ``labels`` (``-100`` on prompts and on
-    every sequence's first token), each ``(1, total_tokens)``, and no ``attention_mask``.
+    every sequence's first token).
+
+    Args:
+        pad_token_id: id of the padding at the end of shorter bins.
     """
 
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        ids, positions, labels = flatten_sequences(*row_segments(rows))
-        return {
-            "input_ids": torch.tensor([ids], dtype=torch.long),
-            "position_ids": torch.tensor([positions], dtype=torch.long),
-            "labels": torch.tensor([labels], dtype=torch.long),
+        groups = [[row] for row in rows] if rows and "seq_lengths" in rows[0] else [rows]
+        packed = [flatten_sequences(*row_segments(group)) for group in groups]
+        width = max(len(ids) for ids, _, _ in packed)
+        batch = {
+            "input_ids": pad_right([ids for ids, _, _ in packed], self.pad_token_id),
+            "position_ids": torch.tensor([pos + list(range(width - len(pos))) for _, pos, _ in packed]),
+            "labels": pad_right([labels for _, _, labels in packed], IGNORE_INDEX),
         }
+        lengths = torch.tensor([len(ids) for ids, _, _ in packed])
+        if bool((lengths < width).any()):
+            batch["packed_token_mask"] = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        return batch

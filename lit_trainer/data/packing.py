@@ -10,10 +10,15 @@ Modes (``packing`` of the data modules):
 
 * ``"none"``: right-padded micro-batches (the default).
 * ``"padding_free"``: the sampler's micro-batch of ``batch_size`` rows is flattened into one packed row.
-* ``"bfd"``: at setup, the training rows are grouped into bins of at most ``capacity`` tokens by best-fit decreasing
-  (each bin one packed sequence of rows); the bin is the sampling unit (``batch_size`` counts bins) and a
-  micro-batch's bins are flattened into one row as above. Rows are never split: a row longer than ``max_length`` is
-  truncated at tokenization (as TRL's ``"bfd"``; TRL's ``"bfd_split"`` is not offered).
+* ``"bfd"``: at setup, the training rows are grouped into bins of at most ``capacity`` tokens by best-fit decreasing;
+  the bin is the sampling unit (``batch_size`` counts bins) and each bin is one packed row of the micro-batch (the
+  bins are right-padded to the longest one, with labels ``-100``). Rows are never split: a row longer than
+  ``max_length`` is truncated at tokenization (as TRL's ``"bfd"``; TRL's ``"bfd_split"`` is not offered).
+
+Cost: the ``sdpa`` and ``eager`` attentions apply the packed mask to the whole packed row, so their attention work
+grows with the square of the packed row's length, not of each sequence's (the ``flash_attention_*`` varlen kernels
+pay per sequence). ``"bfd"`` keeps packed rows at ``max_length``; ``"padding_free"`` makes one row of the whole
+micro-batch, which on ``sdpa``/``eager`` pays off for short rows and small micro-batches.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ class SFTDataModule(BaseDataModule):
         pad_to_multiple_of: round padded lengths up to a multiple.
         packing: training batches as ``"none"`` (right-padded), ``"padding_free"`` (each micro-batch's
             ``batch_size`` rows flattened into one row, ``position_ids`` restarting per row, no padding) or ``"bfd"``
-            (rows grouped at setup into bins of ``max_length`` tokens by best-fit decreasing, ``batch_size`` bins per
-            micro-batch, flattened the same way). Validation batches stay padded. See :mod:`lit_trainer.data.packing`.
+            (rows grouped at setup into bins of ``max_length`` tokens by best-fit decreasing; ``batch_size`` bins per
+            micro-batch, each bin one row). Validation batches stay padded. See :mod:`lit_trainer.data.packing`.
         max_tokens_per_batch: with ``packing="bfd"``, the bin size in tokens (>= ``max_length``) with one bin per
             micro-batch (``batch_size`` must be 1): the micro-batch token budget. Unset: bins of ``max_length``.
         **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
@@ -133,7 +133,7 @@ class SFTDataModule(BaseDataModule):
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
         if train and self.hparams.packing != "none":
-            return PackedCollator()(rows)
+            return PackedCollator(self.pad_token_id)(rows)
         collator = SFTCollator(self.pad_token_id, self.hparams.pad_to_multiple_of, generation_inputs=not train)
         return collator(rows)
 
