@@ -171,3 +171,27 @@ def test_bad_packing_options_are_refused(tokenizer, kwargs, match):
     options = {"tokenizer": tokenizer, "max_length": 64, "batch_size": 1, **kwargs}
     with pytest.raises(ValueError, match=match):
         SFTDataModule(**options)
+
+
+@pytest.mark.parametrize("packing", ["padding_free", "bfd"])
+def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_trainer.callbacks import ExactResume
+
+    base = tiny_llama(seed=7)
+
+    def run(ckpt=None, save=False):
+        dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS * 3}), val_size=0,
+                           batch_size=2, max_length=64, sampling="random", packing=packing)
+        module = CausalLMModule(copy.deepcopy(base), tokenizer=tokenizer, learning_rate=1e-2, scheduler="constant")
+        saves = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)] if save else []
+        trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, logger=False, callbacks=[ExactResume(), *saves],
+                             enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+        return {n: p.detach() for n, p in module.model.named_parameters()}
+
+    full = run(save=True)
+    resumed = run(ckpt=tmp_path / "epoch=0-step=2.ckpt")
+    assert all(torch.equal(resumed[n], full[n]) for n in full)
