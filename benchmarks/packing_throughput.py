@@ -1,7 +1,7 @@
 """Packed SFT throughput: real (non-padding) tokens/s of padding-free packing vs padded training, same model and rows.
 
 Corpus: random byte-token rows whose lengths are drawn uniformly from each ``--spreads`` range (e.g. ``32-512``), so
-the padding of a padded micro-batch grows with the spread. Every runner trains the "tiny" preset from the same
+the padding of a padded micro-batch grows with the spread. Every runner trains the ``--model`` preset from the same
 initial weights on the same rows in the same order (sequential sampling), with the harness of
 ``benchmarks/sft_throughput.py`` (shared AdamW settings, clipping 1.0, constant learning rate, logging every 50
 steps, no evaluation or checkpointing, ``torch.set_num_threads(1)``, timing from the end of the warm-up steps).
@@ -63,13 +63,19 @@ def make_setup(args: argparse.Namespace, rows: Dataset, batch_size: int) -> harn
     padded = sum(max(timed[i : i + batch_size]) * len(timed[i : i + batch_size])
                  for i in range(0, len(timed), batch_size))
     torch.manual_seed(args.seed)
-    weights = {k: v.clone() for k, v in load_model("tiny").state_dict().items()}
+    weights = {k: v.clone() for k, v in load_model(args.model).state_dict().items()}
     return harness.Setup(step_args, load_tokenizer("tiny"), rows, weights, sum(timed), padded)
+
+
+def fresh_model(setup: harness.Setup) -> torch.nn.Module:
+    model = load_model(setup.args.model)
+    model.load_state_dict(setup.weights)
+    return model.train()
 
 
 def run_ours(setup: harness.Setup, packing: str) -> harness.Result:
     args = setup.args
-    module = CausalLMModule(harness.fresh_model(setup), tokenizer=setup.tokenizer, learning_rate=harness.LR,
+    module = CausalLMModule(fresh_model(setup), tokenizer=setup.tokenizer, learning_rate=harness.LR,
                             weight_decay=0.0, scheduler="constant", warmup_steps=0, max_grad_norm=harness.CLIP)
     dm = SFTDataModule(tokenizer=setup.tokenizer, batch_size=args.batch_size, max_length=args.max_length,
                        sampling="sequential", val_size=0, packing=packing)
@@ -82,7 +88,7 @@ def run_ours(setup: harness.Setup, packing: str) -> harness.Result:
 
 
 def run_hf(setup: harness.Setup, flatten: bool) -> harness.Result:
-    args, model = setup.args, harness.fresh_model(setup)
+    args, model = setup.args, fresh_model(setup)
     collator = (transformers.DataCollatorWithFlattening() if flatten
                 else harness.pad_collate(setup.tokenizer.pad_token_id))
     if flatten:
@@ -145,6 +151,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--model", default="tiny", help="a preset: tiny, tiny-64 or tiny-256")
     parser.add_argument("--runners", default="ours-pf,ours-bfd,ours-padded,hf,hf-flat")
     args = parser.parse_args()
     names = args.runners.split(",")
@@ -158,8 +165,9 @@ def main() -> None:
         table[spread] = measure_spread(args, low, high, names)
     command = " ".join(["OMP_NUM_THREADS=1 python benchmarks/packing_throughput.py", *sys.argv[1:]])
     print(f"\nCommand: `{command}`\n\ntorch {torch.__version__}, transformers {transformers.__version__}; "
-          f"torch.set_num_threads(1); {os.cpu_count()} cores shared with other jobs; {args.rounds} round(s); "
-          f"{args.steps} timed steps after {args.warmup}; batch {args.batch_size} rows; max_length {args.max_length}.\n")
+          f"model {args.model}; torch.set_num_threads(1); {os.cpu_count()} cores shared with other jobs; "
+          f"{args.rounds} round(s); {args.steps} timed steps after {args.warmup}; batch {args.batch_size} rows; "
+          f"max_length {args.max_length}.\n")
     print("| lengths | padding (padded batches) | " + " | ".join(f"{n} tok/s" for n in names)
           + " | " + " | ".join(f"{n} / hf" for n in names if n != "hf") + " |")
     print("|---|---:|" + "---:|" * (2 * len(names) - ("hf" in names)))
