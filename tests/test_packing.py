@@ -1,15 +1,21 @@
 """Padding-free packing (SFT): bins, flattening, the unchanged loss and gradient, and the refusal of leaky models."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import tiny_llama
 from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from lit_trainer.callbacks import ExactResume
 from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.modules._packing import packing_leak
@@ -175,10 +181,6 @@ def test_bad_packing_options_are_refused(tokenizer, kwargs, match):
 
 @pytest.mark.parametrize("packing", ["padding_free", "bfd"])
 def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lit_trainer.callbacks import ExactResume
-
     base = tiny_llama(seed=7)
 
     def run(ckpt=None, save=False):
@@ -195,3 +197,17 @@ def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
     full = run(save=True)
     resumed = run(ckpt=tmp_path / "epoch=0-step=2.ckpt")
     assert all(torch.equal(resumed[n], full[n]) for n in full)
+
+
+def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, tokenizer):
+    script = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "-", "padding_free"], timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(batch.size(0) == 1 for r in ranks for batch in r["seen"])  # really packed
+    dm = accum_datamodule(tokenizer)
+    dm.setup("fit")
+    reference = full_batch_gradient(tiny_llama(seed=1), dm, list(range(8)))
+    for r in ranks:
+        assert relative_error(r["grads"][0], reference) < 1e-5
