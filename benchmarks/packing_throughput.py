@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import transformers
