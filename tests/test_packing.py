@@ -151,14 +151,20 @@ def _causal_only_attention(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
-def test_refuses_an_attention_that_cannot_keep_rows_apart(tokenizer):
+def leaky_model() -> torch.nn.Module:
+    """``tiny_llama(seed=6)`` with :func:`_causal_only_attention` registered as ``causal_only_test``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register("causal_only_test", _causal_only_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("causal_only_test", sdpa_mask)
-    leaky = tiny_llama(seed=6)
-    leaky.config._attn_implementation = "causal_only_test"
+    model = tiny_llama(seed=6)
+    model.config._attn_implementation = "causal_only_test"
+    return model
+
+
+def test_refuses_an_attention_that_cannot_keep_rows_apart(tokenizer):
+    leaky = leaky_model()
     assert packing_leak(leaky) > 1e-2
     assert packing_leak(tiny_llama(seed=6)) < 1e-5  # the same weights with sdpa keep rows apart
     module = CausalLMModule(leaky, tokenizer=tokenizer)

@@ -69,3 +69,13 @@ def test_padding_free_accumulation_equals_padded_full_batch(tokenizer):
 def test_bfd_is_refused_for_pairs(tokenizer):
     with pytest.raises(ValueError, match="packing='padding_free'"):
         _dm(tokenizer, "bfd")
+
+
+def test_dpo_refuses_packing_on_a_leaky_attention(tokenizer):
+    from test_packing import leaky_model
+
+    module = DPOModule(leaky_model(), loss_type=LOSSES, beta=0.1)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0)
+    with pytest.raises(ValueError, match=r"packing='padding_free'.*causal_only_test"):
+        trainer.fit(module, datamodule=_dm(tokenizer, "padding_free"))

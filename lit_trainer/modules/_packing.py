@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lit_trainer.data.packing import unpack_rows
+
 
 def _logits(model: torch.nn.Module, ids: list[int], positions: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
@@ -69,3 +71,26 @@ def datamodule_packing(trainer: Any) -> str:
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     hparams = getattr(datamodule, "hparams", None)
     return str(hparams.get("packing", "none")) if hparams is not None else "none"
+
+
+def check_trainer_packing(trainer: Any, *models: torch.nn.Module | None) -> None:
+    """At ``fit`` setup: when the trainer's data module packs, check every distinct model given (None skipped)."""
+    packing = datamodule_packing(trainer)
+    if packing != "none":
+        for model in {id(m): m for m in models if m is not None}.values():
+            check_packing_support(model, packing)
+
+
+def masking_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What keeps a batch's rows apart in the model call: ``attention_mask`` (padded) or ``position_ids`` (packed)."""
+    if "seq_lengths" in batch:
+        return {"position_ids": batch["position_ids"]}
+    return {"attention_mask": batch["attention_mask"]}
+
+
+def per_row(batch: dict[str, torch.Tensor], *shifted: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Shifted per-position values of a batch, per row: split back with ``seq_lengths`` when the batch is packed."""
+    if "seq_lengths" not in batch:
+        return shifted
+    rows = batch["seq_lengths"]
+    return tuple(None if x is None else unpack_rows(x, rows, shifted=True) for x in shifted)

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.metrics import CausalLMEvalMetrics, greedy_exact_match
-from lit_trainer.modules._packing import check_packing_support, datamodule_packing
+from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
 LossFunc = Callable[..., Tensor]
@@ -90,9 +90,8 @@ class CausalLMModule(BaseModule):
     def setup(self, stage: str) -> None:
         """Refuse a packed data module on a model that cannot keep packed rows apart (a tiny probe forward)."""
         super().setup(stage)
-        packing = datamodule_packing(self.trainer)
-        if stage == "fit" and packing != "none":
-            check_packing_support(self.model, packing)
+        if stage == "fit":
+            check_trainer_packing(self.trainer, self.model)
 
     @override
     def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:

@@ -20,9 +20,9 @@ from lit_trainer.losses.dpo import (
 )  # fmt: skip
 from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
 from lit_trainer.models import load_model
-from lit_trainer.data.packing import row_completion_mask, unpack_rows
+from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.modules import _ref_logps
-from lit_trainer.modules._packing import check_packing_support, datamodule_packing
+from lit_trainer.modules._packing import check_trainer_packing, masking_kwargs, per_row
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
@@ -221,16 +221,11 @@ class DPOModule(BaseModule):
 
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
         """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
-        rows = batch.get("seq_lengths")  # a packed batch: one row, position_ids restarting per row, no mask
-        masking = ({"attention_mask": batch["attention_mask"]} if rows is None
-                   else {"position_ids": batch["position_ids"]})
-        logits = model(input_ids=batch["input_ids"], use_cache=False, **masking).logits
+        logits = model(input_ids=batch["input_ids"], use_cache=False, **masking_kwargs(batch)).logits
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
         token_logps, mask = per_token_logps(logits, labels)
         logits_mean = logits[:, :-1].detach().mean(-1).float() if stats else None
-        if rows is not None:  # back to (2B, T - 1) rows, each row's sums over its own tokens only
-            token_logps, mask = unpack_rows(token_logps, rows, shifted=True), unpack_rows(mask, rows, shifted=True)
-            logits_mean = unpack_rows(logits_mean, rows, shifted=True) if stats else None
+        token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)  # a packed batch: (2B, .)
         seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
         return Scores(seq, token_logps, mask, logits_mean)
 
@@ -355,10 +350,8 @@ class DPOModule(BaseModule):
         if strategy not in _SUPPORTED_STRATEGIES:
             raise ValueError(f"DPOModule runs on one device or under DDP; {strategy} is not supported: the frozen "
                              "reference, TR-DPO and the precompute pass need unsharded weights. Use strategy='ddp'.")
-        packing = datamodule_packing(self.trainer)
-        if stage == "fit" and packing != "none":
-            for model in {id(m): m for m in (self.model, self.ref_model) if m is not None}.values():
-                check_packing_support(model, packing)
+        if stage == "fit":
+            check_trainer_packing(self.trainer, self.model, self.ref_model)
 
     @override
     def on_fit_start(self) -> None:
