@@ -94,6 +94,7 @@ def test_bfd_bins_hold_every_row_and_give_the_full_batch_gradient(tokenizer):
     assert len(bins) < len(TEXTS)  # rows were really packed together
     assert all(n <= 64 for n in bins["length"]) and sum(bins["length"]) == sum(sum(b) for b in bins["seq_lengths"])
     assert sorted(n for b in bins["seq_lengths"] for n in b) == sorted(len(tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert dm.lengths() == bins["length"]  # what group_by_length sorts: the bins' token counts
     reference_dm = accum_datamodule(tokenizer)
     reference_dm.setup("fit")
     reference = full_batch_gradient(copy.deepcopy(model), reference_dm, list(range(8)))
