@@ -14,9 +14,9 @@ TEXTS = ["ab", "a long row with many many tokens in it, really long", "xyz", "mi
          "q", "another fairly long row of text to train on", "hi", "row 8 is short-ish"]
 
 
-def accum_datamodule(tokenizer, batch_size: int = 2) -> SFTDataModule:
+def accum_datamodule(tokenizer, batch_size: int = 2, **kwargs) -> SFTDataModule:
     return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0,
-                         batch_size=batch_size, max_length=64, sampling="sequential")
+                         batch_size=batch_size, max_length=64, sampling="sequential", **kwargs)
 
 
 def full_batch_gradient(model: torch.nn.Module, dm: SFTDataModule, rows: list[int]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Padding collators: right padding for training, left padding for generation."""
+"""Collators: right padding for training, left padding for generation, and padding-free packed rows."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_trainer.data.packing import flatten_sequences, row_starts
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 
 
@@ -78,4 +79,52 @@ class SFTCollator:
             batch["prompt_input_ids"] = pad_left(prompts, self.pad_token_id)
             batch["prompt_attention_mask"] = pad_left([[1] * len(p) for p in prompts], 0)
             batch["completion_ids"] = pad_right([s[int(p):] for s, p in zip(ids, prompt_lengths)], IGNORE_INDEX)
+        return batch
+
+
+def row_segments(rows: Sequence[dict[str, Any]]) -> tuple[list[list[int]], list[int]]:
+    """The token sequences and prompt lengths of collated rows: plain rows (``input_ids``, ``prompt_length``) or
+    packed bins (flat ``input_ids`` with ``seq_lengths`` and ``prompt_lengths``, see :func:`pack_bins`)."""
+    sequences, prompts = [], []
+    for row in rows:
+        if "seq_lengths" not in row:
+            sequences.append(list(row["input_ids"]))
+            prompts.append(int(row.get("prompt_length", 0)))
+            continue
+        ids = row["input_ids"]
+        for start, n in zip(row_starts(row["seq_lengths"]), row["seq_lengths"]):
+            sequences.append(list(ids[start : start + n]))
+        prompts.extend(int(p) for p in row["prompt_lengths"])
+    return sequences, prompts
+
+
+class PackedCollator:
+    """Padding-free training batches (:mod:`lit_trainer.data.packing`), without ``attention_mask``.
+
+    Plain rows (``packing="padding_free"``): the micro-batch's rows are flattened into ONE row. Bins
+    (``packing="bfd"``): each bin is one row; the bins of a micro-batch are right-padded to the longest (bins are
+    nearly full, so this is little), the padding with ``-100`` labels and its own ``position_ids`` run, so no real
+    token attends to it; ``packed_token_mask`` (1 = real token) then tells the logging which positions are real.
+    Returns ``input_ids``, ``position_ids`` (restarting at 0 per sequence) and ``labels`` (``-100`` on prompts and on
+    every sequence's first token).
+
+    Args:
+        pad_token_id: id of the padding at the end of shorter bins.
+    """
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        groups = [[row] for row in rows] if rows and "seq_lengths" in rows[0] else [rows]
+        packed = [flatten_sequences(*row_segments(group)) for group in groups]
+        width = max(len(ids) for ids, _, _ in packed)
+        batch = {
+            "input_ids": pad_right([ids for ids, _, _ in packed], self.pad_token_id),
+            "position_ids": torch.tensor([pos + list(range(width - len(pos))) for _, pos, _ in packed]),
+            "labels": pad_right([labels for _, _, labels in packed], IGNORE_INDEX),
+        }
+        lengths = torch.tensor([len(ids) for ids, _, _ in packed])
+        if bool((lengths < width).any()):
+            batch["packed_token_mask"] = (torch.arange(width)[None, :] < lengths[:, None]).long()
         return batch

@@ -32,6 +32,7 @@ from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
+from lit_trainer.data.packing import check_packing_options, row_completion_mask
 from lit_trainer.data.preference_checks import RowProblem, check_row, value_problem
 from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
@@ -81,6 +82,18 @@ def same_model_inputs(prompt: list[int], chosen: list[int], rejected: list[int],
     return chosen_row == rejected_row
 
 
+def packed_pairs(ids: list[list[int]], masks: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The 2B rows (chosen then rejected) as one packed row: ``input_ids``, ``position_ids`` (restarting per row)
+    and ``completion_mask`` of shape ``(1, total)``, and the rows' ``seq_lengths`` ``(2B,)`` that
+    :func:`~lit_trainer.data.packing.unpack_rows` splits per-token values back into rows with."""
+    return {
+        "input_ids": torch.tensor([[t for row in ids for t in row]], dtype=torch.long),
+        "position_ids": torch.tensor([[p for row in ids for p in range(len(row))]], dtype=torch.long),
+        "completion_mask": torch.tensor([[m for row in masks for m in row]], dtype=torch.long),
+        "seq_lengths": torch.tensor([len(row) for row in ids], dtype=torch.long),
+    }
+
+
 class PreferenceCollator:
     """Collate preference rows into one batch of 2B rows (chosen then rejected), right-padded.
 
@@ -89,11 +102,12 @@ class PreferenceCollator:
         max_length: per-row token budget, applied to each of the 2B rows on its own.
         truncation_mode: ``keep_start`` keeps a row's first ``max_length`` tokens, ``keep_end`` its last.
         pad_to_multiple_of: round the padded length up.
+        packed: flatten the 2B rows into ONE padding-free row instead (:func:`packed_pairs`).
     """
 
     def __init__(self, pad_token_id: int, max_length: int, truncation_mode: TruncationMode = "keep_start",
-                 pad_to_multiple_of: int | None = None) -> None:
-        self.pad_token_id, self.max_length = pad_token_id, max_length
+                 pad_to_multiple_of: int | None = None, packed: bool = False) -> None:
+        self.pad_token_id, self.max_length, self.packed = pad_token_id, max_length, packed
         self.truncate, self.pad_to_multiple_of = _TRUNCATE[truncation_mode], pad_to_multiple_of
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -103,7 +117,7 @@ class PreferenceCollator:
                 prompt, completion = row["prompt_ids"], row[key]
                 ids.append(self.truncate(prompt + completion, self.max_length))
                 masks.append(self.truncate([0] * len(prompt) + [1] * len(completion), self.max_length))
-        batch = {
+        batch = packed_pairs(ids, masks) if self.packed else {
             "input_ids": pad_right(ids, self.pad_token_id, self.pad_to_multiple_of),
             "attention_mask": pad_right([[1] * len(s) for s in ids], 0, self.pad_to_multiple_of),
             "completion_mask": pad_right(masks, 0, self.pad_to_multiple_of),
@@ -134,6 +148,9 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
             or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
         pad_to_multiple_of: round padded lengths up to a multiple.
+        packing: ``"none"`` (right-padded) or ``"padding_free"``: each training micro-batch's 2B rows flattened into
+            one row, ``position_ids`` restarting per row, no padding (TRL's ``padding_free``); validation and the
+            reference log-prob pass stay padded. See :mod:`lit_trainer.data.packing`.
         drop_identical_pairs: drop the pairs whose chosen and rejected rows are the same tokens once truncated
             (e.g. ``"4"`` and ``"4</s>"``): their DPO gradient is zero. They are counted
             (``<split>_rows_identical_pairs``) and reported in one warning either way. Keep them (False) when a
@@ -155,8 +172,13 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
     builtin = {"builtin:addition": builtin.preference_rows}
 
     def __init__(self, *args: Any, truncation_mode: TruncationMode = "keep_start",
-                 pad_to_multiple_of: int | None = None, drop_identical_pairs: bool = True, **kwargs: Any) -> None:
+                 pad_to_multiple_of: int | None = None, drop_identical_pairs: bool = True,
+                 packing: Literal["none", "padding_free"] = "none", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if packing == "bfd":
+            raise ValueError("`packing='bfd'` is for SFT rows; preference pairs support packing='padding_free' "
+                             "(or 'none').")
+        check_packing_options(packing, None, self.hparams)
         if truncation_mode not in _TRUNCATE:
             raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use 'keep_start' or 'keep_end'.")
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
@@ -279,14 +301,16 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
         hp = self.hparams
-        return PreferenceCollator(self.pad_token_id, hp.max_length, hp.truncation_mode, hp.pad_to_multiple_of)(rows)
+        return PreferenceCollator(self.pad_token_id, hp.max_length, hp.truncation_mode, hp.pad_to_multiple_of,
+                                  packed=train and hp.packing == "padding_free")(rows)
 
     @override
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[pairs, chosen completion tokens]`` of the micro-batch: pairs are half its rows (chosen rows first), the
         tokens are the chosen rows' completion positions after the causal shift (the "sft" term's items)."""
-        pairs = batch["input_ids"].size(0) // 2
-        return torch.stack([torch.tensor(pairs), batch["completion_mask"][:pairs, 1:].sum()])
+        mask = row_completion_mask(batch)
+        pairs = mask.size(0) // 2
+        return torch.stack([torch.tensor(pairs), mask[:pairs, 1:].sum()])
 
     # ------------------------------------------------------------------------- precomputed reference log-probs
     def split_dataset(self, split: str) -> Dataset | None:

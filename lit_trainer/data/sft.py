@@ -11,7 +11,8 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
-from lit_trainer.data.collate import SFTCollator, common_prefix_len
+from lit_trainer.data.collate import PackedCollator, SFTCollator, common_prefix_len
+from lit_trainer.data.packing import Packing, check_packing_options, pack_dataset
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.losses.causal_lm import count_target_tokens
 
@@ -30,6 +31,12 @@ class SFTDataModule(BaseDataModule):
         prompt_column: name of the prompt column.
         completion_column: name of the completion column.
         pad_to_multiple_of: round padded lengths up to a multiple.
+        packing: training batches as ``"none"`` (right-padded), ``"padding_free"`` (each micro-batch's
+            ``batch_size`` rows flattened into one row, ``position_ids`` restarting per row, no padding) or ``"bfd"``
+            (rows grouped at setup into bins of ``max_length`` tokens by best-fit decreasing; ``batch_size`` bins per
+            micro-batch, each bin one row). Validation batches stay padded. See :mod:`lit_trainer.data.packing`.
+        max_tokens_per_batch: with ``packing="bfd"``, the bin size in tokens (>= ``max_length``) with one bin per
+            micro-batch (``batch_size`` must be 1): the micro-batch token budget. Unset: bins of ``max_length``.
         **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
             ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
 
@@ -48,9 +55,12 @@ class SFTDataModule(BaseDataModule):
         prompt_column: str = "prompt",
         completion_column: str = "completion",
         pad_to_multiple_of: int | None = None,
+        packing: Packing = "none",
+        max_tokens_per_batch: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        check_packing_options(packing, max_tokens_per_batch, self.hparams)
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
 
     def _row_format(self, rows: Dataset, split: str) -> str:
@@ -113,10 +123,17 @@ class SFTDataModule(BaseDataModule):
         if len(usable) == 0:
             raise ValueError(f"No {split} row has a completion token within max_length={self.hparams.max_length}: "
                              "raise max_length or shorten the prompts.")
-        return usable.remove_columns("truncated")
+        usable = usable.remove_columns("truncated")
+        if split == "train" and self.hparams.packing == "bfd":
+            usable = pack_dataset(usable, self.hparams.max_tokens_per_batch or self.hparams.max_length,
+                                  self.hparams.length_column_name)
+            self.stats["train_packed_bins"] = len(usable)
+        return usable
 
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
+        if train and self.hparams.packing != "none":
+            return PackedCollator(self.pad_token_id)(rows)
         collator = SFTCollator(self.pad_token_id, self.hparams.pad_to_multiple_of, generation_inputs=not train)
         return collator(rows)
 

@@ -301,6 +301,12 @@ class BaseModule(pl.LightningModule):
                 self._log_real = self._log_real + value.sum()
                 self._log_padded += value.numel()
                 self._step_cost += microbatch_cost(value.shape[0], value.shape[1])
+        if "position_ids" in batch and not any(key.endswith("attention_mask") for key in batch):
+            # a packed batch: real tokens are all positions but the padding of shorter bins; the cost is linear
+            real = batch["packed_token_mask"].sum() if "packed_token_mask" in batch else batch["position_ids"].numel()
+            self._log_real = self._log_real + real
+            self._log_padded += batch["position_ids"].numel()
+            self._step_cost += batch["position_ids"].numel()
 
     def _should_write_logs(self) -> bool:
         connector = getattr(self.trainer, "_logger_connector", None)

@@ -12,13 +12,15 @@ from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.metrics import CausalLMEvalMetrics, greedy_exact_match
+from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
 LossFunc = Callable[..., Tensor]
 
 
 class CausalLMModule(BaseModule):
-    """Fine-tune a causal LM on batches of ``input_ids``/``attention_mask``/``labels``.
+    """Fine-tune a causal LM on batches of ``input_ids``/``attention_mask``/``labels`` (or packed batches of
+    ``input_ids``/``position_ids``/``labels``, see :mod:`lit_trainer.data.packing`).
 
     The loss is :func:`~lit_trainer.losses.causal_lm_loss` normalised by the accumulation window's global target
     count, so gradient accumulation and DDP give the full-batch token-mean gradient. A user ``compute_loss_func``
@@ -74,13 +76,26 @@ class CausalLMModule(BaseModule):
             eval_metrics = MetricCollection(eval_metrics)
         self.user_metrics = eval_metrics
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
-        """Run the wrapped model (logits only; the loss is computed by the module)."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+                ) -> Any:
+        """Run the wrapped model (logits only; the loss is computed by the module).
+
+        ``position_ids`` (packed batches: restarting at 0 per row, no ``attention_mask``) are passed on only when
+        given, so models without them keep working on padded batches.
+        """
+        extra = {"position_ids": position_ids} if position_ids is not None else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Refuse a packed data module on a model that cannot keep packed rows apart (a tiny probe forward)."""
+        super().setup(stage)
+        if stage == "fit":
+            check_trainer_packing(self.trainer, self.model)
 
     @override
     def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-        outputs = self(batch["input_ids"], batch.get("attention_mask"))
+        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         labels = batch["labels"]
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)

@@ -20,7 +20,9 @@ from lit_trainer.losses.dpo import (
 )  # fmt: skip
 from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
 from lit_trainer.models import load_model
+from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.modules import _ref_logps
+from lit_trainer.modules._packing import check_trainer_packing, masking_kwargs, per_row
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
@@ -219,11 +221,12 @@ class DPOModule(BaseModule):
 
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
         """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], use_cache=False, **masking_kwargs(batch)).logits
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
         token_logps, mask = per_token_logps(logits, labels)
-        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
         logits_mean = logits[:, :-1].detach().mean(-1).float() if stats else None
+        token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)  # a packed batch: (2B, .)
+        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
         return Scores(seq, token_logps, mask, logits_mean)
 
     def _reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
@@ -256,7 +259,7 @@ class DPOModule(BaseModule):
 
     def _total_loss(self, scores: Scores, ref: Tensor, batch: dict[str, Any], counts: Tensor | None) -> Tensor:
         """Pair terms / pairs + w_sft · chosen NLL / chosen tokens, with the step's global counts when given."""
-        losses, (nll, tokens) = self.pair_losses(scores, ref, batch["completion_mask"]), self.chosen_nll(scores)
+        losses, (nll, tokens) = self.pair_losses(scores, ref, row_completion_mask(batch)), self.chosen_nll(scores)
         pairs = losses.numel() if counts is None else counts.reshape(-1)[0]
         if counts is not None and self.sft_weight:
             if counts.numel() < 2:
@@ -286,7 +289,7 @@ class DPOModule(BaseModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         scores = self.score(self.model, batch, stats=True)
         ref = self._reference_logps(batch)
-        losses = self.pair_losses(scores, ref, batch["completion_mask"])
+        losses = self.pair_losses(scores, ref, row_completion_mask(batch))
         pairs = losses.numel()
         self.val_metrics[_slug("loss")].update(losses.mean(), weight=pairs)
         nll, tokens = self.chosen_nll(scores)
@@ -347,6 +350,8 @@ class DPOModule(BaseModule):
         if strategy not in _SUPPORTED_STRATEGIES:
             raise ValueError(f"DPOModule runs on one device or under DDP; {strategy} is not supported: the frozen "
                              "reference, TR-DPO and the precompute pass need unsharded weights. Use strategy='ddp'.")
+        if stage == "fit":
+            check_trainer_packing(self.trainer, self.model, self.ref_model)
 
     @override
     def on_fit_start(self) -> None:

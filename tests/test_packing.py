@@ -1,0 +1,220 @@
+"""Padding-free packing (SFT): bins, flattening, the unchanged loss and gradient, and the refusal of leaky models."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import tiny_llama
+from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from lit_trainer.callbacks import ExactResume
+from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
+from lit_trainer.data.sft import SFTDataModule
+from lit_trainer.modules._packing import packing_leak
+from lit_trainer.modules.causal_lm import CausalLMModule
+
+
+def _dm(tokenizer, packing, batch_size=2, **kw):
+    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0,
+                         batch_size=batch_size, max_length=64, sampling="sequential", packing=packing, **kw)
+
+
+def _fit(module, dm, accumulate, max_steps):
+    capture = GradCapture()
+    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[capture], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=dm)
+    return capture.grads
+
+
+def test_best_fit_decreasing_hand_case_and_invariants():
+    # 9, 8, 6, 5, 4, 3, 2 into bins of 10: 9 | 8+2 | 6+4 | 5+3 (best fit: 4 goes to the 6-bin, the tightest)
+    lengths = [5, 9, 2, 6, 3, 8, 4]
+    bins = best_fit_decreasing(lengths, 10)
+    assert [sorted(lengths[i] for i in b) for b in bins] == [[9], [2, 8], [4, 6], [3, 5]]
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    with pytest.raises(ValueError, match="more than the bin capacity 10"):
+        best_fit_decreasing([11], 10)
+
+
+def test_flatten_masks_each_row_start_and_prompt():
+    ids, positions, labels = flatten_sequences([[10, 11, 12], [20, 21, 22, 23], [30, 31]], [0, 2, 0])
+    assert ids == [10, 11, 12, 20, 21, 22, 23, 30, 31]
+    assert positions == [0, 1, 2, 0, 1, 2, 3, 0, 1]
+    assert labels == [-100, 11, 12, -100, -100, 22, 23, -100, 31]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_per_token_losses_equal_unpacked(tokenizer, attn):
+    model = tiny_llama(seed=4, layers=2)
+    model.config._attn_implementation = attn
+    model.eval()
+    rows = [{"input_ids": tokenizer(t)["input_ids"], "prompt_length": 0} for t in TEXTS[:4]]
+    padded, packed = _dm(tokenizer, "none"), _dm(tokenizer, "padding_free")
+    padded.tokenizer = packed.tokenizer = tokenizer
+    a, b = padded._collate(rows, True), packed._collate(rows, True)
+    assert "attention_mask" not in b and b["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows))
+    with torch.no_grad():
+        la = model(input_ids=a["input_ids"], attention_mask=a["attention_mask"]).logits
+        lb = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+    ce_a = F.cross_entropy(la[:, :-1].transpose(1, 2), a["labels"][:, 1:], reduction="none")
+    ce_b = F.cross_entropy(lb[:, :-1].transpose(1, 2), b["labels"][:, 1:], reduction="none")
+    kept_a = ce_a[a["labels"][:, 1:] != -100]  # row by row, in order: the same targets as the packed row's
+    kept_b = ce_b[b["labels"][:, 1:] != -100]
+    assert kept_a.shape == kept_b.shape
+    torch.testing.assert_close(kept_b, kept_a, rtol=0, atol=1e-5)
+    assert int(packed.count_items(b)) == int(padded.count_items(a)) == kept_a.numel()
+
+
+def test_padding_free_accumulation_equals_full_batch_gradient(tokenizer):
+    model = tiny_llama(seed=1)
+    reference_dm = accum_datamodule(tokenizer)
+    reference_dm.setup("fit")
+    reference = full_batch_gradient(copy.deepcopy(model), reference_dm, list(range(8)))
+    module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
+    grads = _fit(module, _dm(tokenizer, "padding_free"), accumulate=4, max_steps=1)
+    assert len(grads) == 1
+    assert relative_error(grads[0], reference) < 1e-5
+
+
+def test_bfd_bins_hold_every_row_and_give_the_full_batch_gradient(tokenizer):
+    model = tiny_llama(seed=2)
+    dm = _dm(tokenizer, "bfd", batch_size=2)  # two bins per micro-batch, each bin one row
+    dm.setup("fit")
+    bins = dm.train_dataset
+    assert len(bins) < len(TEXTS)  # rows were really packed together
+    assert all(n <= 64 for n in bins["length"]) and sum(bins["length"]) == sum(sum(b) for b in bins["seq_lengths"])
+    assert sorted(n for b in bins["seq_lengths"] for n in b) == sorted(len(tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert dm.lengths() == bins["length"]  # what group_by_length sorts: the bins' token counts
+    reference_dm = accum_datamodule(tokenizer)
+    reference_dm.setup("fit")
+    reference = full_batch_gradient(copy.deepcopy(model), reference_dm, list(range(8)))
+    module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
+    grads = _fit(module, dm, accumulate=-(-len(bins) // 2), max_steps=1)
+    assert relative_error(grads[0], reference) < 1e-5
+
+
+def test_bfd_micro_batch_is_one_row_per_bin_with_inert_end_padding(tokenizer):
+    dm = _dm(tokenizer, "bfd", batch_size=2, max_tokens_per_batch=None)
+    dm.tokenizer = tokenizer
+    bins = [{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2], "prompt_lengths": [0, 1]},
+            {"input_ids": [10, 11, 12], "seq_lengths": [3], "prompt_lengths": [0]}]
+    batch = dm._collate(bins, True)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100, 11, 12, -100, -100]]
+    assert batch["packed_token_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    module = CausalLMModule(tiny_llama(), tokenizer=tokenizer)
+    module._reset_log_window()
+    module._step_loss = 0.0
+    module._track(torch.tensor(0.0), {}, batch)
+    assert (int(module._log_real), module._log_padded) == (8, 10)
+
+
+def test_packed_fit_trains_like_the_padded_fit(tokenizer):
+    """Three optimizer steps with a real learning rate land on the same weights, packed or padded."""
+    model = tiny_llama(seed=5)
+    weights = []
+    for packing in ("none", "padding_free"):
+        module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=1e-2,
+                                warmup_steps=0)
+        _fit(module, _dm(tokenizer, packing), accumulate=2, max_steps=3)
+        weights.append({n: p.detach().clone() for n, p in module.model.named_parameters()})
+    moved = relative_error({n: p.detach() for n, p in model.named_parameters()}, weights[0])
+    assert moved > 1e-3  # training changed the weights, so the comparison below means something
+    assert relative_error(weights[1], weights[0]) < 1e-5
+
+
+def test_packed_batches_log_no_padding(tokenizer):
+    module = CausalLMModule(tiny_llama(), tokenizer=tokenizer)
+    module._reset_log_window()
+    module._step_loss = 0.0
+    batch = _dm(tokenizer, "padding_free")._collate(
+        [{"input_ids": [5, 6, 7], "prompt_length": 0}, {"input_ids": [8, 9], "prompt_length": 0}], True)
+    module._track(torch.tensor(0.0), {}, batch)
+    assert (int(module._log_real), module._log_padded, module._step_cost) == (5, 5, 5)
+
+
+def _causal_only_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention kernel that ignores the mask (only ``is_causal``): it cannot keep packed rows apart."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def leaky_model() -> torch.nn.Module:
+    """``tiny_llama(seed=6)`` with :func:`_causal_only_attention` registered as ``causal_only_test``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("causal_only_test", _causal_only_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("causal_only_test", sdpa_mask)
+    model = tiny_llama(seed=6)
+    model.config._attn_implementation = "causal_only_test"
+    return model
+
+
+def test_refuses_an_attention_that_cannot_keep_rows_apart(tokenizer):
+    leaky = leaky_model()
+    assert packing_leak(leaky) > 1e-2
+    assert packing_leak(tiny_llama(seed=6)) < 1e-5  # the same weights with sdpa keep rows apart
+    module = CausalLMModule(leaky, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"packing='padding_free'.*causal_only_test.*packing='none'"):
+        _fit(module, _dm(tokenizer, "padding_free"), accumulate=1, max_steps=1)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"packing": "dense"}, "packing='dense'"),
+    ({"packing": "padding_free", "max_tokens_per_batch": 256}, "set packing='bfd'"),
+    ({"packing": "bfd", "max_tokens_per_batch": 32}, "below `max_length=64`"),
+    ({"packing": "bfd", "max_tokens_per_batch": 256, "batch_size": 4}, "set `batch_size=1`"),
+    ({"packing": "bfd", "sampling": "batch_rebalance"}, "batch_rebalance"),
+])
+def test_bad_packing_options_are_refused(tokenizer, kwargs, match):
+    options = {"tokenizer": tokenizer, "max_length": 64, "batch_size": 1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        SFTDataModule(**options)
+
+
+@pytest.mark.parametrize("packing", ["padding_free", "bfd"])
+def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
+    base = tiny_llama(seed=7)
+
+    def run(ckpt=None, save=False):
+        dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS * 3}), val_size=0,
+                           batch_size=2, max_length=64, sampling="random", packing=packing)
+        module = CausalLMModule(copy.deepcopy(base), tokenizer=tokenizer, learning_rate=1e-2, scheduler="constant")
+        saves = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)] if save else []
+        trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, logger=False, callbacks=[ExactResume(), *saves],
+                             enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+        return {n: p.detach() for n, p in module.model.named_parameters()}
+
+    full = run(save=True)
+    resumed = run(ckpt=tmp_path / "epoch=0-step=2.ckpt")
+    assert all(torch.equal(resumed[n], full[n]) for n in full)
+
+
+def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, tokenizer):
+    script = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "-", "padding_free"], timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(batch.size(0) == 1 for r in ranks for batch in r["seen"])  # really packed
+    dm = accum_datamodule(tokenizer)
+    dm.setup("fit")
+    reference = full_batch_gradient(tiny_llama(seed=1), dm, list(range(8)))
+    for r in ranks:
+        assert relative_error(r["grads"][0], reference) < 1e-5
