@@ -126,12 +126,16 @@ def test_non_list_conversation_names_its_row():
         setup_dm({"messages": ["hello", "there"]})
 
 
-@pytest.mark.parametrize("case", ["missing role", "unknown role", "empty content"])
+IN_A_FILE = {**MALFORMED, "not a list": ("hello", r"expected a list of .*messages, got str 'hello'")}
+
+
+@pytest.mark.parametrize("case", IN_A_FILE, ids=list(IN_A_FILE))
 def test_malformed_conversation_in_a_file_names_file_and_line(case, tmp_path):
     path = tmp_path / "chat.jsonl"
     good = {"messages": [USER1, ANSWER1]}
-    path.write_text("\n".join(json.dumps(row) for row in [good, good, {"messages": MALFORMED[case][0]}]) + "\n")
-    with pytest.raises(ValueError, match=rf"line 3 of {re.escape(str(path))}, column 'messages': {MALFORMED[case][1]}"):
+    bad, problem = IN_A_FILE[case]
+    path.write_text("\n".join(json.dumps(row) for row in [good, good, {"messages": bad}, good]) + "\n")
+    with pytest.raises(ValueError, match=rf"line 3 of {re.escape(str(path))}, column 'messages': {problem}"):
         SFTDataModule(dataset=str(path), val_size=0).setup("fit")
 
 

@@ -187,7 +187,7 @@ class SFTDataModule(BaseDataModule):
         self.stats[f"{split}_rows_dropped_without_target"] = dropped
         if truncated or dropped:
             rank_zero_warn(f"[lit_trainer] {split}: {truncated} rows longer than max_length={self.hparams.max_length} "
-                           f"were truncated; {dropped} rows had no target token left and were dropped.")
+                           f"were truncated; {dropped} rows had no completion token left and were dropped.")
         if len(usable) == 0:
             raise ValueError(f"No {split} row has a completion token within max_length={self.hparams.max_length}: "
                              "raise max_length or shorten the prompts.")
