@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from lit_trainer.callbacks.hf_export import export_hf
 from lit_trainer.data import SFTDataModule
-from lit_trainer.data.chat import assistant_mask, render
+from lit_trainer.data.chat import assistant_tokens, render
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import CHAT_TEMPLATE, build_preset_model, build_tokenizer
 
@@ -52,9 +52,8 @@ def test_presets_template_renders_the_hand_checked_text():
 def test_assistant_mask_of_a_multi_turn_conversation(template):
     tokenizer = build_tokenizer()
     tokenizer.chat_template = template
-    ids = render(tokenizer, TWO_TURNS)
-    assert len(ids) == 78
-    mask = assistant_mask(tokenizer, TWO_TURNS, ids, {})
+    ids, mask = assistant_tokens(tokenizer, TWO_TURNS, {})
+    assert ids == render(tokenizer, TWO_TURNS) and len(ids) == 78
     assert [i for i, m in enumerate(mask) if m] == ASSISTANT_POSITIONS
     dm = setup_dm({"messages": [TWO_TURNS]}, tokenizer, assistant_only_loss=True)
     assert target_positions(dm) == ASSISTANT_POSITIONS
@@ -65,7 +64,8 @@ def test_messages_rows_train_on_every_token_and_prompt_ends_before_the_last_answ
     assert target_positions(dm) == list(range(78))
     assert dm.train_dataset[0]["prompt_length"] == 76  # the exact-match prompt: everything before "9</s>"
     batch = dm._collate([dm.train_dataset[0]], train=False)
-    assert batch["prompt_input_ids"][0].tolist() == build_tokenizer()(TWO_TURNS_TEXT[: TWO_TURNS_TEXT.rindex("9")])["input_ids"]
+    prompt_text = TWO_TURNS_TEXT[: TWO_TURNS_TEXT.rindex("9")]
+    assert batch["prompt_input_ids"][0].tolist() == build_tokenizer()(prompt_text)["input_ids"]
     assert batch["completion_ids"][0].tolist() == [ord("9") + 3, 1]
 
 
@@ -85,7 +85,8 @@ def test_tools_and_chat_template_kwargs_columns_reach_the_template():
     dm = setup_dm({"messages": [[USER1, ANSWER1]], "tools": [json.dumps(tools)],
                    "chat_template_kwargs": [{"note": "N:"}]}, tokenizer)
     text = tokenizer.decode(dm.train_dataset[0]["input_ids"])
-    assert text == 'N:<|tools|>\n[{"type": "function", "function": {"name": "add"}}]\n<|user|>\n1+2=?\n<|assistant|>\n3</s>'
+    assert text == ('N:<|tools|>\n[{"type": "function", "function": {"name": "add"}}]\n'
+                    "<|user|>\n1+2=?\n<|assistant|>\n3</s>")
 
 
 def test_assistant_only_loss_refuses_a_template_without_markers_whose_turns_are_not_prefixes():

@@ -4,10 +4,10 @@ One rendering path for every data module (SFT, preference, prompt): :func:`rende
 template and returns token ids; :func:`template_options` reads a row's optional ``tools`` (a list, or a JSON string)
 and ``chat_template_kwargs`` (a dict of extra template variables) columns.
 
-:func:`assistant_mask` says which tokens of a rendered conversation the assistant wrote (1) and which it did not (0),
-for ``assistant_only_loss``. It uses the template's ``{% generation %}`` markers when it has them (the tokenizer's
-``return_assistant_tokens_mask``); otherwise it renders the conversation turn by turn and requires each partial
-render to be a prefix of the next (the assistant's tokens of turn ``i`` are those between
+:func:`assistant_tokens` renders a conversation and says which of its tokens the assistant wrote (1) and which it
+did not (0), for ``assistant_only_loss``. It uses the template's ``{% generation %}`` markers when it has them (the
+tokenizer's ``return_assistant_tokens_mask``); otherwise it renders the conversation turn by turn and requires each
+partial render to be a prefix of the next (the assistant's tokens of turn ``i`` are those between
 ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i + 1])``). A template for which
 neither works (no markers, and a turn that re-renders earlier text, such as one that drops past reasoning) is refused
 with an error rather than guessed.
@@ -99,22 +99,20 @@ def has_generation_markers(tokenizer: Any) -> bool:
     return isinstance(template, str) and _GENERATION_TAG.search(template) is not None
 
 
-def _mask_from_markers(tokenizer: Any, messages: Sequence[Mapping[str, Any]], ids: list[int],
-                       options: dict[str, Any]) -> list[int]:
+def _tokens_from_markers(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                         options: dict[str, Any]) -> tuple[list[int], list[int]]:
     out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True, **options)
-    if list(out["input_ids"]) != ids:
-        raise ValueError("The chat template renders the same conversation differently from one call to the next: "
-                         "its assistant tokens cannot be found.")
     mask = [int(bool(m)) for m in out["assistant_masks"]]
     if any(m.get("role") == "assistant" for m in messages) and not any(mask):
         raise ValueError("The chat template has {% generation %} markers but they enclose no token of this "
                          "conversation's assistant turns: put them around the assistant content.")
-    return mask
+    return list(out["input_ids"]), mask
 
 
-def _mask_from_prefixes(tokenizer: Any, messages: Sequence[Mapping[str, Any]], ids: list[int],
-                        options: dict[str, Any]) -> list[int]:
+def _tokens_from_prefixes(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                          options: dict[str, Any]) -> tuple[list[int], list[int]]:
+    ids = render(tokenizer, messages, **options)
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -129,16 +127,16 @@ def _mask_from_prefixes(tokenizer: Any, messages: Sequence[Mapping[str, Any]], i
                 "{% generation %}...{% endgeneration %}, or set `assistant_only_loss=False`."
             )
         mask[len(before) : len(after)] = [1] * (len(after) - len(before))
-    return mask
+    return ids, mask
 
 
-def assistant_mask(tokenizer: Any, messages: Sequence[Mapping[str, Any]], ids: list[int],
-                   options: dict[str, Any]) -> list[int]:
-    """Per-token 1/0 mask of the assistant's tokens in ``ids`` (= ``render(tokenizer, messages, **options)``).
+def assistant_tokens(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                     options: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """``(ids, mask)``: the rendered conversation (as :func:`render`) and a 1/0 mask of the assistant's tokens.
 
     Raises:
         ValueError: when the template has no generation markers and fails the turn-by-turn prefix check, or when its
             markers enclose nothing.
     """
-    finder = _mask_from_markers if has_generation_markers(tokenizer) else _mask_from_prefixes
-    return finder(tokenizer, messages, ids, options)
+    finder = _tokens_from_markers if has_generation_markers(tokenizer) else _tokens_from_prefixes
+    return finder(tokenizer, messages, options)

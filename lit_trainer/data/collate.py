@@ -71,7 +71,8 @@ class SFTCollator:
         prompt_lengths = torch.tensor([row.get("prompt_length", 0) for row in rows])
         is_target = attention_mask.bool() & (positions[None, :] >= prompt_lengths[:, None])
         if "loss_mask" in rows[0]:  # chat rows: the target tokens are given one by one (e.g. assistant turns only)
-            is_target = attention_mask.bool() & pad_right([r["loss_mask"] for r in rows], 0, self.pad_to_multiple_of).bool()
+            given = pad_right([r["loss_mask"] for r in rows], 0, self.pad_to_multiple_of)
+            is_target = attention_mask.bool() & given.bool()
         batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -11,15 +11,15 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
-from lit_trainer.data.collate import SFTCollator, common_prefix_len
 from lit_trainer.data.chat import (
-    assistant_mask,
+    assistant_tokens,
     conversation_problem,
     is_conversation,
     render,
     require_chat_template,
     template_options,
 )
+from lit_trainer.data.collate import SFTCollator, common_prefix_len
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.losses.causal_lm import count_target_tokens
 
@@ -124,19 +124,17 @@ class SFTDataModule(BaseDataModule):
         tok, hp, options = self.tokenizer, self.hparams, template_options(row)
         if fmt == "messages":
             messages = list(row[hp.messages_column])
-            ids = render(tok, messages, **options)
             ends_with_answer = messages[-1].get("role") == "assistant"
             prompt = render(tok, messages[:-1], add_generation_prompt=True, **options) if ends_with_answer else []
-            plen = common_prefix_len(prompt, ids)
-            mask = [1] * len(ids)
         else:  # conversational prompt/completion: the completion's tokens only, as for string rows
             messages = list(row[hp.prompt_column]) + list(row[hp.completion_column])
-            ids = render(tok, messages, **options)
             prompt = render(tok, row[hp.prompt_column], add_generation_prompt=True, **options)
-            plen = common_prefix_len(prompt, ids)
-            mask = [0] * plen + [1] * (len(ids) - plen)
-        if hp.assistant_only_loss:
-            mask = [m & a for m, a in zip(mask, assistant_mask(tok, messages, ids, options))]
+        ids, mask = assistant_tokens(tok, messages, options) if hp.assistant_only_loss else (
+            render(tok, messages, **options), None)
+        plen = common_prefix_len(prompt, ids)
+        mask = [1] * len(ids) if mask is None else mask
+        if fmt == "chat_prompt_completion":
+            mask = [0] * plen + mask[plen:]
         return ids, plen, mask
 
     def _encode_text(self, batch: dict[str, list], fmt: str) -> list[tuple[list[int], int, None]]:
