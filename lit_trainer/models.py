@@ -36,6 +36,17 @@ PRESET_PREFIX = "tiny"
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
 BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has id b + 3
 NUM_EXTRA_IDS = 125  # ByT5's <extra_id_N> tokens (ids 259..383): unused, kept so the vocabulary stays 384
+# The presets' chat template: ``<|role|>`` headers; an assistant turn is its content then EOS (so generation stops there),
+# inside {% generation %} markers (for ``return_assistant_tokens_mask``); ``tools`` are written as JSON first.
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "<|assistant|>\n{% generation %}{{ message['content'] }}</s>{% endgeneration %}"
+    "{%- else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -72,6 +83,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     modules end training rows with EOS themselves. ``"</s>"`` written in a text is the EOS token. Decoding is UTF-8
     (an incomplete byte sequence decodes to U+FFFD). Built as a ``tokenizers`` byte-level BPE without merges, so
     ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenizer`` reloads without ``trust_remote_code``.
+
+    Its chat template (:data:`CHAT_TEMPLATE`) renders ``[system "Add.", user "1+2=?", assistant "3"]`` as
+    ``"<|system|>\\nAdd.\\n<|user|>\\n1+2=?\\n<|assistant|>\\n3</s>"``; it is saved with the tokenizer.
     """
     extra = [f"<extra_id_{i}>" for i in range(NUM_EXTRA_IDS)]
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
@@ -82,7 +96,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *extra)])
     pad, eos, unk = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def build_preset_model(name: str, **config_overrides: Any) -> LlamaForCausalLM:

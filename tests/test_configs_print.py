@@ -28,4 +28,4 @@ def test_print_config_round_trips(config, tmp_path, monkeypatch, capsys):
 
 
 def test_every_recipe_is_covered():
-    assert {p.name for p in CONFIGS} >= {"sft.yaml", "dpo.yaml", "grpo.yaml"}
+    assert {p.name for p in CONFIGS} >= {"sft.yaml", "sft_chat.yaml", "dpo.yaml", "grpo.yaml"}

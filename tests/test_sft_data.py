@@ -64,7 +64,7 @@ def test_invalid_options_name_the_field(tokenizer, kwargs, message):
 
 
 def test_missing_columns_and_empty_data(tokenizer):
-    with pytest.raises(ValueError, match=r"no 'text' column and no 'prompt' \+ 'completion' columns \(it has 'body'\)"):
+    with pytest.raises(ValueError, match=r"no 'text' column, no 'messages' column and no 'prompt' \+ 'completion' columns \(it has 'body'\)"):
         _dm(tokenizer, {"body": ["x"]})
     with pytest.raises(ValueError, match="empty"):
         _dm(tokenizer, {"text": []})

@@ -4,6 +4,8 @@ Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuff
 ``num_validation`` problems are held out and never appear in training. The same problems serve three formats:
 
 * SFT rows: ``prompt="37+45="``, ``completion="82"``, ``answer="82"``;
+* chat SFT rows (``builtin:addition_chat``): ``messages`` = a system turn, user ``"37+45=?"``, assistant ``"82"``
+  (every fourth row asks an earlier problem first: two question/answer turns);
 * preference rows (DPO): the same prompt, ``chosen`` = the correct sum, ``rejected`` = a near miss (off by 1, 10 or
   a swapped digit), chosen deterministically per problem;
 * prompt rows (GRPO): ``prompt`` and ``answer`` for a correctness reward.
@@ -17,7 +19,8 @@ from typing import Literal
 from datasets import Dataset
 
 Split = Literal["train", "validation"]
-BUILTIN_NAMES: tuple[str, ...] = ("builtin:addition",)
+BUILTIN_NAMES: tuple[str, ...] = ("builtin:addition", "builtin:addition_chat")
+CHAT_SYSTEM = "Add the numbers."
 _SEED = 1234
 
 
@@ -56,6 +59,21 @@ def sft_rows(split: Split, num_validation: int = 500) -> Dataset:
         "completion": [str(a + b) for a, b in problems],
         "answer": [str(a + b) for a, b in problems],
     })
+
+
+def _turn(a: int, b: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{a}+{b}=?"}, {"role": "assistant", "content": str(a + b)}]
+
+
+def sft_chat_rows(split: Split, num_validation: int = 500) -> Dataset:
+    """Conversations (``messages`` rows): a system turn, then one question and its answer; every fourth row has
+    the previous problem as an earlier question/answer turn (multi-turn). ``answer`` is the last answer."""
+    problems = addition_problems(split, num_validation=num_validation)
+    conversations = []
+    for i, (a, b) in enumerate(problems):
+        earlier = _turn(*problems[i - 1]) if i % 4 == 3 else []
+        conversations.append([{"role": "system", "content": CHAT_SYSTEM}, *earlier, *_turn(a, b)])
+    return Dataset.from_dict({"messages": conversations, "answer": [str(a + b) for a, b in problems]})
 
 
 def preference_rows(split: Split, num_validation: int = 500) -> Dataset:

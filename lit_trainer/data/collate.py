@@ -47,7 +47,9 @@ def pad_left(seqs: Sequence[Sequence[int]], pad_value: int) -> torch.Tensor:
 class SFTCollator:
     """Right-pads ``input_ids``; labels are ``-100`` on padding and on the first ``prompt_length`` tokens.
 
-    Rows are dicts with ``input_ids`` (list of ints) and ``prompt_length`` (int, 0 for plain text).
+    Rows are dicts with ``input_ids`` (list of ints) and ``prompt_length`` (int, 0 for plain text). Rows may carry a
+    ``loss_mask`` (one 0/1 per token, chat rows): then the labels are the tokens it marks, and ``prompt_length`` only
+    says where the generation prompt of the exact-match metric ends.
 
     Args:
         pad_token_id: id used for padding ``input_ids`` (masked out by ``attention_mask``).
@@ -69,6 +71,9 @@ class SFTCollator:
         attention_mask = (positions[None, :] < lengths[:, None]).long()
         prompt_lengths = torch.tensor([row.get("prompt_length", 0) for row in rows])
         is_target = attention_mask.bool() & (positions[None, :] >= prompt_lengths[:, None])
+        if "loss_mask" in rows[0]:  # chat rows: the target tokens are given one by one (e.g. assistant turns only)
+            given = pad_right([r["loss_mask"] for r in rows], 0, self.pad_to_multiple_of)
+            is_target = attention_mask.bool() & given.bool()
         batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

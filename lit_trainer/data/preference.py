@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import warnings
 from typing import Any, Literal
 
@@ -30,6 +29,7 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.chat import render, require_chat_template, template_options
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.packing import check_packing_options, row_completion_mask
@@ -219,16 +219,10 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         return [tok(text)["input_ids"] for text in (prompt, prompt + chosen, prompt + rejected)]
 
     def _encode_chat(self, row: dict[str, Any], prompt: list, chosen: list, rejected: list) -> list[list[int]]:
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("The preference data holds conversations (lists of messages) but the tokenizer has no "
-                             "chat template: set `tokenizer.chat_template` or give plain-string rows.")
-        tools = row.get("tools")
-        options = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
-                   **(row.get("chat_template_kwargs") or {}), "tokenize": True, "return_dict": False}
-        return [tok.apply_chat_template(prompt, add_generation_prompt=True, **options),
-                tok.apply_chat_template(prompt + chosen, **options),
-                tok.apply_chat_template(prompt + rejected, **options)]
+        tok, options = self.tokenizer, template_options(row)
+        require_chat_template(tok, "The preference data")
+        return [render(tok, prompt, add_generation_prompt=True, **options), render(tok, prompt + chosen, **options),
+                render(tok, prompt + rejected, **options)]
 
     def _tokenize(self, batch: dict[str, list], explicit: bool) -> dict[str, list]:
         out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated", "identical")}

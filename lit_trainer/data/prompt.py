@@ -16,7 +16,7 @@ in the reference's ``GRPOConfig``): :meth:`PromptDataModule.train_dataloader` re
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from datasets import Dataset
@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.repeat_sampler import RepeatSampler
@@ -83,12 +84,8 @@ class GenerationBatchSampler:
         self.sampler.set_epoch(int(state["epoch"]))
 
 
-def _is_conversational(prompt: Any) -> bool:
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
-
-
 def _prompt_problem(prompt: Any) -> str | None:
-    return None if _is_conversational(prompt) else missing_or_not_text(prompt)
+    return None if is_conversation(prompt) else missing_or_not_text(prompt)
 
 
 class PromptDataModule(BaseDataModule):
@@ -140,8 +137,7 @@ class PromptDataModule(BaseDataModule):
     def _prompt_ids(self, prompts: list[Any]) -> list[list[int]]:
         tok = self.tokenizer
         if self.conversational:
-            out = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True) for p in prompts]
-            return [list(o["input_ids"]) if isinstance(o, Mapping) else list(o) for o in out]
+            return [render(tok, p, add_generation_prompt=True) for p in prompts]
         ids = tok(prompts)["input_ids"]
         return [row[:-1] for row in ids] if self._appends_eos() else ids
 
@@ -165,10 +161,9 @@ class PromptDataModule(BaseDataModule):
                              "your prompt column or set `prompt_column`.")
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
-        self.conversational = _is_conversational(rows[0][column])
-        if self.conversational and getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"The {split} prompts are conversational (lists of messages) but the tokenizer has no "
-                             "chat template: set `tokenizer.chat_template`, or use plain-string prompts.")
+        self.conversational = is_conversation(rows[0][column])
+        if self.conversational:
+            require_chat_template(self.tokenizer, f"The {split} prompt data")
 
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:

@@ -1,8 +1,8 @@
-"""SFTDataModule: plain text or prompt/completion rows for causal-LM fine-tuning."""
+"""SFTDataModule: plain text, prompt/completion or chat rows for causal-LM fine-tuning."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from datasets import Dataset
@@ -11,25 +11,54 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.chat import (
+    assistant_tokens,
+    conversation_problem,
+    is_conversation,
+    render,
+    require_chat_template,
+    template_options,
+)
 from lit_trainer.data.collate import PackedCollator, SFTCollator, common_prefix_len
 from lit_trainer.data.packing import Packing, check_packing_options, pack_dataset
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.losses.causal_lm import count_target_tokens
 
+RowFormat = Literal["text", "prompt_completion", "messages", "chat_prompt_completion"]
+CHAT_FORMATS = ("messages", "chat_prompt_completion")
+
 
 class SFTDataModule(BaseDataModule):
-    """Supervised fine-tuning data: a ``text`` column, or ``prompt`` + ``completion`` columns.
+    """Supervised fine-tuning data: a ``text`` column, ``prompt`` + ``completion`` columns, or a ``messages`` column.
 
     Text rows are trained on every token. Prompt/completion rows are trained on the completion only (the prompt's
     labels are ``-100``), with the prompt boundary found as the common prefix of ``tok(prompt)`` and
     ``tok(prompt + completion)`` (so BOS/EOS conventions of any tokenizer are respected). An EOS token ends every
-    row. Rows longer than ``max_length`` are truncated (kept from the start) and counted; rows left without any
-    target token (the prompt alone fills ``max_length``) are dropped and counted. A ``length`` column is added once.
+    string row. Rows longer than ``max_length`` are truncated (kept from the start) and counted; rows left without
+    any target token (the prompt alone fills ``max_length``) are dropped and counted. A ``length`` column is added
+    once.
+
+    Chat rows (TRL SFTTrainer's formats) are rendered with the tokenizer's chat template, passing on the row's
+    optional ``tools`` and ``chat_template_kwargs`` columns; the template ends the turns (no EOS is added):
+
+    * ``messages``: a list of ``{"role", "content"}`` messages, trained on every token, or only on the assistant's
+      tokens with ``assistant_only_loss=True``;
+    * ``prompt`` + ``completion`` columns whose cells are message lists: trained on the completion's tokens (those
+      after ``render(prompt, add_generation_prompt=True)``), and only on its assistant tokens with
+      ``assistant_only_loss``.
+
+    The assistant's tokens are found with the template's ``{% generation %}`` markers, or else by rendering turn by
+    turn (see :mod:`lit_trainer.data.chat`); a template for which neither works is refused. For validation exact
+    match, a conversation's prompt is everything before its last assistant turn's text. Roles are checked before any
+    tokenization: a malformed conversation (not a list, a message without role or with an unknown role, empty
+    content) is reported with its row (file and line for local files).
 
     Args:
         text_column: name of the plain-text column.
         prompt_column: name of the prompt column.
         completion_column: name of the completion column.
+        messages_column: name of the conversation column.
+        assistant_only_loss: train chat rows on the assistant's tokens only (refused for string rows).
         pad_to_multiple_of: round padded lengths up to a multiple.
         packing: training batches as ``"none"`` (right-padded), ``"padding_free"`` (each micro-batch's
             ``batch_size`` rows flattened into one row, ``position_ids`` restarting per row, no padding) or ``"bfd"``
@@ -44,9 +73,10 @@ class SFTDataModule(BaseDataModule):
 
         dm = SFTDataModule(tokenizer="tiny", dataset="builtin:addition", batch_size=64, max_length=32)
         trainer.fit(CausalLMModule("tiny"), datamodule=dm)
+        chat = SFTDataModule(dataset="builtin:addition_chat", assistant_only_loss=True, max_length=128)
     """
 
-    builtin = {"builtin:addition": builtin.sft_rows}
+    builtin = {"builtin:addition": builtin.sft_rows, "builtin:addition_chat": builtin.sft_chat_rows}
 
     def __init__(
         self,
@@ -54,6 +84,8 @@ class SFTDataModule(BaseDataModule):
         text_column: str = "text",
         prompt_column: str = "prompt",
         completion_column: str = "completion",
+        messages_column: str = "messages",
+        assistant_only_loss: bool = False,
         pad_to_multiple_of: int | None = None,
         packing: Packing = "none",
         max_tokens_per_batch: int | None = None,
@@ -63,26 +95,59 @@ class SFTDataModule(BaseDataModule):
         check_packing_options(packing, max_tokens_per_batch, self.hparams)
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
 
-    def _row_format(self, rows: Dataset, split: str) -> str:
+    def _row_format(self, rows: Dataset, split: str) -> RowFormat:
         hp, columns = self.hparams, rows.column_names
         if hp.prompt_column in columns and hp.completion_column in columns:
-            return "prompt_completion"
-        if hp.text_column in columns:
-            return "text"
-        raise ValueError(
-            f"The {split} data has no {hp.text_column!r} column and no {hp.prompt_column!r} + "
-            f"{hp.completion_column!r} columns (it has {describe_columns(rows)}). Rename your columns or set "
-            "`text_column` / `prompt_column` / `completion_column`."
-        )
+            chat = len(rows) > 0 and is_conversation(rows[0][hp.prompt_column])
+            fmt: RowFormat = "chat_prompt_completion" if chat else "prompt_completion"
+        elif hp.messages_column in columns:
+            fmt = "messages"
+        elif hp.text_column in columns:
+            fmt = "text"
+        else:
+            raise ValueError(
+                f"The {split} data has no {hp.text_column!r} column, no {hp.messages_column!r} column and no "
+                f"{hp.prompt_column!r} + {hp.completion_column!r} columns (it has {describe_columns(rows)}). Rename "
+                "your columns or set `text_column` / `messages_column` / `prompt_column` / `completion_column`."
+            )
+        if hp.assistant_only_loss and fmt not in CHAT_FORMATS:
+            raise ValueError(f"`assistant_only_loss=True` needs conversations, but the {split} rows are plain "
+                             f"{fmt.replace('_', '/')} strings: give a {hp.messages_column!r} column (or message "
+                             "lists as prompt/completion), or set `assistant_only_loss=False`.")
+        return fmt
 
     @override
     def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
         hp = self.hparams
         fmt = self._row_format(rows, split)
-        columns = (hp.prompt_column, hp.completion_column) if fmt == "prompt_completion" else (hp.text_column,)
-        check_cells(rows, columns, where, missing_or_not_text, "SFT row")
+        columns = {"text": (hp.text_column,), "messages": (hp.messages_column,)}.get(
+            fmt, (hp.prompt_column, hp.completion_column))
+        if fmt in CHAT_FORMATS:
+            check_cells(rows, columns, where, conversation_problem, "chat row")
+            require_chat_template(self.tokenizer, f"The SFT {split} data")
+        else:
+            check_cells(rows, columns, where, missing_or_not_text, "SFT row")
 
-    def _tokenize(self, batch: dict[str, list], fmt: str) -> dict[str, list]:
+    def _encode_chat(self, row: dict[str, Any], fmt: str) -> tuple[list[int], int, list[int]]:
+        """``(ids, prompt_length, loss_mask)`` of one conversation; ``prompt_length`` is where the last assistant
+        turn's text starts (the exact-match prompt), 0 when the conversation does not end with the assistant."""
+        tok, hp, options = self.tokenizer, self.hparams, template_options(row)
+        if fmt == "messages":
+            messages = list(row[hp.messages_column])
+            ends_with_answer = messages[-1].get("role") == "assistant"
+            prompt = render(tok, messages[:-1], add_generation_prompt=True, **options) if ends_with_answer else []
+        else:  # conversational prompt/completion: the completion's tokens only, as for string rows
+            messages = list(row[hp.prompt_column]) + list(row[hp.completion_column])
+            prompt = render(tok, row[hp.prompt_column], add_generation_prompt=True, **options)
+        ids, mask = assistant_tokens(tok, messages, options) if hp.assistant_only_loss else (
+            render(tok, messages, **options), None)
+        plen = common_prefix_len(prompt, ids)
+        mask = [1] * len(ids) if mask is None else mask
+        if fmt == "chat_prompt_completion":
+            mask = [0] * plen + mask[plen:]
+        return ids, plen, mask
+
+    def _encode_text(self, batch: dict[str, list], fmt: str) -> list[tuple[list[int], int, None]]:
         tok, hp = self.tokenizer, self.hparams
         eos = tok.eos_token_id
         if fmt == "text":
@@ -93,27 +158,42 @@ class SFTDataModule(BaseDataModule):
             full = tok([p + c for p, c in zip(prompts, batch[hp.completion_column])])["input_ids"]
             prompt_ids = tok(prompts)["input_ids"]
             prompt_lengths = [common_prefix_len(p, f) for p, f in zip(prompt_ids, full)]
-        out: dict[str, list] = {"input_ids": [], "prompt_length": [], "length": [], "truncated": []}
-        for ids, plen in zip(full, prompt_lengths):
-            if eos is not None and (not ids or ids[-1] != eos):
-                ids = ids + [eos]
-            out["truncated"].append(len(ids) > hp.max_length)
-            ids = ids[: hp.max_length]
+        full = [ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids for ids in full]
+        return [(ids, plen, None) for ids, plen in zip(full, prompt_lengths)]
+
+    def _tokenize(self, batch: dict[str, list], fmt: str) -> dict[str, list]:
+        if fmt in CHAT_FORMATS:
+            rows = [{key: values[i] for key, values in batch.items()} for i in range(len(next(iter(batch.values()))))]
+            encoded = [self._encode_chat(row, fmt) for row in rows]
+        else:
+            encoded = self._encode_text(batch, fmt)
+        limit = self.hparams.max_length
+        out: dict[str, list] = {"input_ids": [], "prompt_length": [], "length": [], "truncated": [], "targets": []}
+        if fmt in CHAT_FORMATS:
+            out["loss_mask"] = [mask[:limit] for _, _, mask in encoded]
+        for ids, plen, mask in encoded:
+            out["truncated"].append(len(ids) > limit)
+            ids = ids[:limit]
             out["input_ids"].append(ids)
             out["prompt_length"].append(min(plen, len(ids)))
             out["length"].append(len(ids))
+            out["targets"].append(sum(mask[:limit]) if mask is not None else len(ids) - plen)
         return out
 
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         fmt = self._row_format(rows, split)
+        if fmt in CHAT_FORMATS and self.hparams.packing != "none":
+            # the packed collators build labels from prompt lengths; chat rows carry a per-token loss mask instead
+            raise ValueError(f"`packing={self.hparams.packing!r}` is not supported for conversations yet (the {split} "
+                             f"rows are {fmt.replace('_', '/')}): set `packing='none'` for chat data.")
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
         keep = ["answer"] if "answer" in rows.column_names else []
         data = rows.map(lambda b: self._tokenize(b, fmt), batched=True,
                         remove_columns=[c for c in rows.column_names if c not in keep], desc=f"Tokenizing {split}")
         truncated = sum(data["truncated"])
-        usable = data.filter(lambda b: [p < n for p, n in zip(b["prompt_length"], b["length"])], batched=True)
+        usable = data.filter(lambda b: [n > 0 for n in b["targets"]], batched=True)
         dropped = len(data) - len(usable)
         self.stats[f"{split}_rows_truncated"] = truncated
         self.stats[f"{split}_rows_dropped_without_target"] = dropped
@@ -123,7 +203,7 @@ class SFTDataModule(BaseDataModule):
         if len(usable) == 0:
             raise ValueError(f"No {split} row has a completion token within max_length={self.hparams.max_length}: "
                              "raise max_length or shorten the prompts.")
-        usable = usable.remove_columns("truncated")
+        usable = usable.remove_columns(["truncated", "targets"])
         if split == "train" and self.hparams.packing == "bfd":
             usable = pack_dataset(usable, self.hparams.max_tokens_per_batch or self.hparams.max_length,
                                   self.hparams.length_column_name)
