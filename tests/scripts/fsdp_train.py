@@ -1,0 +1,37 @@
+"""SFT, DPO and GRPO fits under ``ModelParallelStrategy`` (FSDP2) on 2 CPU ranks (gloo), in ONE launch.
+
+Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
+``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``OUT_DIR/sft_export`` (HFExport);
+checked by ``tests/test_fsdp.py`` against single-process runs.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+if __name__ == "__main__":
+    import torch
+    from transformers import ByT5Tokenizer
+
+    import _fsdp_common as common
+    from conftest import tiny_llama
+    from lit_trainer.callbacks import HFExport
+    from lit_trainer.modules.causal_lm import CausalLMModule
+
+    out = sys.argv[1]
+    torch.set_num_threads(1)
+    tokenizer = ByT5Tokenizer()
+    module = CausalLMModule(tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3,
+                            max_grad_norm=common.MAX_GRAD_NORM)
+    clip = common.ClipRecorder()
+    trainer = common.trainer(common.model_parallel(), 2, common.STEPS,
+                             [clip, HFExport(os.path.join(out, "sft_export"))])
+    trainer.fit(module, datamodule=common.sft_datamodule(tokenizer, 2))
+    weights = common.full_weights(module)
+    optimizer = trainer.optimizers[0]
+    facts = {"weights": weights, "pre": clip.pre, "post": clip.post,
+             "param_type": type(next(module.model.parameters())).__name__,
+             "fused": optimizer.defaults.get("fused"), "foreach": optimizer.defaults.get("foreach")}
+    if trainer.is_global_zero:
+        torch.save(facts, os.path.join(out, "sft.pt"))
