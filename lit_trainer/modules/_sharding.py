@@ -76,13 +76,19 @@ def fsdp_policies(param_dtype: ParamDtype | None, cpu_offload: bool) -> dict[str
 
 def shard_model(model: torch.nn.Module, mesh: Any, blocks: set[str], **policies: Any) -> torch.nn.Module:
     """``fully_shard`` every module whose class name is in ``blocks``, then the root (which keeps the rest: the
-    embeddings, the final norm, the head, tied weights together)."""
+    embeddings, the final norm, the head, tied weights together).
+
+    FSDP2 keeps a root's parameters gathered after its forward, for the backward that follows; a frozen network
+    (the reference model: no backward) reshards its root after every forward instead, so its full embeddings and head
+    do not stay in memory.
+    """
     from torch.distributed.fsdp import fully_shard
 
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in blocks:
             fully_shard(module, mesh=mesh, **policies)
-    fully_shard(model, mesh=mesh, **policies)
+    frozen = not any(p.requires_grad for p in model.parameters())
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None, **policies)
     return model
 
 

@@ -71,3 +71,42 @@ class ClipRecorder(pl.Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         self.post.append(float(_sharding.full(torch.nn.utils.get_total_norm(grads))))
         self.pre.append(float(pl_module._grad_norm))
+
+
+def dpo_module(tokenizer: Any) -> Any:
+    from lit_trainer.modules.dpo import DPOModule
+
+    return DPOModule(tiny_llama(seed=2, layers=2), tokenizer=tokenizer, loss_type=["sigmoid", "sft"],
+                     learning_rate=1e-3, beta=0.1, max_grad_norm=1.0)
+
+
+def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
+    """GRPO, 2 ranks, 4 optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds, so the
+    step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round, the
+    longest completion this rank kept (they differ between ranks), and the clipping record."""
+    import transformers
+    from ddp_grpo import build_model, length_reward, prompt_texts
+
+    from lit_trainer.data.prompt import PromptDataModule
+    from lit_trainer.modules.grpo import GRPOModule
+
+    tokenizer = transformers.ByT5Tokenizer()
+    model = build_model()
+    with torch.no_grad():
+        model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
+    module = GRPOModule(model, tokenizer=tokenizer, reward_funcs=[length_reward], num_generations=6,
+                        steps_per_generation=3, max_completion_length=12, learning_rate=1e-2, scheduler="constant",
+                        beta=0.04, max_grad_norm=1.0, generation_seed=0)
+    longest: list[int] = []
+    inner = module._score
+
+    def score(batch: dict, completions: Any) -> Any:
+        longest.append(int(completions.mask.sum(1).max()))
+        return inner(batch, completions)
+
+    module._score = score
+    dm = PromptDataModule(tokenizer=tokenizer, batch_size=3, max_length=16, val_size=0, sampling="sequential",
+                          dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}))
+    clip = ClipRecorder()
+    trainer(strategy, 2, 4, [clip]).fit(module, datamodule=dm)
+    return module, longest, clip

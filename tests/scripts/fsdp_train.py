@@ -2,7 +2,8 @@
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``OUT_DIR/sft_export`` (HFExport);
-checked by ``tests/test_fsdp.py`` against single-process runs.
+from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
+Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
 
 import os
@@ -35,3 +36,16 @@ if __name__ == "__main__":
              "fused": optimizer.defaults.get("fused"), "foreach": optimizer.defaults.get("foreach")}
     if trainer.is_global_zero:
         torch.save(facts, os.path.join(out, "sft.pt"))
+
+    dpo = common.dpo_module(tokenizer)
+    trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
+    trainer.fit(dpo, datamodule=common.dpo_datamodule(tokenizer, 2))
+    dpo_facts = {"weights": common.full_weights(dpo), "ref_types": {type(p).__name__ for p in dpo.ref_model.parameters()}}
+    if trainer.is_global_zero:
+        torch.save(dpo_facts, os.path.join(out, "dpo.pt"))
+
+    grpo = {}
+    for name, strategy in (("sharded", common.model_parallel()), ("ddp", "ddp")):
+        module, longest, clip = common.grpo_run(strategy)
+        grpo[name] = {"weights": common.full_weights(module), "longest": longest, "pre": clip.pre, "post": clip.post}
+    torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))
