@@ -120,7 +120,10 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     rank 0 receives the tensors (the others get an empty dict, so no rank but one holds a full copy)."""
     if not any(is_dtensor(p) for p in model.parameters()):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

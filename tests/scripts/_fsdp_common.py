@@ -11,9 +11,9 @@ import torch
 from datasets import Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from conftest import tiny_llama  # noqa: E402
+from conftest import tiny_llama
 
-from lit_trainer.modules import _sharding  # noqa: E402
+from lit_trainer.modules import _sharding
 
 # 16 rows of uneven length: per-device batch 2 x 2 ranks x accumulate 2 = 8 rows per optimizer step (2 per epoch)
 TEXTS = [("short " if i % 3 else "a much longer row of text with many more tokens in it ") * (1 + i % 4)

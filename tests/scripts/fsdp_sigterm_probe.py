@@ -14,7 +14,6 @@ import torch
 from lit_trainer.modules import _sharding
 
 
-
 class SigtermOneRank(pl.Callback):
     def __init__(self, out: str) -> None:
         self.out = out

@@ -12,11 +12,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if __name__ == "__main__":
+    import _fsdp_common as common
     import torch
+    from conftest import tiny_llama
     from transformers import ByT5Tokenizer
 
-    import _fsdp_common as common
-    from conftest import tiny_llama
     from lit_trainer.callbacks import HFExport
     from lit_trainer.modules.causal_lm import CausalLMModule
 
@@ -40,7 +40,8 @@ if __name__ == "__main__":
     dpo = common.dpo_module(tokenizer)
     trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
     trainer.fit(dpo, datamodule=common.dpo_datamodule(tokenizer, 2))
-    dpo_facts = {"weights": common.full_weights(dpo), "ref_types": {type(p).__name__ for p in dpo.ref_model.parameters()}}
+    dpo_facts = {"weights": common.full_weights(dpo),
+                 "ref_types": {type(p).__name__ for p in dpo.ref_model.parameters()}}
     if trainer.is_global_zero:
         torch.save(dpo_facts, os.path.join(out, "dpo.pt"))
 
