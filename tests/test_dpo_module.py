@@ -330,10 +330,13 @@ def test_reference_options_dropout_and_checkpoint_keys():
     lean.load_state_dict(full["state_dict"])
 
 
-def test_sharded_strategies_are_refused_at_setup():
+def test_fsdp1_and_deepspeed_are_refused_at_setup():
     module = DPOModule(tiny_llama(0))
-    module._trainer = SimpleNamespace(strategy=FSDPStrategy())
-    with pytest.raises(ValueError, match="FSDPStrategy is not supported"):
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), gradient_clip_val=None)
+    with pytest.raises(ValueError, match=r"FSDPStrategy \(FSDP1\) is not supported.*ModelParallelStrategy"):
+        module.setup("fit")
+    module._trainer = SimpleNamespace(strategy=type("DeepSpeedStrategy", (), {})(), gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="DeepSpeedStrategy is not supported: the frozen reference"):
         module.setup("fit")
 
 
