@@ -62,6 +62,11 @@ def test_sft_sharded_ends_with_the_single_process_weights(run: Path, single_sft:
     assert _max_relative_diff(sharded["weights"], single_sft.weights) <= 1e-5
 
 
+def test_activation_checkpointing_under_sharding_gives_the_same_weights(run: Path, single_sft: SimpleNamespace):
+    checkpointed = torch.load(run / "sft_checkpointed.pt", weights_only=False)
+    assert _max_relative_diff(checkpointed, single_sft.weights) <= 1e-5
+
+
 def test_max_grad_norm_is_applied_under_every_accepted_strategy(run: Path, single_sft: SimpleNamespace):
     grpo = torch.load(run / "grpo_rank0.pt", weights_only=False)
     records = {"single": (single_sft.clip.pre, single_sft.clip.post, common.MAX_GRAD_NORM),
@@ -134,3 +139,20 @@ def test_block_classes_come_from_no_split_modules_or_the_override():
         _sharding.block_class_names(model, ["Nope"])
     with pytest.raises(ValueError, match="shard_param_dtype='fp8'"):
         _sharding.fsdp_policies("fp8", False)
+
+
+def test_slurm_variables_of_two_local_tasks_select_the_ranks(monkeypatch: pytest.MonkeyPatch):
+    """What the README's sbatch script relies on: under ``srun`` (2 tasks on one node) Lightning's SLURM environment
+    gives each task its rank for ModelParallelStrategy, and the strategy does not spawn processes itself."""
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for task in (0, 1):
+        for key, value in {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(task),
+                           "SLURM_LOCALID": str(task), "SLURM_NODEID": "0", "SLURM_JOB_ID": "7",
+                           "SLURM_JOB_NAME": "sft", "SLURM_NODELIST": "node1"}.items():
+            monkeypatch.setenv(key, value)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=common.model_parallel(), logger=False)
+        environment = trainer.strategy.cluster_environment
+        assert isinstance(environment, SLURMEnvironment) and environment.creates_processes_externally
+        assert (environment.global_rank(), environment.local_rank(), environment.world_size()) == (task, task, 2)

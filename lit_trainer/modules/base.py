@@ -126,7 +126,8 @@ class BaseModule(pl.LightningModule):
             precision: e.g. ``bfloat16`` on GPU, gradients reduced in float32, sharded master weights stay float32);
             None keeps the parameters' dtype.
         shard_cpu_offload: under ``ModelParallelStrategy``: keep sharded parameters, gradients and optimizer state
-            on the CPU (FSDP2 ``CPUOffloadPolicy``; the optimizer step then runs on the CPU).
+            on the CPU (FSDP2 ``CPUOffloadPolicy``; the optimizer step then runs on the CPU). Needs a GPU: FSDP2
+            refuses it on a CPU-only machine.
 
     Raises:
         ValueError: on a negative learning rate, warmup or ``max_grad_norm``.

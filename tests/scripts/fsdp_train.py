@@ -1,7 +1,8 @@
 """SFT, DPO and GRPO fits under ``ModelParallelStrategy`` (FSDP2) on 2 CPU ranks (gloo), in ONE launch.
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
-``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``OUT_DIR/sft_export`` (HFExport);
+``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
+with activation checkpointing), ``OUT_DIR/sft_export`` (HFExport);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
@@ -36,6 +37,14 @@ if __name__ == "__main__":
              "fused": optimizer.defaults.get("fused"), "foreach": optimizer.defaults.get("foreach")}
     if trainer.is_global_zero:
         torch.save(facts, os.path.join(out, "sft.pt"))
+
+    checkpointed = CausalLMModule(tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3,
+                                  max_grad_norm=common.MAX_GRAD_NORM, gradient_checkpointing=True)
+    common.trainer(common.model_parallel(), 2, common.STEPS, []).fit(
+        checkpointed, datamodule=common.sft_datamodule(tokenizer, 2))
+    checkpointed_weights = common.full_weights(checkpointed)
+    if trainer.is_global_zero:
+        torch.save(checkpointed_weights, os.path.join(out, "sft_checkpointed.pt"))
 
     dpo = common.dpo_module(tokenizer)
     trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
