@@ -94,6 +94,13 @@ def test_sharded_export_equals_single_process_export_and_loads(run: Path, single
     assert all(torch.equal(a[name], value) for name, value in trained.items())
 
 
+def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
+    best = torch.load(run / "best.pt", weights_only=False)
+    assert Path(best["checkpoint"]).is_dir()  # ModelParallelStrategy's distributed checkpoint
+    exported = AutoModelForCausalLM.from_pretrained(best["export"]).state_dict()
+    assert all(torch.equal(exported[name], value) for name, value in best["weights"].items())
+
+
 def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     sharded = torch.load(run / "dpo.pt", weights_only=False)
     assert sharded["ref_types"] == {"DTensor"}  # the reference is sharded like the policy, and stays so after use

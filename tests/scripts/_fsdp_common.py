@@ -22,10 +22,10 @@ STEPS, ACCUMULATE, MAX_GRAD_NORM = 20, 2, 0.05
 DPO_STEPS = 10
 
 
-def sft_datamodule(tokenizer: Any, batch_size: int) -> Any:
+def sft_datamodule(tokenizer: Any, batch_size: int, val_size: int = 0) -> Any:
     from lit_trainer.data.sft import SFTDataModule
 
-    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0,
+    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=val_size,
                          batch_size=batch_size, max_length=64, sampling="sequential")
 
 
@@ -44,10 +44,10 @@ def model_parallel(devices: int = 2) -> Any:
 
 
 def trainer(strategy: Any, devices: int, max_steps: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    options = {"limit_val_batches": 0, "enable_checkpointing": False, **kwargs}
     return pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=max_steps,
                       accumulate_grad_batches=ACCUMULATE, callbacks=callbacks, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, **kwargs)
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **options)
 
 
 def full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
