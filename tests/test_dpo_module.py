@@ -340,6 +340,17 @@ def test_fsdp1_and_deepspeed_are_refused_at_setup():
         module.setup("fit")
 
 
+def test_precompute_is_refused_under_model_parallel_but_the_live_reference_is_accepted():
+    trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})(), gradient_clip_val=None)
+    module = DPOModule(tiny_llama(0), precompute_ref_log_probs=True)
+    module._trainer = trainer
+    with pytest.raises(ValueError, match=r"precompute_ref_log_probs=True\)` is not supported under ModelParallel"):
+        module.setup("fit")
+    live = DPOModule(tiny_llama(0))
+    live._trainer = trainer
+    live.setup("fit")
+
+
 def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
     config = yaml.safe_load((ROOT / "configs" / "dpo.yaml").read_text())
     init = config["model"]["init_args"]

@@ -95,8 +95,8 @@ class DPOModule(BaseModule):
     The reference model is ``self.ref_model`` (parameter names mirror ``self.model``): eval mode, no gradients, not in
     the optimizer nor in clipping, saved in checkpoints, never trained. Unlike TRL (which reloads it from disk and
     fails for an in-memory model), ``ref_model=None`` makes a frozen in-memory copy of the policy. Runs on one device
-    or under DDP, or sharded under ``ModelParallelStrategy`` (FSDP2: the reference is sharded like the policy);
-    FSDP1 and DeepSpeed are refused at setup.
+    or under DDP, or sharded under ``ModelParallelStrategy`` (FSDP2: the reference is sharded like the policy;
+    ``precompute_ref_log_probs`` is refused there); FSDP1 and DeepSpeed are refused at setup.
 
     With ``peft_config`` (LoRA) and ``ref_model=None`` there is no copy: the reference is the policy network with its
     adapters disabled (the base model), or, with ``adapter_path``, with a frozen second load of that adapter active
@@ -348,6 +348,12 @@ class DPOModule(BaseModule):
             raise ValueError(f"DPOModule runs on one device, under DDP or ModelParallelStrategy (FSDP2); "
                              f"{type(self.trainer.strategy).__name__} is not supported: the frozen reference, TR-DPO "
                              "and the precompute pass are not sharded by it.")
+        if self.hparams.precompute_ref_log_probs and _sharding.strategy_is(self.trainer.strategy,
+                                                                           ("ModelParallelStrategy",)):
+            raise ValueError("`DPOModule(precompute_ref_log_probs=True)` is not supported under ModelParallelStrategy: "
+                             "the precompute pass gives the ranks uneven numbers of batches, and every forward of a "
+                             "sharded model is a collective. Keep the reference model (it is sharded like the policy; "
+                             "set precompute_ref_log_probs=False), or precompute under DDP.")
 
     @override
     def on_fit_start(self) -> None:
