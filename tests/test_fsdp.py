@@ -99,6 +99,7 @@ def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
     assert Path(best["checkpoint"]).is_dir()  # ModelParallelStrategy's distributed checkpoint
     exported = AutoModelForCausalLM.from_pretrained(best["export"]).state_dict()
     assert all(torch.equal(exported[name], value) for name, value in best["weights"].items())
+    assert best["neftune_draws"] == 2  # NEFTune found the sharded model's embedding: one draw per micro-batch
 
 
 def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):

@@ -2,7 +2,7 @@
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
-with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint),
+with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint, with NEFTune),
 ``OUT_DIR/sft_export`` (HFExport);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
@@ -19,7 +19,7 @@ if __name__ == "__main__":
     from conftest import tiny_llama
     from transformers import ByT5Tokenizer
 
-    from lit_trainer.callbacks import BestCheckpoint, HFExport
+    from lit_trainer.callbacks import BestCheckpoint, HFExport, NEFTune
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     out = sys.argv[1]
@@ -49,13 +49,14 @@ if __name__ == "__main__":
 
     best = BestCheckpoint(dirpath=os.path.join(out, "best_ckpt"), monitor="val_loss", export_hf=True)
     scored = CausalLMModule(tiny_llama(seed=3, layers=2), tokenizer=tokenizer, learning_rate=1e-3)
-    common.trainer(common.model_parallel(), 2, 1, [best], enable_checkpointing=True, limit_val_batches=None,
+    neftune = NEFTune(noise_alpha=5.0, seed=7)  # on the sharded model's input embedding
+    common.trainer(common.model_parallel(), 2, 1, [best, neftune], enable_checkpointing=True, limit_val_batches=None,
                    val_check_interval=2, check_val_every_n_epoch=None).fit(
         scored, datamodule=common.sft_datamodule(tokenizer, 2, val_size=4))
     scored_weights = common.full_weights(scored)  # the only (so the best) checkpoint: after step 1
     if trainer.is_global_zero:
-        torch.save({"weights": scored_weights, "export": best.hf_export_dir, "checkpoint": best.best_model_path},
-                   os.path.join(out, "best.pt"))
+        torch.save({"weights": scored_weights, "export": best.hf_export_dir, "checkpoint": best.best_model_path,
+                    "neftune_draws": neftune._draws}, os.path.join(out, "best.pt"))
 
     dpo = common.dpo_module(tokenizer)
     trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
