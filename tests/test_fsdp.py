@@ -80,9 +80,9 @@ def test_max_grad_norm_is_applied_under_every_accepted_strategy(run: Path, singl
             assert after == pytest.approx(min(before, max_norm), rel=1e-4), name
 
 
-def test_sharded_optimizer_is_foreach_adamw(run: Path):
+def test_sharded_optimizer_is_fused_adamw(run: Path):
     sharded = torch.load(run / "sft.pt", weights_only=False)
-    assert sharded["fused"] is None  # DTensor parameters: torch's default (foreach) implementation
+    assert sharded["fused"] is True  # torch's fused AdamW kernel takes the DTensor shards
 
 
 def test_sharded_export_equals_single_process_export_and_loads(run: Path, single_sft: SimpleNamespace):
