@@ -117,7 +117,7 @@ def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
     for rank in ranks:
         assert rank["sharded"]["longest"] == rank["ddp"]["longest"]  # same completions
         # same data and completions; lr 1e-2 and Adam's 1/sqrt(v) on near-zero second moments amplify the float
-        # rounding of the sharded reductions (measured: ~1e-5 after 4 steps), hence the looser bound than SFT/DPO
+        # rounding of the sharded reductions (measured: 3e-6 to 1.0e-5 after 4 steps), hence the looser bound
         assert _max_relative_diff(rank["sharded"]["weights"], rank["ddp"]["weights"]) <= 1e-4
 
 
