@@ -164,3 +164,19 @@ def test_slurm_variables_of_two_local_tasks_select_the_ranks(monkeypatch: pytest
         environment = trainer.strategy.cluster_environment
         assert isinstance(environment, SLURMEnvironment) and environment.creates_processes_externally
         assert (environment.global_rank(), environment.local_rank(), environment.world_size()) == (task, task, 2)
+
+
+class _Mesh:
+    """A device-mesh stand-in: named dimensions of given sizes."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.sizes, self.mesh_dim_names = sizes, tuple(sizes)
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(size=lambda: self.sizes[name], name=name)
+
+
+def test_only_the_data_parallel_dimension_is_sharded():
+    assert _sharding.data_parallel_mesh(_Mesh(data_parallel=4, tensor_parallel=1)).name == "data_parallel"
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\) is not supported.*tensor_parallel_size=1"):
+        _sharding.data_parallel_mesh(_Mesh(data_parallel=2, tensor_parallel=2))
