@@ -330,11 +330,25 @@ def test_reference_options_dropout_and_checkpoint_keys():
     lean.load_state_dict(full["state_dict"])
 
 
-def test_sharded_strategies_are_refused_at_setup():
+def test_fsdp1_and_deepspeed_are_refused_at_setup():
     module = DPOModule(tiny_llama(0))
-    module._trainer = SimpleNamespace(strategy=FSDPStrategy())
-    with pytest.raises(ValueError, match="FSDPStrategy is not supported"):
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), gradient_clip_val=None)
+    with pytest.raises(ValueError, match=r"FSDPStrategy \(FSDP1\) is not supported.*ModelParallelStrategy"):
         module.setup("fit")
+    module._trainer = SimpleNamespace(strategy=type("DeepSpeedStrategy", (), {})(), gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="DeepSpeedStrategy is not supported: the frozen reference"):
+        module.setup("fit")
+
+
+def test_precompute_is_refused_under_model_parallel_but_the_live_reference_is_accepted():
+    trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})(), gradient_clip_val=None)
+    module = DPOModule(tiny_llama(0), precompute_ref_log_probs=True)
+    module._trainer = trainer
+    with pytest.raises(ValueError, match=r"precompute_ref_log_probs=True\)` is not supported under ModelParallel"):
+        module.setup("fit")
+    live = DPOModule(tiny_llama(0))
+    live._trainer = trainer
+    live.setup("fit")
 
 
 def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):

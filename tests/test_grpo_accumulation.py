@@ -10,7 +10,6 @@ import lightning as L
 import pytest
 import torch
 from _accum_common import GradCapture, relative_error
-from lightning.pytorch.strategies import FSDPStrategy
 from test_grpo_module import QUIET, _independent_step_gradient, data, grpo, tiny_model
 
 
@@ -48,7 +47,8 @@ def test_dapo_step_spanning_two_generation_rounds_is_token_exact():
 
 def test_a_step_correction_outside_param_grad_is_refused_at_setup():
     module = grpo(loss_type="cispo", steps_per_generation=3)
-    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), accumulate_grad_batches=2, world_size=1,
-                                      datamodule=data(batch_size=4))
+    # a strategy that keeps gradients out of `param.grad` (DeepSpeed; clipping set, so only this refusal applies)
+    module._trainer = SimpleNamespace(strategy=type("DeepSpeedStrategy", (), {})(), accumulate_grad_batches=2,
+                                      world_size=1, gradient_clip_val=1.0, datamodule=data(batch_size=4))
     with pytest.raises(ValueError, match="steps_per_generation=3 not a multiple of accumulate_grad_batches=2"):
         module.setup("fit")

@@ -29,7 +29,8 @@ Differences from plain ``ModelCheckpoint``:
   bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
   torchmetrics metric) to make the decision on the global value.
 * Checkpoint and export loads use ``torch.load(weights_only=True)``.
-* ``load_best_at_end`` and ``export_hf`` refuse sharded strategies (FSDP, DeepSpeed, ModelParallel) at setup.
+* ``load_best_at_end`` refuses sharded strategies (FSDP, DeepSpeed, ModelParallel) at setup; ``export_hf`` works under
+  ModelParallel (rank 0 reads the distributed checkpoint directory) and refuses FSDP1/DeepSpeed.
 * With a callback that validates other weights than the live ones (``BEMA(evaluate_with_bema=True)``, through the
   protocol in ``lit_trainer.callbacks._evaluated_weights``), each checkpoint keeps the live weights in
   ``state_dict`` (it still resumes training) and the scored weights under ``checkpoint["evaluated_weights"]``;
@@ -78,7 +79,8 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The weights a Lightning checkpoint was scored with, loaded safely (``weights_only=True``).
 
     Args:
-        path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``.
+        path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``, or the directory of a distributed checkpoint
+            (``ModelParallelStrategy``), whose shards are all read into full tensors (one full copy in CPU memory).
 
     Returns:
         The ``"state_dict"`` entry (CPU tensors, memory-mapped), with the weights a callback such as
@@ -87,6 +89,10 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     Raises:
         RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
     """
+    if Path(path).is_dir():  # a distributed checkpoint (ModelParallelStrategy): every shard, read by this process
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+        return scored_state_dict(_load_distributed_checkpoint(Path(path)))
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - re-raised with the fix
@@ -179,6 +185,13 @@ class _BestCheckpoint(PackageBound):
     def _sharded(self) -> tuple[type, ...]:
         return (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy, self._ns.ModelParallelStrategy)
 
+    def _unsupported(self, strategy: Any) -> bool:
+        """``load_best_at_end`` refuses every sharded strategy; ``export_hf`` works under ModelParallelStrategy (rank
+        0 reads the distributed checkpoint's shards) but not under FSDP1/DeepSpeed."""
+        if self.load_best_at_end and isinstance(strategy, self._sharded):
+            return True
+        return self.export_hf and isinstance(strategy, (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy))
+
     @property
     def hf_export_dir(self) -> str | None:
         """Where ``export_hf`` writes (``<dirpath>/best``), once ``dirpath`` is known."""
@@ -187,10 +200,11 @@ class _BestCheckpoint(PackageBound):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if (self.load_best_at_end or self.export_hf) and isinstance(trainer.strategy, self._sharded):
+        if self._unsupported(trainer.strategy):
             raise ValueError(
                 f"`BestCheckpoint(load_best_at_end={self.load_best_at_end}, export_hf={self.export_hf})` does not "
-                f"support {type(trainer.strategy).__name__} (sharded weights); set both to False, or use DDP."
+                f"support {type(trainer.strategy).__name__} (sharded weights): load_best_at_end needs DDP or one "
+                "device, export_hf also works under ModelParallelStrategy. Set the unsupported one to False."
             )
         if self.export_hf and not callable(getattr(getattr(pl_module, "model", None), "save_pretrained", None)):
             raise ValueError(

@@ -13,6 +13,7 @@ from typing_extensions import override
 from lit_trainer._atomic import atomic_directory
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks._peft_export import is_adapter_model, save_adapter_model
+from lit_trainer.modules._sharding import full_state_dict, is_sharded
 
 
 def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None,
@@ -51,7 +52,8 @@ class _HFExport(PackageBound):
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
     ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
-    A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step.
+    A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step. Under
+    ``ModelParallelStrategy`` (FSDP2) the full weights are gathered to rank 0's CPU first (every rank takes part).
     For a peft (LoRA) model it writes the adapter, which loads with ``peft.PeftModel.from_pretrained(base, dirpath)``
     on the same base model, or with ``merge_adapters=True`` the merged model; the tokenizer goes with both.
 
@@ -99,8 +101,11 @@ class _HFExport(PackageBound):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = self.resolve_dir(trainer)
         model = pl_module.model
+        # sharded (FSDP2): the full weights, gathered on rank 0 (a collective every rank joins)
+        state = full_state_dict(model) if is_sharded(model) else None
         if trainer.is_global_zero:
-            export_hf(model, getattr(pl_module, "tokenizer", None), target, merge_adapters=self.merge_adapters)
+            export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=state,
+                      merge_adapters=self.merge_adapters)
             self._ns.rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
         self.last_export = str(target)
         trainer.strategy.barrier("hf_export")

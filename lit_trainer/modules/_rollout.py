@@ -120,13 +120,17 @@ def cut_after_eos(ids: Tensor, eos_ids: Sequence[int], pad_token_id: int) -> Com
 
 @torch.no_grad()
 def generate_completions(
-    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig, eos_ids: Sequence[int]
+    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig, eos_ids: Sequence[int],
+    synced: bool = False,
 ) -> Completions:
     """One batched ``generate`` call (KV cache, left-padded prompts) and the EOS cut.
 
-    The model is NOT switched to eval mode (as the reference); ``no_grad`` also keeps NEFTune noise off.
+    The model is NOT switched to eval mode (as the reference); ``no_grad`` also keeps NEFTune noise off. ``synced``
+    (sharded weights: every forward is a collective) makes a rank whose rows have all stopped keep running forwards
+    until every rank has stopped (transformers' ``synced_gpus``), so ranks generating different lengths stay in step.
     """
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                         synced_gpus=synced)
     completion = out[:, prompt_ids.shape[1] :]
     if completion.shape[1] == 0:  # every row stopped at once (cannot happen with max_new_tokens >= 1)
         completion = torch.full_like(prompt_ids[:, :1], config.pad_token_id)

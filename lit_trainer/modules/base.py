@@ -43,11 +43,12 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.rebalance import microbatch_cost
 from lit_trainer.data.windows import step_windows
 from lit_trainer.models import load_model, load_tokenizer
-from lit_trainer.modules import _adapter_checkpoint, _peft
+from lit_trainer.modules import _adapter_checkpoint, _peft, _sharding
 from lit_trainer.modules._schedules import SchedulerName, build_schedule, check_schedule
 
-# strategies whose gradients are plain ``param.grad`` tensors once ``backward`` returns
-GRAD_RESCALE_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+# strategies whose gradients are in ``param.grad`` once ``backward`` returns: plain tensors, or DTensor shards (FSDP2
+# under ModelParallelStrategy); the module also clips those itself
+GRAD_RESCALE_STRATEGIES = _sharding.LOCAL_GRAD_STRATEGIES
 _NO_DECAY = ("bias", "norm")
 
 
@@ -60,8 +61,9 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
-    """Whether torch's fused AdamW kernel takes every parameter: plain (not DTensor) floating-point parameters on
-    device types that have the kernel (CPU, CUDA, ...).
+    """Whether torch's fused AdamW kernel takes every parameter: floating-point parameters, plain or FSDP2 ``DTensor``
+    shards (the update is elementwise; torch 2.13 runs the fused kernel on the local shards), on device types that
+    have the kernel (CPU, CUDA, ...).
 
     The fused kernel computes the same update as the per-tensor default (equal to float rounding, ~1e-7) in one pass
     over all tensors; on CPU it is ~3.5x faster for small models (``benchmarks/sft_throughput.py``). The HF Trainer
@@ -74,7 +76,8 @@ def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
     except ImportError:  # pragma: no cover - private helper moved
         devices = {"cpu", "cuda"}
     return bool(params) and all(
-        type(p) is torch.nn.Parameter and p.device.type in devices and torch.is_floating_point(p) for p in params
+        (type(p) is torch.nn.Parameter or _sharding.is_dtensor(p)) and p.device.type in devices
+        and torch.is_floating_point(p) for p in params
     )
 
 
@@ -109,7 +112,15 @@ class BaseModule(pl.LightningModule):
             (see :mod:`lit_trainer.modules._peft` and :mod:`lit_trainer.modules._adapter_checkpoint`).
         adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
         gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
-            non-reentrant): less activation memory, about one more forward of compute.
+            non-reentrant): less activation memory, about one more forward of compute. Works under sharding too.
+        shard_blocks: under ``ModelParallelStrategy``: class names of the transformer blocks sharded one by one
+            (default: the model's ``_no_split_modules``); see :mod:`lit_trainer.modules._sharding`.
+        shard_param_dtype: under ``ModelParallelStrategy``: compute dtype of the gathered parameters (FSDP2 mixed
+            precision: e.g. ``bfloat16`` on GPU, gradients reduced in float32, sharded master weights stay float32);
+            None keeps the parameters' dtype.
+        shard_cpu_offload: under ``ModelParallelStrategy``: keep sharded parameters, gradients and optimizer state
+            on the CPU (FSDP2 ``CPUOffloadPolicy``; the optimizer step then runs on the CPU). Needs a GPU: FSDP2
+            refuses it on a CPU-only machine.
 
     Raises:
         ValueError: on a negative learning rate, warmup or ``max_grad_norm``, or a scheduler option that does not fit
@@ -133,6 +144,9 @@ class BaseModule(pl.LightningModule):
         peft_config: Any = None,
         adapter_path: str | None = None,
         gradient_checkpointing: bool = False,
+        shard_blocks: list[str] | None = None,
+        shard_param_dtype: _sharding.ParamDtype | None = None,
+        shard_cpu_offload: bool = False,
     ) -> None:
         super().__init__()
         self._peft_hparam = _peft.config_hparam(peft_config)
@@ -141,6 +155,7 @@ class BaseModule(pl.LightningModule):
         if max_grad_norm is not None and max_grad_norm < 0:
             raise ValueError(f"`max_grad_norm={max_grad_norm}` is invalid: use a positive norm, or 0/None to disable.")
         check_schedule(scheduler, warmup_steps, scheduler_kwargs)
+        _sharding.fsdp_policies(shard_param_dtype, False)  # validates the dtype name at construction
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         self.model = load_model(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
@@ -158,6 +173,7 @@ class BaseModule(pl.LightningModule):
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer
         self._optimizer_fn = optimizer
+        self._shard_options = (shard_blocks, shard_param_dtype, shard_cpu_offload)
         self._scheduler_fn = lr_scheduler
         self._window_items: Tensor | None = None
         self._window_key: tuple[int, int] | None = None
@@ -257,11 +273,11 @@ class BaseModule(pl.LightningModule):
         For a normaliser only known at a step's last micro-batch: its micro-batches divide by a provisional count
         ``P``, and the last one calls this with ``P / exact count`` (the same factor on every rank). Gradients are
         linear in the normaliser, so the step's gradient is then exact; hooks and clipping see the rescaled
-        gradients, and the logged step loss is rescaled the same way. Single-device and DDP strategies only (others
-        keep the gradients out of ``param.grad``).
+        gradients, and the logged step loss is rescaled the same way. Single-device, DDP and ``ModelParallelStrategy``
+        (FSDP2 keeps the reduced gradient shards as DTensors in ``param.grad``) only; DeepSpeed keeps them elsewhere.
         """
         strategy = type(self.trainer.strategy).__name__
-        if strategy not in GRAD_RESCALE_STRATEGIES:
+        if not _sharding.strategy_is(self.trainer.strategy, GRAD_RESCALE_STRATEGIES):
             raise ValueError(f"A step normaliser known only at the step's end needs the gradients in `param.grad`; "
                              f"{strategy} keeps them elsewhere. Use one of {GRAD_RESCALE_STRATEGIES}.")
         self._pending_rescale = factor.detach()
@@ -272,8 +288,8 @@ class BaseModule(pl.LightningModule):
         super().backward(loss, *args, **kwargs)
         if self._pending_rescale is not None:
             factor, self._pending_rescale = self._pending_rescale, None
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            if grads:
+            grads = [_sharding.local(p.grad) for p in self.parameters() if p.grad is not None]
+            if grads:  # FSDP2: every rank scales its own shards (the factor is the same on every rank)
                 torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
 
     # ------------------------------------------------------------------------------------------------- logging
@@ -431,14 +447,39 @@ class BaseModule(pl.LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        if gradient_clip_algorithm not in (None, "norm") or type(self.trainer.strategy).__name__ not in (
-            "SingleDeviceStrategy", "DDPStrategy"
-        ):
-            # value clipping, FSDP and DeepSpeed keep Lightning's own implementation
+        local_grads = _sharding.strategy_is(self.trainer.strategy, GRAD_RESCALE_STRATEGIES)
+        if gradient_clip_algorithm not in (None, "norm") or not local_grads:
+            # value clipping, and DeepSpeed (it clips in its engine with the Trainer's value: see `setup`)
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
             return
         max_norm = gradient_clip_val if gradient_clip_val is not None else self.hparams.max_grad_norm
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if params:
-            # returns the pre-clipping total norm as a device tensor (no host sync); inf = measure only
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf)
+            # the pre-clipping total norm as a device tensor (no host sync); inf = measure only. On FSDP2's DTensor
+            # gradients the norm is reduced over the shards, and `full` makes it a plain tensor for logging
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf)
+            self._grad_norm = _sharding.full(norm)
+
+    # ------------------------------------------------------------------------------------------------- sharding
+    @override
+    def setup(self, stage: str) -> None:
+        """Refuse strategies under which a feature would be silently dropped (see :func:`_sharding.check_strategy`)."""
+        _sharding.check_strategy(self.trainer, self.hparams.max_grad_norm)
+
+    @override
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (``self.device_mesh`` set): FSDP2-shard :meth:`networks_to_shard` over the
+        data-parallel ranks (:mod:`lit_trainer.modules._sharding`); nothing otherwise."""
+        if self.device_mesh is None:
+            return
+        mesh = _sharding.data_parallel_mesh(self.device_mesh)
+        blocks, dtype, offload = self._shard_options
+        policies = _sharding.fsdp_policies(dtype, offload)
+        for network in self.networks_to_shard():
+            if not _sharding.is_sharded(network):
+                _sharding.shard_model(network, mesh, _sharding.block_class_names(network, blocks), **policies)
+
+    def networks_to_shard(self) -> list[torch.nn.Module]:
+        """The networks ``configure_model`` shards: the policy and a reference network (DPO/GRPO ``ref_model``)."""
+        reference = getattr(self, "ref_model", None)
+        return [m for m in (self.model, reference) if isinstance(m, torch.nn.Module)]

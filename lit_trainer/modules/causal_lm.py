@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.metrics import CausalLMEvalMetrics, greedy_exact_match
+from lit_trainer.modules import _sharding
 from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
@@ -125,6 +126,7 @@ class CausalLMModule(BaseModule):
         generated = self.model.generate(
             input_ids=prompts[has_prompt], attention_mask=mask[has_prompt], do_sample=False,
             max_new_tokens=self.hparams.eval_max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
+            synced_gpus=_sharding.is_sharded(self.model),  # sharded: ranks stop together
         )[:, prompts.size(1):]
         eos = eos_id[0] if isinstance(eos_id, list) else eos_id
         return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)

@@ -21,13 +21,12 @@ from lit_trainer.losses.dpo import (
 from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
 from lit_trainer.models import load_model
 from lit_trainer.data.packing import row_completion_mask
-from lit_trainer.modules import _ref_logps
+from lit_trainer.modules import _ref_logps, _sharding
 from lit_trainer.modules._packing import check_trainer_packing, masking_kwargs, per_row
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = (*DPO_LOSS_TYPES, "sft")
-_SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _SFT_NLL = "sft_nll"
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")
@@ -98,7 +97,8 @@ class DPOModule(BaseModule):
     The reference model is ``self.ref_model`` (parameter names mirror ``self.model``): eval mode, no gradients, not in
     the optimizer nor in clipping, saved in checkpoints, never trained. Unlike TRL (which reloads it from disk and
     fails for an in-memory model), ``ref_model=None`` makes a frozen in-memory copy of the policy. Runs on one device
-    or under DDP; sharded strategies (FSDP, DeepSpeed) are refused at setup.
+    or under DDP, or sharded under ``ModelParallelStrategy`` (FSDP2: the reference is sharded like the policy;
+    ``precompute_ref_log_probs`` is refused there); FSDP1 and DeepSpeed are refused at setup.
 
     With ``peft_config`` (LoRA) and ``ref_model=None`` there is no copy: the reference is the policy network with its
     adapters disabled (the base model), or, with ``adapter_path``, with a frozen second load of that adapter active
@@ -346,10 +346,17 @@ class DPOModule(BaseModule):
 
     @override
     def setup(self, stage: str) -> None:
-        strategy = type(self.trainer.strategy).__name__
-        if strategy not in _SUPPORTED_STRATEGIES:
-            raise ValueError(f"DPOModule runs on one device or under DDP; {strategy} is not supported: the frozen "
-                             "reference, TR-DPO and the precompute pass need unsharded weights. Use strategy='ddp'.")
+        super().setup(stage)
+        if not _sharding.strategy_is(self.trainer.strategy, _sharding.LOCAL_GRAD_STRATEGIES):
+            raise ValueError(f"DPOModule runs on one device, under DDP or ModelParallelStrategy (FSDP2); "
+                             f"{type(self.trainer.strategy).__name__} is not supported: the frozen reference, TR-DPO "
+                             "and the precompute pass are not sharded by it.")
+        if self.hparams.precompute_ref_log_probs and _sharding.strategy_is(self.trainer.strategy,
+                                                                           ("ModelParallelStrategy",)):
+            raise ValueError("`DPOModule(precompute_ref_log_probs=True)` is not supported under ModelParallelStrategy: "
+                             "the precompute pass gives the ranks uneven numbers of batches, and every forward of a "
+                             "sharded model is a collective. Keep the reference model (it is sharded like the policy; "
+                             "set precompute_ref_log_probs=False), or precompute under DDP.")
         if stage == "fit":
             check_trainer_packing(self.trainer, self.model, self.ref_model)
 

@@ -43,6 +43,7 @@ from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
 from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules import _rollout as rollout
+from lit_trainer.modules import _sharding
 from lit_trainer.modules._grpo_normaliser import StepNormaliser
 from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
 from lit_trainer.modules._reward_calls import score_completions
@@ -174,6 +175,7 @@ class GRPOModule(BaseModule):
     # ------------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         if stage != "fit":
             return
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -326,7 +328,8 @@ class GRPOModule(BaseModule):
             repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
         )  # fmt: skip
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
-            completions = rollout.generate_completions(self.model, prompt_ids, prompt_mask, config, eos)
+            completions = rollout.generate_completions(self.model, prompt_ids, prompt_mask, config, eos,
+                                                       _sharding.is_sharded(self.model))
         advantages, metrics = self._score(batch, completions)
         mask = completions.mask
         if hp.mask_truncated_completions:
@@ -390,7 +393,8 @@ class GRPOModule(BaseModule):
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         config = GenerationConfig(max_new_tokens=self.hparams.max_completion_length, do_sample=False,
                                   pad_token_id=self._pad_token_id(eos), eos_token_id=eos, use_cache=True)
-        completions = rollout.generate_completions(self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos)
+        completions = rollout.generate_completions(self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos,
+                                                   _sharding.is_sharded(self.model))
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
         rewards, logged = score_completions(self, batch, texts, kept)
         for name, value in logged.items():

@@ -1,0 +1,112 @@
+"""Shared by the sharded (FSDP2) scripts and tests: data, trainers and recorders, identical in 1 and 2 processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from datasets import Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from conftest import tiny_llama
+
+from lit_trainer.modules import _sharding
+
+# 16 rows of uneven length: per-device batch 2 x 2 ranks x accumulate 2 = 8 rows per optimizer step (2 per epoch)
+TEXTS = [("short " if i % 3 else "a much longer row of text with many more tokens in it ") * (1 + i % 4)
+         for i in range(16)]
+STEPS, ACCUMULATE, MAX_GRAD_NORM = 20, 2, 0.05
+DPO_STEPS = 10
+
+
+def sft_datamodule(tokenizer: Any, batch_size: int, val_size: int = 0) -> Any:
+    from lit_trainer.data.sft import SFTDataModule
+
+    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=val_size,
+                         batch_size=batch_size, max_length=64, sampling="sequential")
+
+
+def dpo_datamodule(tokenizer: Any, batch_size: int) -> Any:
+    from lit_trainer.data import builtin
+    from lit_trainer.data.preference import PreferenceDataModule
+
+    return PreferenceDataModule(tokenizer=tokenizer, dataset=builtin.preference_rows("train").select(range(16)),
+                                val_size=0, batch_size=batch_size, max_length=32, sampling="sequential")
+
+
+def model_parallel(devices: int = 2) -> Any:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+
+
+def trainer(strategy: Any, devices: int, max_steps: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    options = {"limit_val_batches": 0, "enable_checkpointing": False, **kwargs}
+    return pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=max_steps,
+                      accumulate_grad_batches=ACCUMULATE, callbacks=callbacks, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **options)
+
+
+def full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    """The policy's full weights on every rank (a collective under sharding)."""
+    return {n: _sharding.full(p.detach()).clone().cpu() for n, p in module.model.named_parameters()}
+
+
+class ClipRecorder(pl.Callback):
+    """Records, per optimizer step, the module's pre-clipping norm and the norm of the gradients the optimizer stepped
+    with (read at the step's end, before the next window zeroes them)."""
+
+    def __init__(self) -> None:
+        self.pre: list[float] = []
+        self.post: list[float] = []
+        self._step = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step == self._step:
+            return
+        self._step = trainer.global_step
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.post.append(float(_sharding.full(torch.nn.utils.get_total_norm(grads))))
+        self.pre.append(float(pl_module._grad_norm))
+
+
+def dpo_module(tokenizer: Any) -> Any:
+    from lit_trainer.modules.dpo import DPOModule
+
+    return DPOModule(tiny_llama(seed=2, layers=2), tokenizer=tokenizer, loss_type=["sigmoid", "sft"],
+                     learning_rate=1e-3, beta=0.1, max_grad_norm=1.0)
+
+
+def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
+    """GRPO, 2 ranks, 4 optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds, so the
+    step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round, the
+    longest completion this rank kept (they differ between ranks), and the clipping record."""
+    import transformers
+    from ddp_grpo import build_model, length_reward, prompt_texts
+
+    from lit_trainer.data.prompt import PromptDataModule
+    from lit_trainer.modules.grpo import GRPOModule
+
+    tokenizer = transformers.ByT5Tokenizer()
+    model = build_model()
+    with torch.no_grad():
+        model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
+    module = GRPOModule(model, tokenizer=tokenizer, reward_funcs=[length_reward], num_generations=6,
+                        steps_per_generation=3, max_completion_length=12, learning_rate=1e-2, scheduler="constant",
+                        beta=0.04, max_grad_norm=1.0, generation_seed=0)
+    longest: list[int] = []
+    inner = module._score
+
+    def score(batch: dict, completions: Any) -> Any:
+        longest.append(int(completions.mask.sum(1).max()))
+        return inner(batch, completions)
+
+    module._score = score
+    dm = PromptDataModule(tokenizer=tokenizer, batch_size=3, max_length=16, val_size=0, sampling="sequential",
+                          dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}))
+    clip = ClipRecorder()
+    trainer(strategy, 2, 4, [clip]).fit(module, datamodule=dm)
+    return module, longest, clip
