@@ -12,21 +12,15 @@ the step's gradient is exactly the full-batch mean gradient. A count may be a ve
 A normaliser known only at the window's last micro-batch (GRPO's completion tokens when a step spans generation
 rounds) goes through :meth:`BaseModule.rescale_step_gradients` instead. ``docs/exactness.md`` lists what is exact.
 
-Logging (reference/lightning.md 1.12). Lightning logs the last micro-batch's value; we keep device-side sums over the
-logging window (no per-step ``.item()``) and log, on the steps Lightning writes logs, the mean step loss of the
-window, the subclass's metrics averaged over the window's micro-steps, the learning rate, the pre-clipping gradient
-norm, real (non-padding) tokens per second and the padding fraction, reduced over ranks once per logging step. The
-learning rate is the one the last optimizer step used (read in :meth:`BaseModule.optimizer_step`, before Lightning
-steps the scheduler), as the HF Trainer logs it.
+Logging over the window of ``log_every_n_steps`` optimizer steps is the mixin
+:class:`~lit_trainer.modules._step_logging.StepLoggingMixin`; the default optimizer, schedule and gradient clipping
+are :class:`~lit_trainer.modules._optimization.OptimizationMixin`.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import math
-import time
-from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -40,16 +34,16 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
-from lit_trainer.data.rebalance import microbatch_cost
 from lit_trainer.data.windows import step_windows
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules import _adapter_checkpoint, _peft, _sharding
-from lit_trainer.modules._schedules import SchedulerName, build_schedule, check_schedule
+from lit_trainer.modules._optimization import OptimizationMixin
+from lit_trainer.modules._schedules import SchedulerName, check_schedule
+from lit_trainer.modules._step_logging import StepLoggingMixin
 
 # strategies whose gradients are in ``param.grad`` once ``backward`` returns: plain tensors, or DTensor shards (FSDP2
 # under ModelParallelStrategy); the module also clips those itself
 GRAD_RESCALE_STRATEGIES = _sharding.LOCAL_GRAD_STRATEGIES
-_NO_DECAY = ("bias", "norm")
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -60,28 +54,7 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
-    """Whether torch's fused AdamW kernel takes every parameter: floating-point parameters, plain or FSDP2 ``DTensor``
-    shards (the update is elementwise; torch 2.13 runs the fused kernel on the local shards), on device types that
-    have the kernel (CPU, CUDA, ...).
-
-    The fused kernel computes the same update as the per-tensor default (equal to float rounding, ~1e-7) in one pass
-    over all tensors; on CPU it is ~3.5x faster for small models (``benchmarks/sft_throughput.py``). The HF Trainer
-    uses it by default too (``optim="adamw_torch_fused"``).
-    """
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        devices = set(_get_fused_kernels_supported_devices())
-    except ImportError:  # pragma: no cover - private helper moved
-        devices = {"cpu", "cuda"}
-    return bool(params) and all(
-        (type(p) is torch.nn.Parameter or _sharding.is_dtensor(p)) and p.device.type in devices
-        and torch.is_floating_point(p) for p in params
-    )
-
-
-class BaseModule(pl.LightningModule):
+class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     """Base LightningModule for causal-LM training recipes.
 
     Args:
@@ -91,7 +64,8 @@ class BaseModule(pl.LightningModule):
         trust_remote_code: passed to ``from_pretrained``; False unless you set it.
         optimizer: an ``OptimizerCallable`` (``params -> Optimizer``) from the CLI; default AdamW with
             ``learning_rate``/``weight_decay`` (no decay on biases and norms, as HF), using torch's fused kernel when
-            every parameter supports it (as HF's default ``adamw_torch_fused``; see :func:`fused_adamw_supported`).
+            every parameter supports it (as HF's default ``adamw_torch_fused``; see
+            :func:`~lit_trainer.modules._optimization.fused_adamw_supported`).
         lr_scheduler: an ``LRSchedulerCallable`` (``optimizer -> scheduler``), stepped per optimizer step; default:
             transformers' ``scheduler`` over ``trainer.estimated_stepping_batches`` optimizer steps.
         learning_rate: peak learning rate of the default optimizer.
@@ -292,45 +266,7 @@ class BaseModule(pl.LightningModule):
             if grads:  # FSDP2: every rank scales its own shards (the factor is the same on every rank)
                 torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
 
-    # ------------------------------------------------------------------------------------------------- logging
-    def _reset_log_window(self) -> None:
-        self._log_loss: Tensor | float = 0.0
-        self._log_steps = 0
-        self._log_metrics: dict[str, Tensor] = {}
-        self._log_micro_steps = 0
-        self._log_real = 0
-        self._log_padded = 0
-        self._log_started = time.perf_counter()
-        self._excluded_time = 0.0
-        self._grad_norm: Tensor | None = None
-        self._step_cost = 0.0
-        self._step_costs: list[float] = []
-
-    def _track(self, contribution: Tensor, metrics: dict[str, Tensor], batch: dict[str, Any]) -> None:
-        self._log_loss = self._log_loss + contribution
-        self._step_loss = self._step_loss + contribution
-        for key, value in metrics.items():
-            self._log_metrics[key] = self._log_metrics.get(key, 0.0) + value.detach().float()
-        self._log_micro_steps += 1
-        for key, value in batch.items():
-            if key.endswith("attention_mask") and isinstance(value, Tensor) and value.ndim == 2:
-                self._log_real = self._log_real + value.sum()
-                self._log_padded += value.numel()
-                self._step_cost += microbatch_cost(value.shape[0], value.shape[1])
-        if "position_ids" in batch and not any(key.endswith("attention_mask") for key in batch):
-            # a packed batch: real tokens are all positions but the padding of shorter bins; the cost is linear
-            real = batch["packed_token_mask"].sum() if "packed_token_mask" in batch else batch["position_ids"].numel()
-            self._log_real = self._log_real + real
-            self._log_padded += batch["position_ids"].numel()
-            self._step_cost += batch["position_ids"].numel()
-
-    def _should_write_logs(self) -> bool:
-        connector = getattr(self.trainer, "_logger_connector", None)
-        flag = getattr(connector, "should_update_logs", None)
-        if flag is None:  # pragma: no cover - guard against Lightning internals moving
-            return self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0
-        return bool(flag)
-
+    # ------------------------------------------------------------------------------------------- training start
     @override
     def on_train_start(self) -> None:
         # the step counter may start above 0 (resume): a change of it marks an optimizer step
@@ -349,116 +285,6 @@ class BaseModule(pl.LightningModule):
                 loader.windows = partial(step_windows, self.trainer)
 
         apply_to_collection(self.trainer.train_dataloader, TrainLoader, bind)
-
-    @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.trainer.global_step == self._last_global_step:
-            return  # still accumulating: no optimizer step happened on this micro-batch
-        self._last_global_step = self.trainer.global_step
-        self._log_steps += 1
-        self._step_costs.append(self._step_cost)
-        self._step_cost = 0.0
-        if not self._should_write_logs() or self._log_steps == 0:
-            return
-        self._write_logs()
-
-    def _write_logs(self) -> None:
-        elapsed = max(1e-9, time.perf_counter() - self._log_started - self._excluded_time)
-        world = self.trainer.world_size
-        device = self.device
-        names = sorted(self._log_metrics)
-        local = torch.stack([
-            torch.as_tensor(self._log_loss, dtype=torch.float32, device=device),
-            torch.as_tensor(self._log_real, dtype=torch.float32, device=device),
-            torch.as_tensor(float(self._log_padded), device=device),
-            *[torch.as_tensor(self._log_metrics[n], dtype=torch.float32, device=device) / self._log_micro_steps
-              for n in names],
-        ])
-        total = self.trainer.strategy.reduce(local, reduce_op="sum") if world > 1 else local
-        values: dict[str, Tensor | float] = {
-            "train_loss": total[0] / self._log_steps,
-            "tokens_per_sec": total[1] / elapsed,
-            "padding_fraction": 1.0 - total[1] / total[2].clamp(min=1.0),
-        }
-        values.update({name: total[3 + i] / world for i, name in enumerate(names)})
-        if self._step_lr is not None:
-            values["learning_rate"] = self._step_lr
-        if self._grad_norm is not None:
-            values["grad_norm"] = self._grad_norm
-        if world > 1 and self._step_costs:
-            values["cost_spread"] = self._cost_spread()
-        self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        self.log("loss", values["train_loss"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
-                 rank_zero_only=True)
-        self.log("tok/s", values["tokens_per_sec"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
-                 rank_zero_only=True)
-        self._reset_log_window()
-
-    def _cost_spread(self) -> Tensor:
-        """Mean over the window's steps of the ranks' relative spread of padded-token cost, ``(max - min) / max``."""
-        costs = torch.tensor(self._step_costs, dtype=torch.float32, device=self.device)
-        gathered = self.trainer.strategy.all_gather(costs)  # (world, steps)
-        top = gathered.max(dim=0).values
-        return ((top - gathered.min(dim=0).values) / top.clamp(min=1.0)).mean()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._validation_started = time.perf_counter()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._excluded_time += time.perf_counter() - getattr(self, "_validation_started", time.perf_counter())
-
-    # -------------------------------------------------------------------------------------- optimizer / clipping
-    def trainable_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
-        """Named parameters that receive gradients (frozen ones, e.g. a reference model, are excluded)."""
-        return ((n, p) for n, p in self.named_parameters() if p.requires_grad)
-
-    @override
-    def configure_optimizers(self) -> dict[str, Any]:
-        named = list(self.trainable_parameters())
-        if not named:
-            raise ValueError("The module has no trainable parameter: nothing to optimize.")
-        if self._optimizer_fn is not None:
-            optimizer = self._optimizer_fn([p for _, p in named])
-        else:
-            decay = [p for n, p in named if not any(k in n.lower() for k in _NO_DECAY) and p.ndim > 1]
-            no_decay = [p for n, p in named if any(k in n.lower() for k in _NO_DECAY) or p.ndim <= 1]
-            groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                      {"params": no_decay, "weight_decay": 0.0}]
-            optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.learning_rate,
-                                          fused=fused_adamw_supported([p for _, p in named]) or None)
-        if self._scheduler_fn is not None:
-            scheduler = self._scheduler_fn(optimizer)
-        else:
-            hp = self.hparams
-            scheduler = build_schedule(optimizer, hp.scheduler, hp.warmup_steps,
-                                       max(1, int(self.trainer.estimated_stepping_batches)), hp.scheduler_kwargs)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
-
-    @override
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        # the rate this step uses: Lightning steps the scheduler after this hook and before the step's logs
-        self._step_lr = float(optimizer.param_groups[0]["lr"])
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-
-    @override
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        local_grads = _sharding.strategy_is(self.trainer.strategy, GRAD_RESCALE_STRATEGIES)
-        if gradient_clip_algorithm not in (None, "norm") or not local_grads:
-            # value clipping, and DeepSpeed (it clips in its engine with the Trainer's value: see `setup`)
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            return
-        max_norm = gradient_clip_val if gradient_clip_val is not None else self.hparams.max_grad_norm
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if params:
-            # the pre-clipping total norm as a device tensor (no host sync); inf = measure only. On FSDP2's DTensor
-            # gradients the norm is reduced over the shards, and `full` makes it a plain tensor for logging
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf)
-            self._grad_norm = _sharding.full(norm)
 
     # ------------------------------------------------------------------------------------------------- sharding
     @override

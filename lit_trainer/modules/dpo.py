@@ -1,9 +1,14 @@
-"""DPOModule: direct preference optimisation against a frozen reference model, with every TRL 1.16 pair loss."""
+"""DPOModule: direct preference optimisation against a frozen reference model, with every TRL 1.16 pair loss.
+
+This file holds the module's options and their validation, the reference model's lifecycle (TR-DPO sync, the
+precompute pass and its release, checkpoints) and validation; how a batch is scored and turned into loss terms is
+:class:`~lit_trainer.modules._dpo_scoring.DPOScoringMixin`.
+"""
 
 from __future__ import annotations
 
 import gc
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -13,16 +18,14 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lit_trainer.data.preference import REF_CHOSEN_KEY, REF_REJECTED_KEY
+from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.losses.dpo import (
     DPO_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, DPOLossType, FDivergenceType, dpo_loss,
-    dpo_rewards_metrics, sequence_logps,
 )  # fmt: skip
-from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
 from lit_trainer.models import load_model
-from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.modules import _ref_logps, _sharding
-from lit_trainer.modules._packing import check_trainer_packing, masking_kwargs, per_row
+from lit_trainer.modules._dpo_scoring import DPOScoringMixin
+from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
@@ -30,15 +33,6 @@ LOSS_NAMES: tuple[str, ...] = (*DPO_LOSS_TYPES, "sft")
 _SFT_NLL = "sft_nll"
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")
-
-
-class Scores(NamedTuple):
-    """One forward of 2B rows: per-sequence sums, shifted per-token log-probs and mask, vocabulary-mean logits."""
-
-    seq: Tensor
-    token_logps: Tensor
-    mask: Tensor
-    logits_mean: Tensor | None
 
 
 def disable_dropout_in_model(model: torch.nn.Module) -> None:
@@ -79,7 +73,7 @@ def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: 
     return types, weights
 
 
-class DPOModule(BaseModule):
+class DPOModule(DPOScoringMixin, BaseModule):
     """Align a causal LM on preference pairs with DPO and its variants (TRL 1.16 ``DPOTrainer`` semantics).
 
     Each step runs chosen and rejected rows in ONE forward of 2B rows; per-sequence log-probs are sums of
@@ -218,65 +212,6 @@ class DPOModule(BaseModule):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
         """Run the policy (logits only; the loss is computed by the module)."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-
-    def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
-        """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
-        logits = model(input_ids=batch["input_ids"], use_cache=False, **masking_kwargs(batch)).logits
-        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
-        token_logps, mask = per_token_logps(logits, labels)
-        logits_mean = logits[:, :-1].detach().mean(-1).float() if stats else None
-        token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)  # a packed batch: (2B, .)
-        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
-        return Scores(seq, token_logps, mask, logits_mean)
-
-    def _reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
-        if REF_CHOSEN_KEY in batch:
-            return torch.cat([batch[REF_CHOSEN_KEY], batch[REF_REJECTED_KEY]]).to(self.device, torch.float32)
-        if self.ref_model is None:
-            raise ValueError("This batch carries no `ref_chosen_logps`/`ref_rejected_logps` and the reference model "
-                             "has been released (precompute_ref_log_probs=True): feed batches from the "
-                             "PreferenceDataModule the log-probs were precomputed for.")
-        with torch.no_grad():
-            return self.score(self.ref_model, batch).seq
-
-    def pair_losses(self, scores: Scores, ref: Tensor, completion_mask: Tensor) -> Tensor:
-        """``(B,)`` per-pair ``Σ_k w_k ℓ^{(k)}`` over the pair loss types (the token-level ``sft`` term excluded)."""
-        pairs, pi = ref.numel() // 2, scores.seq
-        lengths = completion_mask.sum(-1)  # unshifted completion token counts (ipo, sigmoid_norm)
-        total = pi.new_zeros(pairs)
-        for name, weight in zip(self.loss_types, self.loss_weights):
-            if name != "sft":
-                term = dpo_loss(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], loss_type=name,
-                                chosen_lengths=lengths[:pairs], rejected_lengths=lengths[pairs:], **self._loss_options)
-                total = total + weight * term
-        return total
-
-    @staticmethod
-    def chosen_nll(scores: Scores) -> tuple[Tensor, Tensor]:
-        """Summed negative log-likelihood of the chosen completion tokens, and their count (the ``sft`` term)."""
-        pairs = scores.seq.numel() // 2
-        return -scores.token_logps[:pairs].sum(), scores.mask[:pairs].sum()
-
-    def _total_loss(self, scores: Scores, ref: Tensor, batch: dict[str, Any], counts: Tensor | None) -> Tensor:
-        """Pair terms / pairs + w_sft · chosen NLL / chosen tokens, with the step's global counts when given."""
-        losses, (nll, tokens) = self.pair_losses(scores, ref, row_completion_mask(batch)), self.chosen_nll(scores)
-        pairs = losses.numel() if counts is None else counts.reshape(-1)[0]
-        if counts is not None and self.sft_weight:
-            if counts.numel() < 2:
-                raise ValueError("DPOModule(loss_type=[..., 'sft']) needs two counts per micro-batch (pairs, chosen "
-                                 "completion tokens) in `num_items_in_batch`: train with a PreferenceDataModule, or "
-                                 "make your loader's `count_items` return both.")
-            tokens = counts.reshape(-1)[1]
-        return losses.sum() / pairs + self.sft_weight * nll / tokens.clamp(min=1)
-
-    def _metrics(self, scores: Scores, ref: Tensor) -> dict[str, Tensor]:
-        pairs, pi = ref.numel() // 2, scores.seq
-        metrics = dpo_rewards_metrics(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], self._loss_options["beta"])
-        mask = scores.mask.float()
-        weighted = scores.logits_mean * mask
-        metrics["logits/chosen"] = weighted[:pairs].sum() / mask[:pairs].sum().clamp(min=1)
-        metrics["logits/rejected"] = weighted[pairs:].sum() / mask[pairs:].sum().clamp(min=1)
-        return metrics
 
     @override
     def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None

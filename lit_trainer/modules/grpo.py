@@ -21,6 +21,10 @@ rank)``, and the buffer shuffle uses its own generator, so the training RNG stre
 regenerates identical rounds. Checkpoints store the round counters and every rank's buffered rollouts (tensors only,
 gathered to the checkpoint under DDP), so resuming in the middle of a round is exact, on one process or several. Only
 a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts).
+
+This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
+loss and validation; one generation round (generate, score, buffer) is
+:class:`~lit_trainer.modules._grpo_rollouts.GRPORolloutMixin`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
@@ -38,14 +41,15 @@ from typing_extensions import Self, override
 from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
-from lit_trainer.data.repeat_sampler import needs_old_logps, resolve_generation_geometry
+from lit_trainer.data.repeat_sampler import resolve_generation_geometry
 from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss_metrics, grpo_policy_loss
-from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
+from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules import _sharding
 from lit_trainer.modules._grpo_normaliser import StepNormaliser
 from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
+from lit_trainer.modules._grpo_rollouts import GRPORolloutMixin, _conversational
 from lit_trainer.modules._reward_calls import score_completions
 from lit_trainer.modules._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.base import GRAD_RESCALE_STRATEGIES, BaseModule
@@ -57,7 +61,7 @@ _SHAPE_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                   "vespo_lambda_neg")
 
 
-class GRPOModule(BaseModule):
+class GRPOModule(GRPORolloutMixin, BaseModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
@@ -308,84 +312,6 @@ class GRPOModule(BaseModule):
             entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
         return logps, entropy
 
-    # ---------------------------------------------------------------------------------------------- rollouts
-    def _gather_rows(self, local: Tensor) -> Tensor:
-        """Rows of every rank, rank order (the reference gathers rewards before normalising)."""
-        if self.trainer.world_size == 1:
-            return local
-        return self.all_gather(local).reshape(-1, *local.shape[1:])
-
-    @torch.no_grad()
-    def _make_rollouts(self, batch: dict[str, Any]) -> None:
-        """Generate, score and buffer one round (see the module docstring)."""
-        rank, seed, round_index = self.global_rank, self._seed, self._buffer.next_round_index
-        prompt_ids, prompt_mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
-        eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        hp = self.hparams
-        config = rollout.sampling_config(
-            self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
-            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
-        )  # fmt: skip
-        with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
-            completions = rollout.generate_completions(self.model, prompt_ids, prompt_mask, config, eos,
-                                                       _sharding.is_sharded(self.model))
-        advantages, metrics = self._score(batch, completions)
-        mask = completions.mask
-        if hp.mask_truncated_completions:
-            mask = mask * (~completions.truncated).unsqueeze(1).long()
-        rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids,
-                "completion_mask": mask, "advantages": advantages}
-        # read per round: a GradientAccumulationScheduler may change accumulate_grad_batches at an epoch start
-        if needs_old_logps(self.trainer.accumulate_grad_batches, self.rollout_geometry.steps_per_generation,
-                           hp.num_iterations):
-            rows["old_logps"] = self._chunked_logps(self.model, rows)
-        if self.ref_model is not None:
-            rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
-        shuffler = torch.Generator().manual_seed(rollout.rollout_seed(seed, round_index, rank, stream=1))
-        slices = self._buffer.shuffle(rows, shuffler)
-        tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()
-        if self.trainer.world_size > 1:
-            tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
-        self._buffer.fill(slices, tokens, metrics)
-
-    def _score(self, batch: dict[str, Any], completions: rollout.Completions) -> tuple[Tensor, dict[str, Tensor]]:
-        """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics)."""
-        hp = self.hparams
-        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards, logged = score_completions(self, batch, texts, kept)
-        lengths = completions.mask.sum(1, keepdim=True).float()
-        local = torch.cat([rewards.to(self.device), lengths, completions.truncated.float().unsqueeze(1)], dim=1)
-        table = self._gather_rows(local)
-        all_rewards, all_lengths, all_truncated = table[:, :-2], table[:, -2], table[:, -1].bool()
-        if torch.isnan(all_rewards).all(dim=1).any():
-            rank_zero_warn("[lit_trainer] Every reward function returned None for some completions: their advantage "
-                           "is 0.")
-        weights = hp.reward_weights
-        advantages = grpo_advantages(all_rewards, hp.num_generations, reward_weights=weights,
-                                     scale_rewards=hp.scale_rewards, aggregation=hp.multi_objective_aggregation)
-        rows = rewards.shape[0]
-        metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_weights=weights,
-                                      scale_rewards=hp.scale_rewards, reward_names=self.reward_names)
-        metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
-        metrics.update(logged)
-        return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
-
-    def _pad_token_id(self, eos: list[int]) -> int:
-        """Padding id for generation: the model's generation config, else the tokenizer's, else the first EOS."""
-        for pad in (self.model.generation_config.pad_token_id, getattr(self.tokenizer, "pad_token_id", None)):
-            if pad is not None:
-                return int(pad[0] if isinstance(pad, (list, tuple)) else pad)
-        return eos[0]
-
-    def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
-        """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
-        size = rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        chunks = [self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
-                  for i in range(0, rows["prompt_ids"].shape[0], size)]
-        return torch.cat(chunks)
-
     # -------------------------------------------------------------------------------------------- validation
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -414,7 +340,3 @@ class GRPOModule(BaseModule):
             metric.reset()
         self.val_reward.reset()
         self.log_dict(values, prog_bar=False)
-
-
-def _conversational(prompts: Sequence[Any]) -> bool:
-    return bool(prompts) and not isinstance(prompts[0], str)
