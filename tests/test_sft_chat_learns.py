@@ -16,7 +16,7 @@ def test_chat_fit_learns_the_assistant_answers(tmp_path):
     pl.seed_everything(1234)
     dm = SFTDataModule(dataset="builtin:addition_chat", assistant_only_loss=True, max_length=128, batch_size=32,
                        eval_batch_size=100)
-    module = CausalLMModule("tiny", learning_rate=3e-3, warmup_steps=10, scheduler="constant", eval_exact_match=True,
+    module = CausalLMModule("tiny", learning_rate=3e-3, warmup_steps=10, scheduler="constant_with_warmup", eval_exact_match=True,
                             eval_max_new_tokens=5)
     # inference_mode=False: validate() then fit() on one module (metric states made under inference mode can't update)
     trainer = pl.Trainer(max_steps=100, limit_val_batches=1, val_check_interval=100, num_sanity_val_steps=0,
