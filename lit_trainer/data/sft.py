@@ -183,10 +183,6 @@ class SFTDataModule(BaseDataModule):
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         fmt = self._row_format(rows, split)
-        if fmt in CHAT_FORMATS and self.hparams.packing != "none":
-            # the packed collators build labels from prompt lengths; chat rows carry a per-token loss mask instead
-            raise ValueError(f"`packing={self.hparams.packing!r}` is not supported for conversations yet (the {split} "
-                             f"rows are {fmt.replace('_', '/')}): set `packing='none'` for chat data.")
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
         keep = ["answer"] if "answer" in rows.column_names else []
