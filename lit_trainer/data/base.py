@@ -150,6 +150,11 @@ class BaseDataModule(pl.LightningDataModule):
         """The trainer's live optimizer-step windows, for the training loader's window counts."""
         return partial(step_windows, self.trainer) if self.trainer is not None else None
 
+    def rebalance_cost_model(self) -> str:
+        """``batch_rebalance``'s cost model: ``"packed"`` when training micro-batches are padding-free rows
+        (``packing="padding_free"``), else ``"padded"`` (``"bfd"`` bins are padded to the longest bin)."""
+        return "packed" if getattr(self.hparams, "packing", "none") == "padding_free" else "padded"
+
     def lengths(self) -> list[int]:
         """Per-row lengths of the training data, from ``length_column_name`` (computed once at preprocessing).
 
@@ -170,6 +175,7 @@ class BaseDataModule(pl.LightningDataModule):
         sampler = make_batch_sampler(
             hp.sampling, num_samples=len(self.train_dataset), lengths=self.lengths, batch_size=hp.batch_size,
             seed=hp.seed, num_replicas=world, rank=rank, accumulate_grad_batches=accumulate, drop_last=hp.drop_last,
+            cost_model=self.rebalance_cost_model(),
         )
         return TrainLoader(
             self.train_dataset, sampler, lambda rows: self._collate(rows, True), count_items=self.count_items,

@@ -151,7 +151,7 @@ def check_packing_options(packing: str, max_tokens_per_batch: int | None, hparam
 
     Raises:
         ValueError: an unknown ``packing``; ``max_tokens_per_batch`` without ``"bfd"``, below ``max_length`` or with
-            ``batch_size != 1``; ``sampling="batch_rebalance"`` with packing (its cost model is the padded one).
+            ``batch_size != 1``.
     """
     if packing not in PACKING_CHOICES:
         raise ValueError(f"`packing={packing!r}` is invalid: choose one of {PACKING_CHOICES}.")
@@ -166,10 +166,6 @@ def check_packing_options(packing: str, max_tokens_per_batch: int | None, hparam
             raise ValueError(f"`max_tokens_per_batch={max_tokens_per_batch}` makes each micro-batch one bin of that "
                              f"many tokens: set `batch_size=1` (not {hparams.batch_size}), or leave "
                              "max_tokens_per_batch unset to get `batch_size` bins of `max_length` tokens.")
-    if packing != "none" and hparams.sampling == "batch_rebalance":
-        raise ValueError(f"`sampling='batch_rebalance'` balances padded micro-batch costs and does not support "
-                         f"`packing={packing!r}`: use sampling='random' or 'group_by_length' (bfd bins are already "
-                         "near-equal in tokens), or packing='none'.")
 
 
 def unpack_rows(flat: torch.Tensor, seq_lengths: torch.Tensor, shifted: bool = False) -> torch.Tensor:
