@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import torch
 
+from lit_trainer.data.rebalance import CostModel
+
 Sampling = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
 SAMPLING_CHOICES: tuple[str, ...] = ("random", "sequential", "group_by_length", "batch_rebalance")
 
@@ -192,7 +194,7 @@ def make_batch_sampler(
     rank: int,
     accumulate_grad_batches: int = 1,
     drop_last: bool = False,
-    cost_model: str = "padded",
+    cost_model: CostModel = "padded",
 ) -> Any:
     """Build the training batch sampler for ``sampling`` (see the module docstring for the protocol).
 
