@@ -16,7 +16,8 @@ TEXTS = ["ab", "a long row with many many tokens in it, really long", "xyz", "mi
 
 def accum_datamodule(tokenizer, batch_size: int = 2, **kwargs) -> SFTDataModule:
     return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0,
-                         batch_size=batch_size, max_length=64, sampling="sequential", **kwargs)
+                         batch_size=batch_size, max_length=64, sampling=kwargs.pop("sampling", "sequential"),
+                         **kwargs)
 
 
 def full_batch_gradient(model: torch.nn.Module, dm: SFTDataModule, rows: list[int]) -> dict[str, torch.Tensor]:

@@ -178,7 +178,6 @@ def test_refuses_an_attention_that_cannot_keep_rows_apart(tokenizer):
     ({"packing": "padding_free", "max_tokens_per_batch": 256}, "set packing='bfd'"),
     ({"packing": "bfd", "max_tokens_per_batch": 32}, "below `max_length=64`"),
     ({"packing": "bfd", "max_tokens_per_batch": 256, "batch_size": 4}, "set `batch_size=1`"),
-    ({"packing": "bfd", "sampling": "batch_rebalance"}, "batch_rebalance"),
 ])
 def test_bad_packing_options_are_refused(tokenizer, kwargs, match):
     options = {"tokenizer": tokenizer, "max_length": 64, "batch_size": 1, **kwargs}

@@ -11,6 +11,8 @@ import json
 import re
 
 import pytest
+import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoTokenizer
 
@@ -33,7 +35,8 @@ NO_MARKERS = re.sub(r"\{% (end)?generation %\}", "", CHAT_TEMPLATE)
 
 def setup_dm(rows: dict | Dataset, tokenizer=None, **kwargs) -> SFTDataModule:
     data = rows if isinstance(rows, Dataset) else Dataset.from_dict(rows)
-    dm = SFTDataModule(tokenizer=tokenizer or build_tokenizer(), dataset=data, val_size=0, batch_size=2,
+    dm = SFTDataModule(tokenizer=tokenizer or build_tokenizer(), dataset=data, val_size=0,
+                       batch_size=kwargs.pop("batch_size", 2),
                        max_length=kwargs.pop("max_length", 128), **kwargs)
     dm.setup("fit")
     return dm
@@ -150,11 +153,43 @@ def test_exported_tokenizer_keeps_the_chat_template(tmp_path):
     assert prompt == TWO_TURNS_TEXT[:45]
 
 
-def test_packing_conversations_is_refused_with_the_fix() -> None:
-    """Packed batches build labels from prompt lengths, not from a chat row's loss mask: refused, never wrong."""
-    rows = Dataset.from_list([{"messages": [{"role": "user", "content": "1+1=?"},
-                                            {"role": "assistant", "content": "2"}]}] * 4)
-    data = SFTDataModule(tokenizer="tiny", dataset=rows, validation_dataset=rows, batch_size=2, max_length=64,
-                         packing="padding_free")
-    with pytest.raises(ValueError, match="packing='none'"):
-        data.setup("fit")
+CHATS = [TWO_TURNS, [USER1, ANSWER1], [SYSTEM, USER2, ANSWER2], [USER2, ANSWER2, USER1, ANSWER1]]
+
+
+def kept_losses(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses of the batch's targets (after the causal shift) and those targets' token ids."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels, reduction="none")
+    return ce[labels != IGNORE_INDEX], labels[labels != IGNORE_INDEX]
+
+
+@pytest.mark.parametrize("packing", ["padding_free", "bfd"])
+def test_packed_chat_rows_keep_the_assistant_only_loss(packing) -> None:
+    """Packed conversations train on exactly the assistant tokens of the padded batch, with the same losses."""
+    rows = {"messages": CHATS}
+    padded = setup_dm(rows, assistant_only_loss=True, batch_size=4)
+    packed = setup_dm(rows, assistant_only_loss=True, batch_size=4, packing=packing)
+    model = build_tiny_chat_model()
+    a = padded._collate(list(padded.train_dataset), train=True)
+    b = packed._collate(list(packed.train_dataset), train=True)
+    assert "attention_mask" not in b and int(b["position_ids"].eq(0).sum()) >= len(CHATS)
+    loss_a, target_a = kept_losses(model, a)
+    loss_b, target_b = kept_losses(model, b)
+    assert int(packed.count_items(b)) == int(padded.count_items(a)) == target_a.numel() == 4 + 2 + 2 + 4
+    if packing == "padding_free":  # same row order: token by token; the first row's targets are hand-checked
+        first = [i for i, label in enumerate(b["labels"][0].tolist()) if label != IGNORE_INDEX][:4]
+        assert first == ASSISTANT_POSITIONS
+        assert torch.equal(target_b, target_a)
+        torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-5)
+    else:  # bins reorder the rows: the same multiset of (target, loss)
+        assert len(packed.train_dataset) < len(CHATS) and "loss_mask" in packed.train_dataset.column_names
+        assert sorted(target_b.tolist()) == sorted(target_a.tolist())
+        torch.testing.assert_close(loss_b.sort().values, loss_a.sort().values, rtol=0, atol=1e-5)
+
+
+def build_tiny_chat_model():
+    torch.manual_seed(0)
+    return build_preset_model("tiny").eval()

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lit_trainer.data.batch_sampler import SAMPLING_CHOICES, Sampling, make_batch_sampler
 from lit_trainer.data.loader import EvalLoader, TrainLoader, validate_loader_options
+from lit_trainer.data.rebalance import CostModel
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
@@ -150,6 +151,13 @@ class BaseDataModule(pl.LightningDataModule):
         """The trainer's live optimizer-step windows, for the training loader's window counts."""
         return partial(step_windows, self.trainer) if self.trainer is not None else None
 
+    def rebalance_cost_model(self) -> CostModel:
+        """``batch_rebalance``'s cost model: ``"packed"`` when training micro-batches are padding-free rows
+        (``packing="padding_free"``), else ``"padded"`` (``"bfd"`` bins are padded to the longest bin). A preference
+        row's length is its prompt plus its longer completion, so a packed DPO pair (both sequences) holds between
+        one and two times it: the packed cost balances that proxy."""
+        return "packed" if getattr(self.hparams, "packing", "none") == "padding_free" else "padded"
+
     def lengths(self) -> list[int]:
         """Per-row lengths of the training data, from ``length_column_name`` (computed once at preprocessing).
 
@@ -170,6 +178,7 @@ class BaseDataModule(pl.LightningDataModule):
         sampler = make_batch_sampler(
             hp.sampling, num_samples=len(self.train_dataset), lengths=self.lengths, batch_size=hp.batch_size,
             seed=hp.seed, num_replicas=world, rank=rank, accumulate_grad_batches=accumulate, drop_last=hp.drop_last,
+            cost_model=self.rebalance_cost_model(),
         )
         return TrainLoader(
             self.train_dataset, sampler, lambda rows: self._collate(rows, True), count_items=self.count_items,

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import torch
 
+from lit_trainer.data.rebalance import CostModel
+
 Sampling = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
 SAMPLING_CHOICES: tuple[str, ...] = ("random", "sequential", "group_by_length", "batch_rebalance")
 
@@ -169,6 +171,7 @@ def _batch_rebalance(lengths: Callable[[], Sequence[int]], num_samples: int, **k
     return BatchRebalanceSampler(
         lengths(), kw["batch_size"], num_replicas=kw["num_replicas"], rank=kw["rank"],
         accumulate_grad_batches=kw["accumulate_grad_batches"], seed=kw["seed"], drop_last=kw["drop_last"],
+        cost_model=kw["cost_model"],
     )
 
 
@@ -191,6 +194,7 @@ def make_batch_sampler(
     rank: int,
     accumulate_grad_batches: int = 1,
     drop_last: bool = False,
+    cost_model: CostModel = "padded",
 ) -> Any:
     """Build the training batch sampler for ``sampling`` (see the module docstring for the protocol).
 
@@ -205,6 +209,8 @@ def make_batch_sampler(
         rank: this rank.
         accumulate_grad_batches: micro-batches per optimizer step (``batch_rebalance`` balances per step).
         drop_last: drop incomplete batches instead of completing them.
+        cost_model: ``batch_rebalance``'s micro-batch cost, ``"padded"`` or ``"packed"`` (padding-free rows; see
+            :mod:`lit_trainer.data.rebalance`).
 
     Raises:
         ValueError: for an unknown ``sampling``.
@@ -213,5 +219,5 @@ def make_batch_sampler(
         raise ValueError(f"`sampling={sampling!r}` is invalid: choose one of {SAMPLING_CHOICES}.")
     return _FACTORIES[sampling](
         lengths, num_samples, batch_size=batch_size, seed=seed, num_replicas=num_replicas, rank=rank,
-        accumulate_grad_batches=accumulate_grad_batches, drop_last=drop_last,
+        accumulate_grad_batches=accumulate_grad_batches, drop_last=drop_last, cost_model=cost_model,
     )

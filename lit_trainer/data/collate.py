@@ -87,20 +87,25 @@ class SFTCollator:
         return batch
 
 
-def row_segments(rows: Sequence[dict[str, Any]]) -> tuple[list[list[int]], list[int]]:
-    """The token sequences and prompt lengths of collated rows: plain rows (``input_ids``, ``prompt_length``) or
-    packed bins (flat ``input_ids`` with ``seq_lengths`` and ``prompt_lengths``, see :func:`pack_bins`)."""
-    sequences, prompts = [], []
+def row_segments(
+    rows: Sequence[dict[str, Any]],
+) -> tuple[list[list[int]], list[int], list[list[int]] | None]:
+    """The token sequences, prompt lengths and loss masks (``None`` unless the rows carry ``loss_mask``) of collated
+    rows: plain rows (``input_ids``, ``prompt_length``) or packed bins (flat ``input_ids`` with ``seq_lengths`` and
+    ``prompt_lengths``, see :func:`~lit_trainer.data.packing.pack_dataset`)."""
+    sequences, prompts, masks = [], [], []
     for row in rows:
         if "seq_lengths" not in row:
             sequences.append(list(row["input_ids"]))
             prompts.append(int(row.get("prompt_length", 0)))
+            masks.append(list(row["loss_mask"]) if "loss_mask" in row else None)
             continue
-        ids = row["input_ids"]
+        ids, flat_mask = row["input_ids"], row.get("loss_mask")
         for start, n in zip(row_starts(row["seq_lengths"]), row["seq_lengths"]):
             sequences.append(list(ids[start : start + n]))
+            masks.append(list(flat_mask[start : start + n]) if flat_mask is not None else None)
         prompts.extend(int(p) for p in row["prompt_lengths"])
-    return sequences, prompts
+    return sequences, prompts, masks if any(m is not None for m in masks) else None
 
 
 class PackedCollator:
@@ -111,7 +116,8 @@ class PackedCollator:
     nearly full, so this is little), the padding with ``-100`` labels and its own ``position_ids`` run, so no real
     token attends to it; ``packed_token_mask`` (1 = real token) then tells the logging which positions are real.
     Returns ``input_ids``, ``position_ids`` (restarting at 0 per sequence) and ``labels`` (``-100`` on prompts and on
-    every sequence's first token).
+    every sequence's first token; for chat rows, the tokens their ``loss_mask`` marks, still ``-100`` on every
+    sequence's first token).
 
     Args:
         pad_token_id: id of the padding at the end of shorter bins.

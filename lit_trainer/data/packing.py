@@ -78,25 +78,33 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 
 
 def flatten_sequences(
-    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]
+    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Concatenate sequences into one packed row: ``(input_ids, position_ids, labels)`` as flat lists.
 
     ``position_ids`` restart at 0 at each sequence; ``labels`` are the ids, with ``-100`` on each sequence's first
-    ``max(prompt_length, 1)`` tokens (its prompt, and always its first token: see the module docstring).
+    ``max(prompt_length, 1)`` tokens (its prompt, and always its first token: see the module docstring). A sequence
+    with a ``loss_mask`` (one 0/1 per token, chat rows) instead keeps the labels of the tokens it marks, still with
+    ``-100`` on its first token; its prompt length then plays no part in the labels.
 
     Example:
         >>> flatten_sequences([[5, 6, 7], [8, 9]], [0, 1])
         ([5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [-100, 6, 7, -100, 9])
+        >>> flatten_sequences([[5, 6, 7], [8, 9]], [0, 0], [[1, 0, 1], [1, 1]])[2]
+        [-100, -100, 7, -100, 9]
     """
     ids: list[int] = []
     positions: list[int] = []
     labels: list[int] = []
-    for seq, prompt in zip(sequences, prompt_lengths):
-        hidden = min(max(int(prompt), 1), len(seq))
+    masks = loss_masks if loss_masks is not None else [None] * len(sequences)
+    for seq, prompt, mask in zip(sequences, prompt_lengths, masks):
+        if mask is None:
+            hidden = min(max(int(prompt), 1), len(seq))
+            mask = [0] * hidden + [1] * (len(seq) - hidden)
         ids.extend(seq)
         positions.extend(range(len(seq)))
-        labels.extend([IGNORE_INDEX] * hidden + list(seq[hidden:]))
+        labels.extend(t if m and at > 0 else IGNORE_INDEX for at, (t, m) in enumerate(zip(seq, mask)))
     return ids, positions, labels
 
 
@@ -118,16 +126,23 @@ def pack_dataset(rows: Dataset, capacity: int, length_column: str = "length") ->
     """Tokenized rows (``input_ids``, ``prompt_length``, lengths in ``length_column``) as best-fit-decreasing bins.
 
     Each bin row holds the flat ``input_ids`` of its rows, their ``seq_lengths`` and ``prompt_lengths``, and its
-    total token count in ``length_column`` (what the length-aware samplers read).
+    total token count in ``length_column`` (what the length-aware samplers read). Rows with a per-token
+    ``loss_mask`` (chat rows) keep it: the bin then holds the flat ``loss_mask`` of its rows, aligned with its
+    ``input_ids``.
     """
     lengths = rows[length_column]
     ids, prompts = rows["input_ids"], rows["prompt_length"] if "prompt_length" in rows.column_names else None
+    masks = rows["loss_mask"] if "loss_mask" in rows.column_names else None
     out: dict[str, list] = {"input_ids": [], "seq_lengths": [], "prompt_lengths": [], length_column: []}
+    if masks is not None:
+        out["loss_mask"] = []
     for members in best_fit_decreasing(lengths, capacity):
         out["input_ids"].append([t for i in members for t in ids[i]])
         out["seq_lengths"].append([len(ids[i]) for i in members])
         out["prompt_lengths"].append([prompts[i] if prompts is not None else 0 for i in members])
         out[length_column].append(sum(len(ids[i]) for i in members))
+        if masks is not None:
+            out["loss_mask"].append([m for i in members for m in masks[i]])
     return Dataset.from_dict(out)
 
 
@@ -136,7 +151,7 @@ def check_packing_options(packing: str, max_tokens_per_batch: int | None, hparam
 
     Raises:
         ValueError: an unknown ``packing``; ``max_tokens_per_batch`` without ``"bfd"``, below ``max_length`` or with
-            ``batch_size != 1``; ``sampling="batch_rebalance"`` with packing (its cost model is the padded one).
+            ``batch_size != 1``.
     """
     if packing not in PACKING_CHOICES:
         raise ValueError(f"`packing={packing!r}` is invalid: choose one of {PACKING_CHOICES}.")
@@ -151,10 +166,6 @@ def check_packing_options(packing: str, max_tokens_per_batch: int | None, hparam
             raise ValueError(f"`max_tokens_per_batch={max_tokens_per_batch}` makes each micro-batch one bin of that "
                              f"many tokens: set `batch_size=1` (not {hparams.batch_size}), or leave "
                              "max_tokens_per_batch unset to get `batch_size` bins of `max_length` tokens.")
-    if packing != "none" and hparams.sampling == "batch_rebalance":
-        raise ValueError(f"`sampling='batch_rebalance'` balances padded micro-batch costs and does not support "
-                         f"`packing={packing!r}`: use sampling='random' or 'group_by_length' (bfd bins are already "
-                         "near-equal in tokens), or packing='none'.")
 
 
 def unpack_rows(flat: torch.Tensor, seq_lengths: torch.Tensor, shifted: bool = False) -> torch.Tensor:

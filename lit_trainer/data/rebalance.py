@@ -1,17 +1,26 @@
 """Splitting one optimizer step's samples into balanced micro-batches (``sampling: batch_rebalance``).
 
-Cost model of one micro-batch (as the HF reference, reference/hf_trainer.md 1.3):
+Cost model of one micro-batch (as the reference batch-rebalance sampler):
 ``cost = bs * max_len + 0.001 * bs * max_len**2``, the padded tokens plus an attention term. Internally costs are exact
 integers, ``1000 * cost = bs * max_len * (1000 + max_len)``, so every rank computes bit-identical partitions. With one
 micro-batch per rank the split is exactly optimal (integer binary search on the cost cap); with several, a dynamic
 program over cost caps replaces the reference's hill climbing (see :func:`balance_step`). numpy only.
+
+Cost models (``CostModel``): ``"padded"`` is the one above, for right-padded micro-batches and for ``packing="bfd"``
+(whose items are bins, each one row, padded to the longest bin of the micro-batch: the same formula on bin lengths).
+``"packed"`` is for ``packing="padding_free"``: the micro-batch is one flattened row, so it costs its total token
+count (:func:`packed_microbatch_cost`) and :func:`balance_packed_step` splits the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
+
+CostModel = Literal["padded", "packed"]
+COST_MODELS: tuple[str, ...] = ("padded", "packed")
 
 QUADRATIC_COST_COEF = 0.001
 _SCALE = 1000  # 1 / QUADRATIC_COST_COEF: integer costs are scaled by this
@@ -21,7 +30,7 @@ _STEP_CELL_BUDGET = 4_000_000  # the whole-step waste DP (one table row of `band
 
 
 def microbatch_cost(batch_size: int, max_len: int) -> float:
-    """Cost of one micro-batch, ``bs * max_len + 0.001 * bs * max_len**2`` (reference/hf_trainer.md 1.3).
+    """Cost of one micro-batch, ``bs * max_len + 0.001 * bs * max_len**2``.
 
     Example:
         >>> microbatch_cost(3, 414)  # 3*414 + 0.001*3*414**2 = 1242 + 514.188
@@ -269,25 +278,109 @@ def balance_step(lengths: Sequence[int], num_replicas: int, num_slots: int) -> l
         >>> balance_step([466, 36, 414, 56], num_replicas=2, num_slots=1)
         [[[0, 2]], [[3, 1]]]
     """
-    m, total = len(lengths), num_replicas * num_slots
-    if m < total:
-        raise ValueError(f"{m} samples cannot fill {total} micro-batches (num_replicas x num_slots): "
-                         f"need at least {total}.")
-    order = sorted(range(m), key=lambda p: -lengths[p])
+    order = _sorted_order(lengths, num_replicas * num_slots)
     sorted_lengths = [max(int(lengths[p]), 1) for p in order]
     w = [_unit(length) for length in sorted_lengths]
-    counts = _best_counts(sorted_lengths, w, num_slots, num_replicas) if m > total else [1] * total
+    total = num_replicas * num_slots
+    counts = _best_counts(sorted_lengths, w, num_slots, num_replicas) if len(order) > total else [1] * total
     starts = np.cumsum([0, *counts]).tolist()
-    costs = _group_costs(w, counts)
-    ranked = sorted(range(total), key=lambda g: -costs[g])
+    groups = [order[starts[g] : starts[g + 1]] for g in range(total)]
+    return _deal(groups, _group_costs(w, counts), num_replicas, num_slots)
+
+
+def _sorted_order(lengths: Sequence[int], total: int) -> list[int]:
+    """Positions of ``lengths``, longest first (stable); refuses fewer samples than ``total`` micro-batches."""
+    if len(lengths) < total:
+        raise ValueError(f"{len(lengths)} samples cannot fill {total} micro-batches (num_replicas x num_slots): "
+                         f"need at least {total}.")
+    return sorted(range(len(lengths)), key=lambda p: -lengths[p])
+
+
+def _deal(groups: list[list[int]], costs: Sequence[int], num_replicas: int, num_slots: int) -> list[list[list[int]]]:
+    """Deal the step's groups to slots by descending cost (slot 0 gets the ``num_replicas`` costliest); within a slot
+    the costliest group goes to the rank with the lowest running cost in this step. Returns ``plan[rank][slot]``."""
+    ranked = sorted(range(len(groups)), key=lambda g: -costs[g])
     plan: list[list[list[int]]] = [[] for _ in range(num_replicas)]
     load = [0] * num_replicas
     for slot in range(num_slots):
         ranks = sorted(range(num_replicas), key=lambda r: load[r])
         for r, g in zip(ranks, ranked[slot * num_replicas : (slot + 1) * num_replicas]):
-            plan[r].append(order[starts[g] : starts[g + 1]])
+            plan[r].append(groups[g])
             load[r] += costs[g]
     return plan
+
+
+def packed_microbatch_cost(total_tokens: int) -> int:
+    """Cost of one padding-free micro-batch (``packing="padding_free"``): its total token count.
+
+    The whole micro-batch is ONE row with no padding, so its linear work is its token count. Its attention term is
+    per sequence with the flash varlen kernels and grows with ``total_tokens**2`` with a dense mask (``sdpa``,
+    ``eager``); both are increasing functions of the total, so :func:`balance_packed_step`, which evens out the totals,
+    balances either. The linear count is also what the training module logs as a packed batch's cost.
+
+    Example:
+        >>> packed_microbatch_cost(3 + 5 + 2)
+        10
+    """
+    return int(total_tokens)
+
+
+def balance_packed_step(lengths: Sequence[int], num_replicas: int, num_slots: int) -> list[list[list[int]]]:
+    """:func:`balance_step` for padding-free micro-batches (``packing="padding_free"``): a micro-batch costs its total
+    token count (:func:`packed_microbatch_cost`), so rows need not be grouped by length (nothing is padded).
+
+    The ``num_replicas * num_slots`` micro-batches are filled longest row first, each row into the micro-batch with
+    the fewest tokens so far (the LPT rule: every micro-batch gets a row, and the largest total is at most 4/3 of the
+    best possible), then a move-or-swap pass between the fullest and the emptiest micro-batch lowers the largest
+    total while it can. The micro-batches are dealt to slots and ranks as in :func:`balance_step`. Deterministic
+    (integer arithmetic, ties by index), so every rank computes the same plan.
+
+    Example:
+        >>> balance_packed_step([8, 7, 6, 5, 4], num_replicas=2, num_slots=1)  # 8+7 | 6+5+4 = 15 | 15
+        [[[2, 3, 4]], [[0, 1]]]
+    """
+    total = num_replicas * num_slots
+    order = _sorted_order(lengths, total)
+    size = [max(int(n), 1) for n in lengths]
+    groups: list[list[int]] = [[] for _ in range(total)]
+    tokens = [0] * total
+    for p in order:
+        g = min(range(total), key=lambda k: (tokens[k], k))
+        groups[g].append(p)
+        tokens[g] += size[p]
+    for _ in range(len(order)):
+        if not _improve(groups, tokens, size):
+            break
+    groups = [sorted(g, key=lambda p: (-size[p], p)) for g in groups]
+    return _deal(groups, tokens, num_replicas, num_slots)
+
+
+def _improve(groups: list[list[int]], tokens: list[int], size: Sequence[int]) -> bool:
+    """Move one row from the fullest to the emptiest group, or swap one row of each, choosing the exchange that
+    brings the two totals closest; ``False`` when none lowers the fullest total (nothing changed)."""
+    hi = max(range(len(tokens)), key=lambda k: (tokens[k], -k))
+    lo = min(range(len(tokens)), key=lambda k: (tokens[k], k))
+    gap = tokens[hi] - tokens[lo]
+    best: tuple[int, int, int | None] | None = None  # (new gap, row of hi, row of lo or None for a move)
+    for a in groups[hi]:
+        options = [(None, size[a])] if len(groups[hi]) > 1 else []
+        options += [(b, size[a] - size[b]) for b in groups[lo] if size[b] < size[a]]
+        for b, delta in options:
+            if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < best[0]):
+                best = (abs(gap - 2 * delta), a, b)
+    if best is None:
+        return False
+    _, a, b = best
+    groups[hi].remove(a)
+    groups[lo].append(a)
+    tokens[hi] -= size[a]
+    tokens[lo] += size[a]
+    if b is not None:
+        groups[lo].remove(b)
+        groups[hi].append(b)
+        tokens[lo] -= size[b]
+        tokens[hi] += size[b]
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------

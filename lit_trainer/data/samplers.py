@@ -2,14 +2,15 @@
 
 Both follow the batch-sampler protocol of :mod:`lit_trainer.data.batch_sampler` (rank-aware, the order a pure
 function of ``(seed, epoch)``, ``set_epoch``, ``state_dict``/``load_state_dict`` with ``{"epoch", "position"}``, the
-same ``len()`` on every rank) and differ from the HF reference (reference/hf_trainer.md sections 1 and 2) where the
+same ``len()`` on every rank) and differ from the HF Trainer's reference samplers where the
 reference has a bug (no global RNG, no duplicated samples in the tail, no replay of epoch 0 on a multi-rank resume)
 and in how one optimizer step is split: exactly optimal for one micro-batch per rank, a dynamic program instead of
 hill climbing for several (see :func:`balance_step`).
 
 Cost model of one micro-batch (as the reference): ``cost = bs * max_len + 0.001 * bs * max_len**2``, the padded
 tokens plus an attention term. Internally costs are exact integers, ``1000 * cost = bs * max_len * (1000 + max_len)``,
-so every rank computes bit-identical partitions.
+so every rank computes bit-identical partitions. Padding-free packed micro-batches (``cost_model="packed"``) cost
+their total token count instead (:func:`~lit_trainer.data.rebalance.balance_packed_step`).
 
 The module also holds :func:`require_lengths` (lengths for the data modules, with errors that name the fix) and the
 pure diagnostics :func:`padding_stats` / :func:`cost_spread` that the training module logs.
@@ -25,7 +26,9 @@ import torch
 
 from lit_trainer.data.batch_sampler import EpochPosition, ShardedBatchSampler, resolve_replicas
 from lit_trainer.data.repeat_sampler import RepeatSampler  # noqa: F401 (re-exported, DESIGN.md layout)
-from lit_trainer.data.rebalance import QUADRATIC_COST_COEF, balance_step, microbatch_cost  # noqa: F401 (re-exported)
+from lit_trainer.data.rebalance import (  # noqa: F401 (re-exported)
+    COST_MODELS, QUADRATIC_COST_COEF, CostModel, balance_packed_step, balance_step, microbatch_cost,
+)
 
 _MEGA_BATCH_STEPS = 50  # group_by_length: at most this many optimizer steps per mega-batch (the reference's 50)
 
@@ -196,9 +199,13 @@ class BatchRebalanceSampler(EpochPosition):
         accumulate_grad_batches: micro-batches per rank per optimizer step.
         seed: base seed; epoch ``e`` uses ``seed + e``.
         drop_last: drop the incomplete last step instead of training on it.
+        cost_model: ``"padded"`` (default: right-padded micro-batches, and ``packing="bfd"`` bins with their bin
+            lengths) or ``"packed"`` (``packing="padding_free"``: a micro-batch is one flattened row costing its total
+            token count, split by :func:`~lit_trainer.data.rebalance.balance_packed_step`).
 
     Raises:
-        ValueError: on missing/negative lengths, ``batch_size < 1``, ``accumulate_grad_batches < 1``, a bad rank,
+        ValueError: on an unknown ``cost_model``, missing/negative lengths, ``batch_size < 1``,
+            ``accumulate_grad_batches < 1``, a bad rank,
             fewer samples than ranks, or ``drop_last=True`` with fewer samples than one step.
 
     Example:
@@ -209,7 +216,11 @@ class BatchRebalanceSampler(EpochPosition):
 
     def __init__(self, lengths: Sequence[int], batch_size: int, *, num_replicas: int | None = None,
                  rank: int | None = None, accumulate_grad_batches: int = 1, seed: int = 0,
-                 drop_last: bool = False) -> None:
+                 drop_last: bool = False, cost_model: CostModel = "padded") -> None:
+        if cost_model not in COST_MODELS:
+            raise ValueError(f"`BatchRebalanceSampler(cost_model={cost_model!r})` is invalid: choose one of "
+                             f"{COST_MODELS} ('packed' for padding-free micro-batches).")
+        self.cost_model = cost_model
         self.lengths = _check_lengths(lengths, "BatchRebalanceSampler")
         if batch_size < 1:
             raise ValueError(f"`BatchRebalanceSampler(batch_size={batch_size})` is invalid: batch_size must be >= 1.")
@@ -232,7 +243,8 @@ class BatchRebalanceSampler(EpochPosition):
         """``plan[rank][slot]``: dataset indices of every rank's micro-batches in ``step`` of ``epoch``."""
         start, end, slots = self.steps[step]
         order = self._order(epoch)[start:end]
-        plan = balance_step([self.lengths[i] for i in order], self.num_replicas, slots)
+        balance = balance_packed_step if self.cost_model == "packed" else balance_step
+        plan = balance([self.lengths[i] for i in order], self.num_replicas, slots)
         return [[[order[p] for p in mb] for mb in per_rank] for per_rank in plan]
 
     def _order(self, epoch: int) -> list[int]:

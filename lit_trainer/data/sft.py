@@ -63,7 +63,8 @@ class SFTDataModule(BaseDataModule):
         packing: training batches as ``"none"`` (right-padded), ``"padding_free"`` (each micro-batch's
             ``batch_size`` rows flattened into one row, ``position_ids`` restarting per row, no padding) or ``"bfd"``
             (rows grouped at setup into bins of ``max_length`` tokens by best-fit decreasing; ``batch_size`` bins per
-            micro-batch, each bin one row). Validation batches stay padded. See :mod:`lit_trainer.data.packing`.
+            micro-batch, each bin one row). Chat rows keep their loss mask when packed. Validation batches stay padded.
+            See :mod:`lit_trainer.data.packing`.
         max_tokens_per_batch: with ``packing="bfd"``, the bin size in tokens (>= ``max_length``) with one bin per
             micro-batch (``batch_size`` must be 1): the micro-batch token budget. Unset: bins of ``max_length``.
         **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
@@ -183,10 +184,6 @@ class SFTDataModule(BaseDataModule):
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         fmt = self._row_format(rows, split)
-        if fmt in CHAT_FORMATS and self.hparams.packing != "none":
-            # the packed collators build labels from prompt lengths; chat rows carry a per-token loss mask instead
-            raise ValueError(f"`packing={self.hparams.packing!r}` is not supported for conversations yet (the {split} "
-                             f"rows are {fmt.replace('_', '/')}): set `packing='none'` for chat data.")
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
         keep = ["answer"] if "answer" in rows.column_names else []

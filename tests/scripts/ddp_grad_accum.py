@@ -1,6 +1,6 @@
 """2-process DDP (gloo): the step gradient with accumulation equals the full-batch token-mean gradient.
 
-Usage: python ddp_grad_accum.py OUT_DIR [LIMIT_TRAIN_BATCHES or -] [PACKING]. Each rank writes rank<k>.pt with its captured gradient
+Usage: python ddp_grad_accum.py OUT_DIR [LIMIT_TRAIN_BATCHES or -] [PACKING] [SAMPLING]. Each rank writes rank<k>.pt with its captured gradient
 and rows seen.
 """
 
@@ -22,6 +22,7 @@ if __name__ == "__main__":
     out_dir = sys.argv[1]
     limit = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "-" else None
     packing = sys.argv[3] if len(sys.argv) > 3 else "none"
+    sampling = sys.argv[4] if len(sys.argv) > 4 else "sequential"
     torch.set_num_threads(1)
     tokenizer = ByT5Tokenizer()
     model = tiny_llama(seed=1)
@@ -39,6 +40,7 @@ if __name__ == "__main__":
                          logger=pl.loggers.CSVLogger(out_dir, name="logs", version=0),
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          limit_train_batches=limit)
-    trainer.fit(module, datamodule=accum_datamodule(tokenizer, batch_size=2, packing=packing))
+    trainer.fit(module, datamodule=accum_datamodule(tokenizer, batch_size=2, packing=packing,
+                                                     sampling=sampling))
     torch.save({"grads": capture.grads, "seen": seen, "initial": initial, "world": trainer.world_size},
                os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))
