@@ -1,7 +1,7 @@
 """Streaming evaluation metrics (torchmetrics): memory independent of the evaluation set size.
 
-The HF Trainer concatenates every batch's logits before ``compute_metrics`` (reference/hf_trainer.md 9); these metrics
-are updated batch by batch and reduced across ranks once, in ``compute()``.
+The HF Trainer concatenates every batch's logits before ``compute_metrics`` (docs/design.md#hf-eval-metrics); these
+metrics are updated batch by batch and reduced across ranks once, in ``compute()``.
 """
 
 from __future__ import annotations

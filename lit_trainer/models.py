@@ -64,7 +64,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # ~0.57M parameters: the default; >90% exact match on the built-in addition task in about a minute on 2 cores
     "tiny": Preset(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
-    # ~0.16M parameters: the size DESIGN.md measured with plain torch loops
+    # ~0.16M parameters: the size measured with plain torch loops (docs/design.md#default-task)
     "tiny-64": Preset(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2),
     # ~2.5M parameters, 4 layers
     "tiny-256": Preset(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),

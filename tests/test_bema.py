@@ -44,7 +44,7 @@ def live_trajectory(num_steps: int) -> list[np.ndarray]:
 def trl_bema(thetas: list[np.ndarray], *, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2,
              lag: float = 10, update_after: int = 0, multiplier: float = 1.0, min_ema_multiplier: float = 0.0,
              **_: object) -> list[np.ndarray]:
-    """Independent implementation of TRL 1.16's BEMACallback (reference/trl.md 3.1): outputs at steps 0..T."""
+    """Independent implementation of TRL 1.16's BEMACallback (docs/design.md#trl-bema): outputs at steps 0..T."""
     theta0, ema, out = thetas[0].copy(), thetas[0].copy(), thetas[0].copy()
     outputs = [out.copy()]
     for t in range(1, len(thetas)):

@@ -1,4 +1,6 @@
-"""Hand-computed checks of the DPO pair losses, f-divergences and helpers (reference: trl.md 1.4, 1.6, 1.7).
+"""Hand-computed checks of the DPO pair losses, f-divergences and helpers (TRL's DPOTrainer formulas).
+
+See docs/design.md#trl-dpo.
 
 Fixed batch of three pairs (float64 so plain `math` matches to 1e-12):
 

@@ -1,4 +1,7 @@
-"""DESIGN rule 1: one optimizer step's gradient equals the full-batch token-mean gradient."""
+"""Token-exact accumulation: one optimizer step's gradient equals the full-batch token-mean gradient.
+
+See docs/design.md#accumulation.
+"""
 
 import copy
 

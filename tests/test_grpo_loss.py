@@ -17,7 +17,7 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- advantages
-# The reference's worked example (trl.md 2.7), G = 4: groups [1, 0, .5, .5] | [2, 2, 2, 2] | [0, 4, 1, 2].
+# A worked example of TRL's group-relative advantages, G = 4: groups [1, 0, .5, .5] | [2, 2, 2, 2] | [0, 4, 1, 2].
 REF_REWARDS = torch.tensor([1, 0, 0.5, 0.5, 2, 2, 2, 2, 0, 4, 1, 2])
 
 

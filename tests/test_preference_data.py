@@ -1,4 +1,6 @@
-"""PreferenceDataModule: row formats, EOS, truncation, dropped and malformed rows, collation (trl.md 1.2-1.3).
+"""PreferenceDataModule: row formats, EOS, truncation, dropped and malformed rows, collation (as TRL's).
+
+See docs/design.md#trl-dpo.
 
 ByT5 ids: a byte b has id b + 3, EOS ("</s>") is 1, pad is 0. So "1" -> 52, "+" -> 46, "=" -> 64, "3" -> 54.
 """

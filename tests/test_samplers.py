@@ -21,7 +21,7 @@ from lit_trainer.data.samplers import (
 )
 
 _rng = random.Random(0)
-TOY = [_rng.randint(5, 500) for _ in range(64)]  # the 64 lengths of the reference toy run (hf_trainer.md 1.4)
+TOY = [_rng.randint(5, 500) for _ in range(64)]  # the 64 lengths of the reference's toy run
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_cost_model_hand_checked():
 
 def test_reference_toy_step_beats_reference():
     # step 0 of the reference toy run: the reference's hill climbing reaches a straggler of 1756.2 + 1354.9 = 3111.1
-    # (reference/hf_trainer.md 1.4); the exact split must not be worse.
+    # (transformers' BatchRebalanceSampler on TOY); the exact split must not be worse.
     lengths = [466, 437, 414, 317, 266, 263, 227, 212, 174, 166, 163, 160, 149, 133, 56, 36]
     plan = balance_step(lengths, num_replicas=2, num_slots=2)
     assert sorted(i for per_rank in plan for mb in per_rank for i in mb) == list(range(16))

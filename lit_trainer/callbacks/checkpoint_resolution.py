@@ -1,8 +1,9 @@
-"""Which checkpoint to resume from: the incomplete-save sentinel and the newest COMPLETE checkpoint (DESIGN rule 5).
+"""Which checkpoint to resume from: the incomplete-save sentinel and the newest COMPLETE checkpoint
+(docs/design.md#atomic-checkpoints).
 
 :func:`resolve_resume_checkpoint` picks the newest complete checkpoint of one or more folders; :func:`resolve_resume`
 implements the CLI's ``never | auto | <path>`` choice without Lightning's silent ``ckpt_path=None -> "last"`` resume
-(reference/lightning.md 1.3).
+(docs/design.md#lightning-implicit-resume).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ def resolve_resume_checkpoint(dirpath: _PathLike | Sequence[_PathLike]) -> str |
 
 
 def implicit_resume_sources(trainer: pl.Trainer) -> list[str]:
-    """Existing files that ``trainer.fit(ckpt_path=None)`` would silently load (reference/lightning.md 1.3, 1.5).
+    """Existing files that ``trainer.fit(ckpt_path=None)`` would silently load.
+
+    See docs/design.md#lightning-implicit-resume.
 
     Lightning turns ``None`` into ``"last"`` when an ``OnExceptionCheckpoint`` is configured: it then loads the
     newest of that callback's file and the ``last*.ckpt`` files of the ``ModelCheckpoint`` folders. Under SLURM it

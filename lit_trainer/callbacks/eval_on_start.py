@@ -1,6 +1,6 @@
 """EvalOnStart: one full validation pass before the first optimizer step, logged at step 0.
 
-Reference: ``transformers`` ``eval_on_start`` (``shared/reference/hf_trainer.md`` section 4). Lightning's sanity
+Reference: ``transformers`` ``eval_on_start`` (docs/design.md#hf-eval-on-start). Lightning's sanity
 check runs validation batches before training but throws their metrics away; this callback runs the fit loop's own
 validation loop in ``on_train_start`` so the metrics go through the normal loggers at step 0 (the logger step is
 the number of optimizer steps taken, 0 here).

@@ -1,7 +1,7 @@
 """Just-in-time checkpoint on SIGTERM (preemption), safe across DDP ranks.
 
-Reference: ``transformers`` ``enable_jit_checkpoint`` (reference/hf_trainer.md 3); Lightning's own SIGTERM handling
-(reference/lightning.md 1.5, probes b, b2, e). What is the same as the reference: only the handler's signal is
+Reference: ``transformers`` ``enable_jit_checkpoint`` (docs/design.md#hf-jit-checkpoint); Lightning's own SIGTERM
+handling (docs/design.md#lightning-sigterm). What is the same as the reference: only the handler's signal is
 recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, the sentinel
 ``checkpoint-is-incomplete.txt`` is written before the save and removed after it. What differs, on purpose:
 

@@ -1,6 +1,6 @@
 """NEFTune: uniform noise on the input embeddings during training (Jain et al., 2023).
 
-Reference: ``transformers`` ``neftune_noise_alpha`` (see ``shared/reference/hf_trainer.md`` section 7). What is the
+Reference: ``transformers`` ``neftune_noise_alpha`` (docs/design.md#hf-neftune). What is the
 same: the noise ``U(-m, m)`` with ``m = noise_alpha / sqrt(L * d)`` (``L`` the padded length of the batch, ``d`` the
 embedding size) is added to the output of the input-embedding module, only while that module is in training mode.
 What differs, on purpose:

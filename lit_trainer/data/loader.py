@@ -1,15 +1,16 @@
 """The training loader: resumable, rank-aware, and token-exact over an accumulation window.
 
 Why not a plain ``torch.utils.data.DataLoader``? Lightning rewrites a ``DataLoader`` it is given for training
-(reference/lightning.md 1.6): under DDP it forces shuffling and wraps any custom sampler in a
-``DistributedSamplerWrapper`` that re-shuffles it; on resume it replays the epoch from batch 0 (1.8, probe c); and
-every ``iter()`` draws a worker seed from the global RNG. :class:`TrainLoader` is an iterable that Lightning leaves
-alone (it only wraps ``DataLoader`` instances) but treats as stateful (``state_dict``/``load_state_dict`` are saved
-in ``loops.fit_loop.state_dict.combined_loader`` and restored before the resumed epoch starts). Inside, a normal
-``DataLoader`` does the loading, with workers, pinning and prefetching.
+(docs/design.md#lightning-distributed-sampler): under DDP it forces shuffling and wraps any custom sampler in a
+``DistributedSamplerWrapper`` that re-shuffles it; on resume it replays the epoch from batch 0
+(docs/design.md#lightning-resume-position); and every ``iter()`` draws a worker seed from the global RNG.
+:class:`TrainLoader` is an iterable that Lightning leaves alone (it only wraps ``DataLoader`` instances) but treats
+as stateful (``state_dict``/``load_state_dict`` are saved in ``loops.fit_loop.state_dict.combined_loader`` and
+restored before the resumed epoch starts). Inside, a normal ``DataLoader`` does the loading, with workers, pinning
+and prefetching.
 
 Token-exact gradient accumulation needs the number of loss items of the whole optimizer step before the first
-micro-batch of that step runs backward (reference/hf_trainer.md 8). The loader therefore fetches the
+micro-batch of that step runs backward (docs/design.md#hf-num-items). The loader therefore fetches the
 ``accumulate_grad_batches`` micro-batches of a window ahead (as the HF Trainer does) and attaches the window's local
 count to each of them as ``batch["num_items_in_batch"]`` (an int64 tensor: 0-dim, or one entry per count when
 ``count_items`` returns several, e.g. DPO's pairs and chosen tokens). The windows are the ones Lightning steps on

@@ -8,10 +8,10 @@ template with ``add_generation_prompt=True`` for the prompt, when rows are conve
 prefix. With ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and
 counted; pairs whose chosen and rejected rows are the same tokens (zero gradient) are counted and, by default, dropped.
 
-Collation (1.3): a micro-batch of B pairs becomes 2B right-padded rows, chosen rows ``0..B-1`` then rejected rows
-``B..2B-1``, each truncated to ``max_length`` on its own (first or last tokens), with ``input_ids``,
-``attention_mask`` and the unshifted ``completion_mask``; precomputed reference log-probs travel along as
-``ref_chosen_logps``/``ref_rejected_logps`` (B,) when the dataset has them (see :meth:`set_reference_logps`).
+Collation (as TRL's, docs/design.md#trl-dpo): a micro-batch of B pairs becomes 2B right-padded rows, chosen rows
+``0..B-1`` then rejected rows ``B..2B-1``, each truncated to ``max_length`` on its own (first or last tokens), with
+``input_ids``, ``attention_mask`` and the unshifted ``completion_mask``; precomputed reference log-probs travel along
+as ``ref_chosen_logps``/``ref_rejected_logps`` (B,) when the dataset has them (see :meth:`set_reference_logps`).
 """
 
 from __future__ import annotations

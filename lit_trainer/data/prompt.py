@@ -3,7 +3,7 @@
 The training loader yields, for every micro-step, the prompts of this rank's whole **local generation batch**
 (``per_device_batch_size x steps_per_generation`` rows, each prompt repeated ``num_generations`` times in a row), and
 the same batch ``num_iterations x steps_per_generation`` times in a row, exactly as the reference's dataloader
-(reference/trl.md 2.3). The module generates on the first micro-step of each round and serves the following
+(docs/design.md#trl-grpo). The module generates on the first micro-step of each round and serves the following
 micro-steps from its buffer. The loader is a :class:`~lit_trainer.data.loader.TrainLoader`, so it is resumable and
 Lightning does not re-shard it; under DDP each rank gets its contiguous slice of every generation batch and
 generates for its own prompts.
@@ -39,7 +39,7 @@ _EXCLUDED_COLUMNS = ("completion", "completion_ids", PROMPT_IDS)  # never passed
 
 
 class RolloutGeometry(NamedTuple):
-    """Resolved GRPO batch geometry (reference/trl.md 2.2), published by the module as ``rollout_geometry``."""
+    """Resolved GRPO batch geometry (TRL's ``GRPOConfig`` rules), published by the module as ``rollout_geometry``."""
 
     num_generations: int
     steps_per_generation: int

@@ -1,6 +1,7 @@
 """GRPO prompt order: each prompt repeated for its G completions, each generation batch replayed, resumable.
 
-Also the GRPO batch-geometry rules (reference/trl.md section 2.2) in :func:`resolve_generation_geometry`.
+Also the GRPO batch-geometry rules (TRL's ``GRPOConfig``, docs/design.md#trl-grpo) in
+:func:`resolve_generation_geometry`.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def resolve_generation_geometry(
     steps_per_generation: int | None = None,
     generation_batch_size: int | None = None,
 ) -> tuple[int, int]:
-    """GRPO batch geometry (reference section 2.2): returns ``(steps_per_generation, generation_batch_size)``.
+    """GRPO batch geometry (TRL's ``GRPOConfig`` rules): returns ``(steps_per_generation, generation_batch_size)``.
 
     With ``b = per_device_batch_size`` and ``P = world_size``: neither given -> ``spg = accumulate_grad_batches``;
     ``generation_batch_size`` given -> it must be a multiple of ``b * P`` and ``spg = gbs / (b * P)``;
@@ -229,7 +230,7 @@ def resolve_generation_geometry(
 
 
 def needs_old_logps(accumulate_grad_batches: int, steps_per_generation: int, num_iterations: int) -> bool:
-    """Whether old log-probs must be stored at generation time (reference section 2.8).
+    """Whether old log-probs must be stored at generation time (as TRL's GRPOTrainer decides).
 
     They are needed iff one generation batch is used across more than one optimizer step, i.e.
     ``accumulate_grad_batches % (steps_per_generation * num_iterations) != 0``; otherwise the run is on-policy and

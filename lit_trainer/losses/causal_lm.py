@@ -1,4 +1,4 @@
-"""Causal-LM cross entropy with a token-sum normaliser (reference/hf_trainer.md section 8)."""
+"""Causal-LM cross entropy with a token-sum normaliser (docs/design.md#hf-num-items)."""
 
 from __future__ import annotations
 

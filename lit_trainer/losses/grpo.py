@@ -1,4 +1,4 @@
-"""GRPO policy loss of every supported type and its metrics (reference/trl.md sections 2.8-2.9).
+"""GRPO policy loss of every supported type and its metrics (TRL's GRPOTrainer, docs/design.md#trl-grpo).
 
 Pure tensor functions (torch only). Numerics follow TRL 1.16 ``GRPOTrainer`` with one deliberate fix: the KL bias
 correction always uses the per-token ratio (TRL issue #6586 / PR #7188), so sequence-level importance sampling no
@@ -329,7 +329,7 @@ def grpo_loss_metrics(
     importance_sampling_level: ImportanceSamplingLevel = "token",
     vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
 ) -> dict[str, Tensor]:
-    """Per-micro-step loss metrics (reference section 2.9) as 0-dim tensors, without grad or host sync.
+    """Per-micro-step loss metrics (TRL's GRPO metrics) as 0-dim tensors, without grad or host sync.
 
     Means are over this micro-batch's masked tokens; the caller averages them over micro-steps and ranks.
 

@@ -1,4 +1,7 @@
-"""GRPO group-relative advantages and reward metrics (reference/trl.md section 2.7). Pure tensor functions."""
+"""GRPO group-relative advantages and reward metrics (TRL's GRPOTrainer, docs/design.md#trl-grpo).
+
+Pure tensor functions.
+"""
 
 from __future__ import annotations
 
@@ -160,7 +163,7 @@ def grpo_reward_metrics(
     scale_rewards: ScaleRewards = "group",
     reward_names: Sequence[str] | None = None,
 ) -> dict[str, Tensor]:
-    """Reward metrics of one gathered generation batch (reference section 2.7), as 0-dim tensors (no host sync).
+    """Reward metrics of one gathered generation batch (TRL's GRPO reward metrics), as 0-dim tensors (no host sync).
 
     Keys: ``rewards/<name>/mean`` and ``rewards/<name>/std`` (nanmean / Bessel nanstd per function), ``reward``
     (nanmean of the weighted nansum, unscorable rows excluded), ``reward_std`` (its nanstd over the batch, not per

@@ -1,4 +1,4 @@
-"""Precomputed reference log-probs for DPO (TRL's ``precompute_ref_log_probs``, reference/trl.md 1.5).
+"""Precomputed reference log-probs for DPO (TRL's ``precompute_ref_log_probs``, docs/design.md#trl-dpo).
 
 Before training, the reference model (or, without one, the policy before any update) scores every pair of the
 training and validation data once; the per-pair sums are stored with the dataset as ``ref_chosen_logps`` /

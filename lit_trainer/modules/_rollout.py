@@ -1,7 +1,8 @@
 """GRPO rollouts: sample completions in one batched ``generate`` call, cut them after EOS, decode and measure them.
 
-Small functions used by :class:`~lit_trainer.modules.grpo.GRPOModule` (reference/trl.md 2.5 and 2.9). Nothing here
-knows about Lightning; scoring and advantages live in :mod:`lit_trainer.losses.grpo` and :mod:`lit_trainer.rewards`.
+Small functions used by :class:`~lit_trainer.modules.grpo.GRPOModule` (TRL's generation and metrics,
+docs/design.md#trl-grpo). Nothing here knows about Lightning; scoring and advantages live in
+:mod:`lit_trainer.losses.grpo` and :mod:`lit_trainer.rewards`.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def sampling_config(
 
 
 def cut_after_eos(ids: Tensor, eos_ids: Sequence[int], pad_token_id: int) -> Completions:
-    """Keep each row up to and including its first EOS; pad the rest (reference/trl.md 2.5).
+    """Keep each row up to and including its first EOS; pad the rest (as TRL's GRPOTrainer).
 
     Args:
         ids: (R, C) generated tokens (everything after the prompt).
@@ -151,7 +152,7 @@ def decode_completions(tokenizer: Any, completions: Completions, conversational:
 
 
 def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, Tensor]:
-    """``completions/*`` metrics of one (gathered) generation batch (reference/trl.md 2.9), 0-dim float tensors.
+    """``completions/*`` metrics of one (gathered) generation batch (TRL's GRPO metrics), 0-dim float tensors.
 
     Args:
         lengths: (R,) kept tokens per completion (EOS included), before truncation masking.
@@ -183,7 +184,7 @@ def as_list(funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any]
 def resolve_reward_funcs(funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any]) -> list[Callable]:
     """Reward callables from callables or import paths (``"lit_trainer.rewards.arithmetic_reward"``).
 
-    Only what the user's config or code names is imported (DESIGN rule 6).
+    Only what the user's config or code names is imported (docs/design.md#nothing-unasked).
 
     Raises:
         ValueError: on an empty list, a path that does not import, or an object that is not callable.

@@ -1,11 +1,12 @@
 """GRPOModule: online RL with group-relative advantages, generating once per ``steps_per_generation`` micro-steps.
 
-Data flow (reference/trl.md 2.3-2.8). The :class:`~lit_trainer.data.prompt.PromptDataModule` loader yields, on every
-micro-step, the prompts of this rank's local generation batch (each prompt ``num_generations`` times), the same batch
-``steps_per_generation * num_iterations`` times in a row. On the first micro-step of a round the module samples all
-completions in ONE batched ``generate`` call, scores them (rewards gathered over ranks, advantages per group),
-computes old/reference log-probs only when needed, shuffles the rows with a seeded generator and cuts them into
-``steps_per_generation`` micro-batches; the other micro-steps of the round are served from that buffer.
+Data flow (as TRL's GRPOTrainer, docs/design.md#trl-grpo). The :class:`~lit_trainer.data.prompt.PromptDataModule`
+loader yields, on every micro-step, the prompts of this rank's local generation batch (each prompt
+``num_generations`` times), the same batch ``steps_per_generation * num_iterations`` times in a row. On the first
+micro-step of a round the module samples all completions in ONE batched ``generate`` call, scores them (rewards
+gathered over ranks, advantages per group), computes old/reference log-probs only when needed, shuffles the rows with
+a seeded generator and cuts them into ``steps_per_generation`` micro-batches; the other micro-steps of the round are
+served from that buffer.
 
 Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
 ``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
