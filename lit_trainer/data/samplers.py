@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from lit_trainer.data.batch_sampler import EpochPosition, ShardedBatchSampler, resolve_replicas
-from lit_trainer.data.repeat_sampler import RepeatSampler  # noqa: F401 (re-exported, DESIGN.md layout)
+from lit_trainer.data.repeat_sampler import RepeatSampler  # noqa: F401 (public import path, see docs/design.md#layering)
 from lit_trainer.data.rebalance import (  # noqa: F401 (re-exported)
     COST_MODELS, QUADRATIC_COST_COEF, CostModel, balance_packed_step, balance_step, microbatch_cost,
 )
