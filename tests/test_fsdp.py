@@ -189,7 +189,7 @@ def test_only_the_data_parallel_dimension_is_sharded():
 
 @pytest.fixture(scope="module")
 def single_bema_best(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return common.bema_best_run("auto", 1, 4, str(tmp_path_factory.mktemp("single_bema")))
+    return common.bema_best_run(lambda: "auto", 1, 4, str(tmp_path_factory.mktemp("single_bema")))
 
 
 def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path, single_bema_best: dict):
@@ -199,6 +199,9 @@ def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path
     assert sharded["val_losses"] == pytest.approx(single_bema_best["val_losses"], rel=1e-5)
     # the state_dict holds full tensors; a fresh callback cuts its shards out of them and gathers the same weights
     assert all(torch.equal(sharded["round_trip"][k], v) for k, v in sharded["bema"].items())
+    # resumed from the step-2 distributed checkpoint (rank 0's full-tensor state, each rank cutting its shards): the
+    # average continues as the one-process run resumed from its step-2 checkpoint does
+    assert _max_relative_diff(sharded["resumed"], single_bema_best["resumed"]) <= 1e-5
     exported = AutoModelForCausalLM.from_pretrained(sharded["export"]).state_dict()
     assert all(torch.equal(exported[k[len("model."):]], v) for k, v in sharded["bema"].items())
 

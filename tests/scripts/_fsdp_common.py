@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -134,12 +135,13 @@ def dpo_bema() -> Any:
     return BEMA(update_freq=2, update_ref_model=True, ref_model_update_freq=3, export_hf=False)
 
 
-def bema_best_run(strategy: Any, devices: int, batch_size: int, out: str) -> dict[str, Any]:
+def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, out: str) -> dict[str, Any]:
     """SFT, one optimizer step per epoch, validated after each with the BEMA weights (``evaluate_with_bema``), and
     ``BestCheckpoint(load_best_at_end=True)`` keeping the scored weights. Returns (on every rank): the full BEMA
     weights, the BEMA export's folder, the validation losses, the best score and path, the module's full weights
-    after fit, ``val_loss`` of a validation after fit, and the BEMA weights after a state_dict round trip into a
-    fresh callback (full tensors in, this rank's shards cut out, gathered again)."""
+    after fit, ``val_loss`` of a validation after fit, the BEMA weights after a state_dict round trip into a fresh
+    callback (full tensors in, this rank's shards cut out, gathered again), and the BEMA weights of a fit resumed
+    from the step-2 checkpoint. ``strategy`` makes a new strategy (one per Trainer)."""
     from transformers import ByT5Tokenizer
 
     from lit_trainer.callbacks import BEMA, BestCheckpoint
@@ -151,7 +153,7 @@ def bema_best_run(strategy: Any, devices: int, batch_size: int, out: str) -> dic
                 export_dir=os.path.join(out, "bema_export"))
     best, losses = BestCheckpoint(dirpath=os.path.join(out, "bema_best"), load_best_at_end=True), ValLosses()
     dm = sft_datamodule(tokenizer, batch_size, val_size=8)
-    fitter = trainer(strategy, devices, BEMA_STEPS, [bema, best, losses], enable_checkpointing=True,
+    fitter = trainer(strategy(), devices, BEMA_STEPS, [bema, best, losses], enable_checkpointing=True,
                      limit_val_batches=None)
     fitter.fit(module, datamodule=dm)
     weights = {k: v.clone().cpu() for k, v in bema.bema_state_dict().items()}
@@ -160,6 +162,12 @@ def bema_best_run(strategy: Any, devices: int, batch_size: int, out: str) -> dic
     again = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True)
     again.load_state_dict(bema.state_dict())
     again._attach(fitter, module)
+    resumed = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True, export_hf=False)
+    step2 = next(path for path in best.best_k_models if "step=2" in path)
+    trainer(strategy(), devices, BEMA_STEPS, [resumed]).fit(
+        CausalLMModule(tiny_llama(seed=4, layers=2), tokenizer=tokenizer, learning_rate=1e-2),
+        datamodule=sft_datamodule(tokenizer, batch_size, val_size=8), ckpt_path=step2)
     return {"bema": weights, "export": bema.export_dir, "val_losses": losses.values,
             "best_score": float(best.best_model_score), "best_path": best.best_model_path, "after_fit": after_fit,
-            "validated": float(validated), "round_trip": {k: v.clone().cpu() for k, v in again.bema_state_dict().items()}}
+            "validated": float(validated), "round_trip": {k: v.clone().cpu() for k, v in again.bema_state_dict().items()},
+            "resumed": {k: v.clone().cpu() for k, v in resumed.bema_state_dict().items()}}

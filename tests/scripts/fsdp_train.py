@@ -67,7 +67,7 @@ if __name__ == "__main__":
     if trainer.is_global_zero:
         torch.save(dpo_facts, os.path.join(out, "dpo.pt"))
 
-    bema_best = common.bema_best_run(common.model_parallel(), 2, 2, out)
+    bema_best = common.bema_best_run(common.model_parallel, 2, 2, out)
     if trainer.is_global_zero:
         torch.save(bema_best, os.path.join(out, "bema_best.pt"))
 
