@@ -159,7 +159,11 @@ def test_slurm_variables_of_two_local_tasks_select_the_ranks(monkeypatch: pytest
     gives each task its rank for ModelParallelStrategy, and the strategy does not spawn processes itself."""
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+    for function in (rank_zero_only, utils_rank_zero_only):  # the Trainer of task 1 sets them to 1: undo after
+        monkeypatch.setattr(function, "rank", function.rank)
     for task in (0, 1):
         for key, value in {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(task),
                            "SLURM_LOCALID": str(task), "SLURM_NODEID": "0", "SLURM_JOB_ID": "7",
