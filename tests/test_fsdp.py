@@ -107,8 +107,13 @@ def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     assert sharded["ref_types"] == {"DTensor"}  # the reference is sharded like the policy, and stays so after use
     tokenizer = ByT5Tokenizer()
     module = common.dpo_module(tokenizer)
-    common.trainer("auto", 1, common.DPO_STEPS, []).fit(module, datamodule=common.dpo_datamodule(tokenizer, 4))
+    common.trainer("auto", 1, common.DPO_STEPS, [common.dpo_bema()]).fit(
+        module, datamodule=common.dpo_datamodule(tokenizer, 4))
     assert _max_relative_diff(sharded["weights"], common.full_weights(module)) <= 1e-5
+    # BEMA(update_ref_model=True) refreshed the sharded reference shard by shard, as the one-process run did
+    initial = common.dpo_module(tokenizer).model.state_dict()
+    assert _max_relative_diff(sharded["ref"], common.full_weights(module, "ref_model")) <= 1e-5
+    assert any(not torch.equal(sharded["ref"][k], initial[k]) for k in sharded["ref"])  # it was refreshed
 
 
 def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
@@ -186,3 +191,37 @@ def test_only_the_data_parallel_dimension_is_sharded():
     assert _sharding.data_parallel_mesh(_Mesh(data_parallel=4, tensor_parallel=1)).name == "data_parallel"
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2\) is not supported.*tensor_parallel_size=1"):
         _sharding.data_parallel_mesh(_Mesh(data_parallel=2, tensor_parallel=2))
+
+
+@pytest.fixture(scope="module")
+def single_bema_best(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return common.bema_best_run(lambda: "auto", 1, 4, str(tmp_path_factory.mktemp("single_bema")))
+
+
+def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path, single_bema_best: dict):
+    sharded = torch.load(run / "bema_best.pt", weights_only=False)
+    assert _max_relative_diff(sharded["bema"], single_bema_best["bema"]) <= 1e-5  # full tensors, gathered
+    assert len(sharded["val_losses"]) == common.BEMA_STEPS  # evaluate_with_bema: the BEMA weights were scored
+    assert sharded["val_losses"] == pytest.approx(single_bema_best["val_losses"], rel=1e-5)
+    # the state_dict holds full tensors; a fresh callback cuts its shards out of them and gathers the same weights
+    assert all(torch.equal(sharded["round_trip"][k], v) for k, v in sharded["bema"].items())
+    # resumed from the step-2 distributed checkpoint (rank 0's full-tensor state, each rank cutting its shards): the
+    # average continues as the one-process run resumed from its step-2 checkpoint does
+    assert _max_relative_diff(sharded["resumed"], single_bema_best["resumed"]) <= 1e-5
+    exported = AutoModelForCausalLM.from_pretrained(sharded["export"]).state_dict()
+    assert all(torch.equal(exported[k[len("model."):]], v) for k, v in sharded["bema"].items())
+
+
+def test_sharded_best_checkpoint_loads_the_scored_weights_at_the_end(run: Path, single_bema_best: dict):
+    from lit_trainer.callbacks import BEMA
+    from lit_trainer.callbacks.checkpointing import load_checkpoint_state_dict
+
+    sharded = torch.load(run / "bema_best.pt", weights_only=False)
+    assert Path(sharded["best_path"]).is_dir()  # a distributed checkpoint
+    scored = load_checkpoint_state_dict(sharded["best_path"])  # the BEMA weights validation scored
+    saved_bema = BEMA.bema_weights_from_checkpoint(sharded["best_path"])  # full tensors in rank 0's callback state
+    assert all(torch.equal(sharded["after_fit"][k], scored[k]) for k in sharded["after_fit"])
+    assert all(torch.equal(sharded["after_fit"][k], saved_bema[k]) for k in sharded["after_fit"])
+    assert sharded["best_score"] == min(sharded["val_losses"])
+    assert sharded["validated"] == pytest.approx(sharded["best_score"], rel=1e-6)  # validates at the best score
+    assert _max_relative_diff(sharded["after_fit"], single_bema_best["after_fit"]) <= 1e-5

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from lit_trainer.callbacks._bema_shards import same_layout
+from lit_trainer.modules._sharding import local
+
 
 def ref_model_name(name: str, ref_names: set[str]) -> str | None:
     """Name in ``pl_module.ref_model`` of the tracked parameter ``name`` (relative to the LightningModule).
@@ -35,8 +38,8 @@ def resolve_ref_params(pl_module: torch.nn.Module, tracked: dict[str, torch.nn.P
                          f"{type(pl_module).__name__}.ref_model is {type(ref).__name__}{getattr(ref, 'why', '')}. "
                          "Give the module a frozen reference model, or set update_ref_model=False.")
     ref_named = dict(ref.named_parameters(remove_duplicate=False))
-    live_ptrs = {p.data_ptr() for p in tracked.values()}
-    shared = [n for n, p in ref_named.items() if p.data_ptr() in live_ptrs]
+    live_ptrs = {local(p).data_ptr() for p in tracked.values()}
+    shared = [n for n, p in ref_named.items() if local(p).data_ptr() in live_ptrs]
     if shared:
         raise ValueError(f"`pl_module.ref_model` has parameters that are being trained ({shared[:3]}): it is "
                          "the policy itself or not frozen, and BEMA would overwrite the policy. Give it its own "
@@ -47,4 +50,9 @@ def resolve_ref_params(pl_module: torch.nn.Module, tracked: dict[str, torch.nn.P
     if missing:
         raise ValueError(f"`pl_module.ref_model` has no parameter matching {missing[:5]} (name and shape). "
                          "Tracked names map `model.<rest>` -> `<rest>`, other names to themselves.")
+    unlike = [n for n in tracked if not same_layout(ref_named[mapped[n]], tracked[n])]
+    if unlike:
+        raise ValueError(f"`pl_module.ref_model` is not sharded like the policy ({unlike[:3]}): BEMA copies its "
+                         "weights shard by shard, so under ModelParallelStrategy shard the reference model the same "
+                         "way in `configure_model` (as DPOModule does), or set update_ref_model=False.")
     return [ref_named[mapped[n]] for n in tracked]

@@ -15,13 +15,21 @@ from typing_extensions import override
 from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_
 from lit_trainer.callbacks._bema_options import (
     HPARAMS,
+    bema_state_from_checkpoint,
     bema_state_keys,
     check_bema_args,
     check_device,
 )
 from lit_trainer.callbacks._bema_ref import resolve_ref_params
+from lit_trainer.callbacks._bema_shards import (
+    as_param_layout,
+    gather,
+    local_shard_like,
+    locals_of,
+)
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf
+from lit_trainer.modules._sharding import full_state_dict, is_dtensor, is_sharded, local
 
 _FORMAT = 1
 
@@ -48,9 +56,11 @@ class _BEMA(PackageBound):
     Distributed: every DDP rank keeps the same three buffers (3x the trainable parameters, on ``device``). After the
     gradient all-reduce all ranks hold identical weights, so they compute identical averages with no communication,
     and ``evaluate_with_bema`` / ``update_ref_model`` need the weights on every rank. Lightning saves rank 0's
-    state; on resume every rank loads that same state. FSDP, ModelParallel and DeepSpeed ZeRO-3 (sharded
-    parameters) are refused at setup. If one batch makes several optimizer steps (manual optimization), the
-    schedule is still followed but uses the weights after the batch.
+    state; on resume every rank loads that same state. Under ``ModelParallelStrategy`` (FSDP2) each rank keeps the
+    buffers of its own parameter shards (the update is elementwise); ``bema_state_dict()``, the checkpoint state,
+    the scored weights and the export hold full tensors, gathered by every rank (``_bema_shards``); a reference
+    for ``update_ref_model`` must be sharded alike. FSDP1 and DeepSpeed ZeRO-3 are refused at setup. If one batch
+    makes several optimizer steps (manual optimization), the schedule is still followed, with the final weights.
 
     Args:
         update_freq: update the EMA and output every this many optimizer steps (phi).
@@ -116,7 +126,8 @@ class _BEMA(PackageBound):
 
         Returns:
             ``{name: tensor}`` with names as in ``pl_module.named_parameters()``; the buffers themselves (clone them
-            to keep a copy while training goes on).
+            to keep a copy while training goes on). Sharded: full tensors gathered from every rank's shard (a
+            collective: call it on every rank).
 
         Raises:
             RuntimeError: before ``trainer.fit`` has started (no weights yet).
@@ -125,7 +136,7 @@ class _BEMA(PackageBound):
             return dict(self._loaded["bema"])
         if not self._names:
             raise RuntimeError("BEMA has no weights yet: call `bema_state_dict()` after `trainer.fit` has started.")
-        return dict(zip(self._names, self._bema))
+        return dict(zip(self._names, gather(self._bema, self._params)))
 
     @classmethod
     def bema_weights_from_checkpoint(cls, path: str | os.PathLike, state_key: str | None = None
@@ -133,7 +144,7 @@ class _BEMA(PackageBound):
         """The BEMA weights stored in a Lightning checkpoint (whose ``state_dict`` holds the live weights).
 
         Args:
-            path: a ``.ckpt`` written while this callback was active.
+            path: a ``.ckpt`` (or a distributed checkpoint folder) written while this callback was active.
             state_key: which BEMA callback's state (its :attr:`state_key`); needed only when the checkpoint holds
                 several.
 
@@ -143,15 +154,7 @@ class _BEMA(PackageBound):
         Raises:
             ValueError: no BEMA state, several and no ``state_key``, or a state written before training started.
         """
-        states = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", {})
-        keys = [state_key] if state_key is not None else bema_state_keys(states, cls.__qualname__)
-        if len(keys) != 1 or keys[0] not in states:
-            raise ValueError(f"The checkpoint {str(path)!r} holds {len(keys)} BEMA states ({keys}): pass "
-                             "`state_key=` (the callback's `state_key`) to choose one.")
-        state = states[keys[0]]
-        if not state.get("initialized"):
-            raise ValueError(f"The checkpoint {str(path)!r} holds no BEMA weights (saved before training started).")
-        return state["bema"]
+        return bema_state_from_checkpoint(path, state_key, cls.__qualname__)["bema"]
 
     @property
     @override
@@ -170,10 +173,12 @@ class _BEMA(PackageBound):
 
     def evaluated_weights(self) -> dict[str, torch.Tensor] | None:
         """The weights the latest validation during fit scored, keyed like ``pl_module.state_dict()`` (tied aliases
-        included); ``None`` when that validation scored the live weights or the BEMA weights changed since."""
+        included; full tensors, gathered by every rank when sharded); ``None`` when that validation scored the live
+        weights or the BEMA weights changed since."""
         if not self.evaluate_with_bema or self._scored_step is None or self._scored_step != self._step:
             return None
-        return {key: self._bema[idx] for key, idx in self._alias.items()}
+        weights = gather(self._bema, self._params)
+        return {key: weights[idx] for key, idx in self._alias.items()}
 
     def _hparams(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in HPARAMS}
@@ -182,10 +187,10 @@ class _BEMA(PackageBound):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         strategy = trainer.strategy
-        sharded = (self._ns.FSDPStrategy, self._ns.ModelParallelStrategy)
-        if isinstance(strategy, sharded) or getattr(strategy, "zero_stage_3", False):
-            raise ValueError(f"BEMA does not support sharded parameters ({type(strategy).__name__}): use "
-                             "strategy='ddp' (or DeepSpeed stage 1/2), or remove the BEMA callback.")
+        if isinstance(strategy, self._ns.FSDPStrategy) or getattr(strategy, "zero_stage_3", False):
+            raise ValueError(f"BEMA does not support {type(strategy).__name__}'s sharded parameters: use "
+                             "ModelParallelStrategy (FSDP2), strategy='ddp' (or DeepSpeed stage 1/2), or remove the "
+                             "BEMA callback.")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -236,7 +241,7 @@ class _BEMA(PackageBound):
         self._export(trainer, pl_module)
         if self.apply_at_end:
             with torch.no_grad():
-                torch._foreach_copy_(self._params, self._bema)
+                torch._foreach_copy_(locals_of(self._params), self._bema)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -244,9 +249,11 @@ class _BEMA(PackageBound):
         if self._stash is None or "state_dict" not in checkpoint:
             return
         weights = checkpoint["state_dict"]  # saved mid-validation: put the live weights, not the BEMA ones
+        full = gather(self._stash, self._params)  # sharded: a collective every rank joins, whatever it saves
         for key, idx in self._alias.items():
-            if key in weights:
-                weights[key] = self._stash[idx]
+            if key in weights:  # a sharded (DTensor) state_dict keeps the live shards, a full one the full weights
+                shard = is_dtensor(weights[key])
+                weights[key] = as_param_layout(self._stash[idx], self._params[idx]) if shard else full[idx]
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -254,8 +261,9 @@ class _BEMA(PackageBound):
             return self._loaded if self._loaded is not None else {"format": _FORMAT, "initialized": False}
         return {
             "format": _FORMAT, "initialized": True, "step": self._step, "num_updates": self._num_updates,
-            "hparams": self._hparams(), "theta0": dict(zip(self._names, self._theta0)),
-            "ema": dict(zip(self._names, self._ema)), "bema": dict(zip(self._names, self._bema)),
+            "hparams": self._hparams(),  # full tensors (gathered when sharded: rank 0's state is the one saved)
+            **{key: dict(zip(self._names, gather(buffers, self._params)))
+               for key, buffers in (("theta0", self._theta0), ("ema", self._ema), ("bema", self._bema))},
         }
 
     @override
@@ -312,8 +320,8 @@ class _BEMA(PackageBound):
     def _buffer_device(self, param: torch.Tensor) -> torch.device:
         return self.device if self.device is not None else param.device
 
-    def _snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().to(self._buffer_device(p), copy=True) for p in self._params]
+    def _snapshot(self) -> list[torch.Tensor]:  # of this rank's shards when sharded
+        return [local(p).detach().to(self._buffer_device(p), copy=True) for p in self._params]
 
     def _restore(self, state: dict[str, Any]) -> None:
         saved = list(state["bema"])
@@ -327,7 +335,8 @@ class _BEMA(PackageBound):
                 raise ValueError(f"BEMA checkpoint shape {tuple(state['bema'][name].shape)} for {name!r} does not "
                                  f"match the parameter's {tuple(p.shape)}.")
         self._theta0, self._ema, self._bema = (
-            [state[key][n].to(self._buffer_device(p), p.dtype, copy=True) for n, p in zip(self._names, self._params)]
+            [local_shard_like(state[key][n], p).to(self._buffer_device(p), p.dtype, copy=True)
+             for n, p in zip(self._names, self._params)]
             for key in ("theta0", "ema", "bema")
         )
         self._step, self._num_updates = int(state["step"]), int(state["num_updates"])
@@ -337,17 +346,17 @@ class _BEMA(PackageBound):
         tau = self.update_after
         if step == tau:
             with torch.no_grad():
-                torch._foreach_copy_(self._theta0, self._params)
+                torch._foreach_copy_(self._theta0, locals_of(self._params))
                 torch._foreach_copy_(self._ema, self._theta0)
         elif step > tau and (step - tau) % self.update_freq == 0:
             beta, alpha = bema_coefficients(step, lag=self.lag, multiplier=self.multiplier, ema_power=self.ema_power,
                                             bias_power=self.bias_power, min_ema_multiplier=self.min_ema_multiplier)
-            bema_update_(self._ema, self._bema, self._theta0, self._params, beta, alpha)
+            bema_update_(self._ema, self._bema, self._theta0, locals_of(self._params), beta, alpha)
             self._num_updates += 1
         tau_ref = self.ref_model_update_after
         if self.update_ref_model and step >= tau_ref and (step - tau_ref) % self.ref_model_update_freq == 0:
             with torch.no_grad():
-                torch._foreach_copy_(self._ref_params, self._bema)
+                torch._foreach_copy_(locals_of(self._ref_params), self._bema)
         self._step = step
 
     def _swap_in(self) -> None:
@@ -355,15 +364,15 @@ class _BEMA(PackageBound):
             return
         with torch.no_grad():
             stash = [torch.empty_like(b) for b in self._bema]
-            torch._foreach_copy_(stash, self._params)
+            torch._foreach_copy_(stash, locals_of(self._params))
             self._stash = stash
-            torch._foreach_copy_(self._params, self._bema)
+            torch._foreach_copy_(locals_of(self._params), self._bema)
 
     def _swap_out(self) -> None:
         if self._stash is None:
             return
         with torch.no_grad():
-            torch._foreach_copy_(self._params, self._stash)
+            torch._foreach_copy_(locals_of(self._params), self._stash)
         self._stash = None
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -373,11 +382,14 @@ class _BEMA(PackageBound):
             return
         root = trainer.log_dir or trainer.default_root_dir
         target = Path(self.export_dir) if self.export_dir is not None else Path(root) / "bema"
+        sharded = is_sharded(model)
+        state = full_state_dict(model) if sharded else None  # sharded: collectives every rank joins
+        bema = gather(self._bema, self._params)
         if trainer.is_global_zero:
-            weights = model.state_dict()  # frozen parameters and buffers as they are; tied keys share one tensor
+            weights = state if sharded else model.state_dict()  # frozen ones as they are; tied keys share a tensor
             for key in weights:
                 if "model." + key in self._alias:
-                    weights[key] = self._bema[self._alias["model." + key]]
+                    weights[key] = bema[self._alias["model." + key]]
             export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=weights)
             self._ns.rank_zero_info(f"BEMA weights saved to {target}")
         trainer.strategy.barrier("bema_export")

@@ -29,8 +29,9 @@ Differences from plain ``ModelCheckpoint``:
   bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
   torchmetrics metric) to make the decision on the global value.
 * Checkpoint and export loads use ``torch.load(weights_only=True)``.
-* ``load_best_at_end`` refuses sharded strategies (FSDP, DeepSpeed, ModelParallel) at setup; ``export_hf`` works under
-  ModelParallel (rank 0 reads the distributed checkpoint directory) and refuses FSDP1/DeepSpeed.
+* Under ``ModelParallelStrategy`` (FSDP2) checkpoints are distributed checkpoint folders: ``export_hf`` reads the
+  folder on rank 0; ``load_best_at_end`` reads it on every rank (one full CPU copy per rank, briefly) and each rank
+  keeps its own shards. Both refuse FSDP1 and DeepSpeed at setup.
 * With a callback that validates other weights than the live ones (``BEMA(evaluate_with_bema=True)``, through the
   protocol in ``lit_trainer.callbacks._evaluated_weights``), each checkpoint keeps the live weights in
   ``state_dict`` (it still resumes training) and the scored weights under ``checkpoint["evaluated_weights"]``;
@@ -58,6 +59,7 @@ from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.hf_export import export_hf
+from lit_trainer.modules._sharding import load_full_state_dict
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
 HF_EXPORT_DIRNAME = "best"
@@ -127,7 +129,7 @@ class _BestCheckpoint(PackageBound):
 
     Raises:
         ValueError: For a bad ``mode`` or ``save_total_limit``; at setup, for ``export_hf`` without a
-            ``.model.save_pretrained``, for ``load_best_at_end``/``export_hf`` under a sharded strategy, for
+            ``.model.save_pretrained``, for ``load_best_at_end``/``export_hf`` under FSDP1 or DeepSpeed, for
             ``save_weights_only`` with a callback that validates other weights, or for two such callbacks.
 
     Example:
@@ -181,16 +183,11 @@ class _BestCheckpoint(PackageBound):
         self._scorer: Any = None  # the callback whose validation scores other weights than the live ones
         self._saving = False  # True while this callback writes a checkpoint (its on_save_checkpoint adds weights)
 
-    @property
-    def _sharded(self) -> tuple[type, ...]:
-        return (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy, self._ns.ModelParallelStrategy)
-
     def _unsupported(self, strategy: Any) -> bool:
-        """``load_best_at_end`` refuses every sharded strategy; ``export_hf`` works under ModelParallelStrategy (rank
-        0 reads the distributed checkpoint's shards) but not under FSDP1/DeepSpeed."""
-        if self.load_best_at_end and isinstance(strategy, self._sharded):
-            return True
-        return self.export_hf and isinstance(strategy, (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy))
+        """``load_best_at_end`` and ``export_hf`` work under ModelParallelStrategy (distributed checkpoint folders)
+        but not under FSDP1/DeepSpeed, whose checkpoints they do not read."""
+        refused = isinstance(strategy, (self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy))
+        return refused and (self.load_best_at_end or self.export_hf)
 
     @property
     def hf_export_dir(self) -> str | None:
@@ -203,8 +200,8 @@ class _BestCheckpoint(PackageBound):
         if self._unsupported(trainer.strategy):
             raise ValueError(
                 f"`BestCheckpoint(load_best_at_end={self.load_best_at_end}, export_hf={self.export_hf})` does not "
-                f"support {type(trainer.strategy).__name__} (sharded weights): load_best_at_end needs DDP or one "
-                "device, export_hf also works under ModelParallelStrategy. Set the unsupported one to False."
+                f"support {type(trainer.strategy).__name__}: use one device, DDP or ModelParallelStrategy (FSDP2), or set "
+                "both to False."
             )
         if self.export_hf and not callable(getattr(getattr(pl_module, "model", None), "save_pretrained", None)):
             raise ValueError(
@@ -356,7 +353,7 @@ class _BestCheckpoint(PackageBound):
         """
         path = trainer.strategy.broadcast(self.best_model_path)
         trainer.strategy.barrier("BestCheckpoint.load_best")
-        found = trainer.strategy.reduce_boolean_decision(bool(path) and os.path.isfile(path), all=True)
+        found = trainer.strategy.reduce_boolean_decision(bool(path) and os.path.exists(path), all=True)
         if not found:
             self._ns.rank_zero_warn(
                 f"BestCheckpoint(load_best_at_end=True): no best checkpoint file ({path!r}) on every rank; the module "
@@ -364,7 +361,8 @@ class _BestCheckpoint(PackageBound):
             )
             return False
         # a module that saves partial checkpoints (peft: trainable weights only) sets strict_loading = False
-        pl_module.load_state_dict(load_checkpoint_state_dict(path), strict=pl_module.strict_loading)
+        # full tensors on every rank; under FSDP2 each rank keeps its own shards of them
+        load_full_state_dict(pl_module, load_checkpoint_state_dict(path), strict=pl_module.strict_loading)
         self._ns.rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) "
                                 f"from {path}")
         return True

@@ -128,6 +128,24 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def shard_like(full_value: Tensor, like: Tensor) -> Tensor:
+    """This rank's part of the full tensor ``full_value``, as the ``DTensor`` ``like`` is split (cut locally, no
+    communication: every rank holds the full value); ``full_value`` itself when ``like`` is a plain tensor."""
+    if not is_dtensor(like):
+        return full_value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full_value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def load_full_state_dict(module: torch.nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+    """Load full (unsharded) tensors into ``module``, whose parameters may be FSDP2 shards: every rank cuts its own
+    shards out of ``state`` (which every rank holds); plain entries load as they are."""
+    current = module.state_dict()
+    module.load_state_dict({k: shard_like(v, current[k]) if k in current else v for k, v in state.items()},
+                           strict=strict)
+
+
 def strategy_is(strategy: Any, names: Iterable[str]) -> bool:
     """Whether ``strategy`` is (a subclass of) one of the strategy classes ``names`` (either lightning namespace)."""
     return bool({cls.__name__ for cls in type(strategy).__mro__} & set(names))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,9 +51,10 @@ def trainer(strategy: Any, devices: int, max_steps: int, callbacks: list, **kwar
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **options)
 
 
-def full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
-    """The policy's full weights on every rank (a collective under sharding)."""
-    return {n: _sharding.full(p.detach()).clone().cpu() for n, p in module.model.named_parameters()}
+def full_weights(module: pl.LightningModule, attribute: str = "model") -> dict[str, torch.Tensor]:
+    """The policy's (or another network's) full weights on every rank (a collective under sharding)."""
+    network = getattr(module, attribute)
+    return {n: _sharding.full(p.detach()).clone().cpu() for n, p in network.named_parameters()}
 
 
 class ClipRecorder(pl.Callback):
@@ -110,3 +112,62 @@ def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
     clip = ClipRecorder()
     trainer(strategy, 2, 4, [clip]).fit(module, datamodule=dm)
     return module, longest, clip
+
+
+BEMA_STEPS = 3
+
+
+class ValLosses(pl.Callback):
+    """The ``val_loss`` of every validation during fit."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.state.fn == "fit":
+            self.values.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def dpo_bema() -> Any:
+    """BEMA refreshing the DPO reference model (shard by shard under FSDP2)."""
+    from lit_trainer.callbacks import BEMA
+
+    return BEMA(update_freq=2, update_ref_model=True, ref_model_update_freq=3, export_hf=False)
+
+
+def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, out: str) -> dict[str, Any]:
+    """SFT, one optimizer step per epoch, validated after each with the BEMA weights (``evaluate_with_bema``), and
+    ``BestCheckpoint(load_best_at_end=True)`` keeping the scored weights. Returns (on every rank): the full BEMA
+    weights, the BEMA export's folder, the validation losses, the best score and path, the module's full weights
+    after fit, ``val_loss`` of a validation after fit, the BEMA weights after a state_dict round trip into a fresh
+    callback (full tensors in, this rank's shards cut out, gathered again), and the BEMA weights of a fit resumed
+    from the step-2 checkpoint. ``strategy`` makes a new strategy (one per Trainer)."""
+    from transformers import ByT5Tokenizer
+
+    from lit_trainer.callbacks import BEMA, BestCheckpoint
+    from lit_trainer.modules.causal_lm import CausalLMModule
+
+    tokenizer = ByT5Tokenizer()
+    module = CausalLMModule(tiny_llama(seed=4, layers=2), tokenizer=tokenizer, learning_rate=1e-2)
+    bema = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True,
+                export_dir=os.path.join(out, "bema_export"))
+    best, losses = BestCheckpoint(dirpath=os.path.join(out, "bema_best"), load_best_at_end=True), ValLosses()
+    dm = sft_datamodule(tokenizer, batch_size, val_size=8)
+    fitter = trainer(strategy(), devices, BEMA_STEPS, [bema, best, losses], enable_checkpointing=True,
+                     limit_val_batches=None)
+    fitter.fit(module, datamodule=dm)
+    weights = {k: v.clone().cpu() for k, v in bema.bema_state_dict().items()}
+    after_fit = {"model." + k: v for k, v in full_weights(module).items()}
+    validated = fitter.validate(module, datamodule=dm, verbose=False)[0]["val_loss"]
+    again = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True)
+    again.load_state_dict(bema.state_dict())
+    again._attach(fitter, module)
+    resumed = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True, export_hf=False)
+    step2 = next(path for path in best.best_k_models if "step=2" in path)
+    trainer(strategy(), devices, BEMA_STEPS, [resumed]).fit(
+        CausalLMModule(tiny_llama(seed=4, layers=2), tokenizer=tokenizer, learning_rate=1e-2),
+        datamodule=sft_datamodule(tokenizer, batch_size, val_size=8), ckpt_path=step2)
+    return {"bema": weights, "export": bema.export_dir, "val_losses": losses.values,
+            "best_score": float(best.best_model_score), "best_path": best.best_model_path, "after_fit": after_fit,
+            "validated": float(validated), "round_trip": {k: v.clone().cpu() for k, v in again.bema_state_dict().items()},
+            "resumed": {k: v.clone().cpu() for k, v in resumed.bema_state_dict().items()}}

@@ -3,7 +3,8 @@
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
 with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint, with NEFTune),
-``OUT_DIR/sft_export`` (HFExport);
+``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit, BestCheckpoint(load_best_at_end=True),
+``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
@@ -59,12 +60,16 @@ if __name__ == "__main__":
                     "neftune_draws": neftune._draws}, os.path.join(out, "best.pt"))
 
     dpo = common.dpo_module(tokenizer)
-    trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
+    trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [common.dpo_bema()])
     trainer.fit(dpo, datamodule=common.dpo_datamodule(tokenizer, 2))
-    dpo_facts = {"weights": common.full_weights(dpo),
+    dpo_facts = {"weights": common.full_weights(dpo), "ref": common.full_weights(dpo, "ref_model"),
                  "ref_types": {type(p).__name__ for p in dpo.ref_model.parameters()}}
     if trainer.is_global_zero:
         torch.save(dpo_facts, os.path.join(out, "dpo.pt"))
+
+    bema_best = common.bema_best_run(common.model_parallel, 2, 2, out)
+    if trainer.is_global_zero:
+        torch.save(bema_best, os.path.join(out, "bema_best.pt"))
 
     grpo = {}
     for name, strategy in (("sharded", common.model_parallel()), ("ddp", "ddp")):
