@@ -1,4 +1,4 @@
-"""BEMA maths (TRL 1.16 ``BEMACallback`` numerics, reference/trl.md section 3): coefficients and the fused update."""
+"""BEMA maths (TRL 1.16 ``BEMACallback`` numerics, see docs/design.md#trl-bema): coefficients and the fused update."""
 
 from __future__ import annotations
 

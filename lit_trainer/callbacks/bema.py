@@ -1,4 +1,4 @@
-"""BEMA: bias-corrected exponential moving average of the weights (reference/trl.md section 3)."""
+"""BEMA: bias-corrected exponential moving average of the weights (see docs/design.md#trl-bema)."""
 
 from __future__ import annotations
 

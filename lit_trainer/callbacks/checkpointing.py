@@ -1,7 +1,7 @@
 """BestCheckpoint: save only on improvement, keep the N newest, load the best at the end, export it for HF.
 
 Reference: ``transformers`` ``save_strategy="best"`` + ``save_total_limit`` + ``load_best_model_at_end``
-(``shared/reference/hf_trainer.md`` section 5), built on Lightning's ``ModelCheckpoint`` (``lightning.md`` 1.2).
+(``docs/design.md#hf-best-checkpoint``), built on Lightning's ``ModelCheckpoint``.
 
 Semantics (same as the reference unless noted):
 
