@@ -139,3 +139,35 @@ def test_noise_filters_are_targeted(caplog):
     assert only_frozen_modules_in_eval_mode(torch.nn.Sequential(torch.nn.Linear(2, 2), frozen))
     assert not only_frozen_modules_in_eval_mode(torch.nn.Sequential(torch.nn.Linear(2, 2).eval()))
     assert not only_frozen_modules_in_eval_mode(torch.nn.Linear(2, 2))
+
+
+def test_plain_progress_lines_show_the_values_of_their_own_step(capsys, tmp_path):
+    """Lightning runs the callbacks' ``on_train_batch_end`` before the module's, where a step's window is logged: a line
+    printed there would show the previous window's values. Each line must carry the value logged at its own step."""
+    import re
+
+    import lightning.pytorch as pl
+
+    from lit_trainer.callbacks.progress import LineProgressBar
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            self.log("seen_step", float(self.trainer.global_step), prog_bar=True, on_step=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=1)
+    trainer = pl.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         callbacks=[LineProgressBar(every_n_steps=2)], default_root_dir=tmp_path)
+    trainer.fit(Module(), loader)
+    lines = re.findall(r"step (\d+)/6 \| epoch 0 \| seen_step ([0-9.]+)", capsys.readouterr().out)
+    assert [int(step) for step, _ in lines] == [2, 4, 6]
+    assert all(float(value) == float(step) for step, value in lines), lines

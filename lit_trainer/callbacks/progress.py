@@ -65,6 +65,7 @@ class LineProgressBar(ProgressBar):
         self._enabled = True
         self._start = time.monotonic()
         self._last_step = -1
+        self._pending: int | None = None  # the epoch of a line to print at the next hook
 
     @override
     def disable(self) -> None:
@@ -78,9 +79,10 @@ class LineProgressBar(ProgressBar):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._last_step = time.monotonic(), trainer.global_step
 
-    def _line(self, trainer: pl.Trainer, metrics: dict[str, Any], prefix: str) -> str:
+    def _line(self, trainer: pl.Trainer, metrics: dict[str, Any], prefix: str, epoch: int | None = None) -> str:
         total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
-        parts = [f"{prefix}step {trainer.global_step}{total}", f"epoch {trainer.current_epoch}"]
+        epoch = trainer.current_epoch if epoch is None else epoch
+        parts = [f"{prefix}step {trainer.global_step}{total}", f"epoch {epoch}"]
         if metrics:
             parts.append(format_metrics(metrics))
         parts.append(f"{time.monotonic() - self._start:.1f} s")
@@ -97,8 +99,31 @@ class LineProgressBar(ProgressBar):
             return
         self._last_step = step
         if step % every == 0 or step == trainer.max_steps:
+            # Lightning calls the callbacks' hook before the module's, where the step's window is logged: print the
+            # line at the next hook, so that it shows this step's values and not the previous window's
+            self._pending = trainer.current_epoch  # the epoch counter moves on when the run stops
+
+    def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None and self._enabled:
             metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}  # as the bar
-            print(self._line(trainer, metrics, ""), flush=True)
+            print(self._line(trainer, metrics, "", self._pending), flush=True)
+        self._pending = None
+
+    @override
+    @rank_zero_only
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._flush(trainer, pl_module)
+
+    @override
+    @rank_zero_only
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush(trainer, pl_module)
+
+    @override
+    @rank_zero_only
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush(trainer, pl_module)
 
     @override
     @rank_zero_only
