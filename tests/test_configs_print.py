@@ -29,3 +29,15 @@ def test_print_config_round_trips(config, tmp_path, monkeypatch, capsys):
 
 def test_every_recipe_is_covered():
     assert {p.name for p in CONFIGS} >= {"sft.yaml", "sft_chat.yaml", "dpo.yaml", "grpo.yaml"}
+
+
+def test_every_recipe_writes_its_own_run_folder():
+    """Recipes sharing a run name would share `runs/<name>/`, and `--ckpt_path last` of one would resume another's
+    checkpoint (a chat or LoRA run resumed as plain SFT)."""
+    from lit_trainer.runs import default_run_name
+
+    names = {}
+    for config in CONFIGS:
+        loaded = yaml.safe_load(config.read_text())
+        names[config.name] = loaded.get("run_name") or default_run_name(loaded["model"]["class_path"])
+    assert len(set(names.values())) == len(names), names
