@@ -51,6 +51,10 @@ def test_our_validation_message_comes_out_alone(tmp_path, monkeypatch):
         LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.learning_rate", "-1",
                             "--trainer.max_steps", "1"])
     assert str(refused.value).startswith("`learning_rate=-1.0`") and "Union" not in str(refused.value)
+    with pytest.raises(ValueError) as refused:  # only the bad value is named
+        LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.weight_decay", "-0.1",
+                            "--trainer.max_steps", "1"])
+    assert str(refused.value).startswith("`weight_decay=-0.1`") and "learning_rate" not in str(refused.value)
 
 
 def test_negative_numbers_parse_without_the_equals_form(tmp_path, monkeypatch, capsys):

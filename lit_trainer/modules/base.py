@@ -124,8 +124,9 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     ) -> None:
         super().__init__()
         self._peft_hparam = _peft.config_hparam(peft_config)
-        if learning_rate < 0 or weight_decay < 0:
-            raise ValueError(f"`learning_rate={learning_rate}`, `weight_decay={weight_decay}`: both must be >= 0.")
+        for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):
+            if value < 0:
+                raise ValueError(f"`{name}={value}` is invalid: it must be >= 0.")
         if max_grad_norm is not None and max_grad_norm < 0:
             raise ValueError(f"`max_grad_norm={max_grad_norm}` is invalid: use a positive norm, or 0/None to disable.")
         check_schedule(scheduler, warmup_steps, scheduler_kwargs)
