@@ -88,7 +88,7 @@ class PackageBound:
             TypeError: ``trainer`` is a ``Trainer`` of the other package.
         """
         for package, module in _IMPORT_FROM.items():
-            other = package != self._ns.package and package in sys.modules  # loaded when such a trainer exists
+            other = package != self._ns.package and sys.modules.get(package) is not None  # imported
             if other and isinstance(trainer, namespace(package).Trainer):  # type: ignore[arg-type]
                 raise TypeError(f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` "
                                 f"callback, but the trainer is a `{package}` one: import it from `{module}`.")
