@@ -22,6 +22,7 @@ What it changes from a plain ``LightningCLI``:
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -35,7 +36,14 @@ from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_
 from lit_trainer.callbacks.cpu_threads import CPUThreadCheck
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
 from lit_trainer.callbacks.run_identity import RunIdentity, class_path, identity_mismatch, read_record
-from lit_trainer.cli_errors import FriendlyParser, friendly_value_error, join_negative_numbers
+from lit_trainer.cli_errors import (
+    TRACEBACK_ENV,
+    FriendlyParser,
+    exit_with_message,
+    friendly_value_error,
+    join_negative_numbers,
+    raised_by_our_checks,
+)
 from lit_trainer.cli_noise import quiet_frozen_eval_mode_warning, quiet_startup_noise
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
@@ -226,12 +234,22 @@ def _folder_name(version: int | str) -> str:
 
 
 def main(args: Any = None) -> None:
-    """Entry point of the ``lit-trainer`` console script."""
-    if args is None:
-        sys.argv[1:] = join_negative_numbers(sys.argv[1:])
-        LitTrainerCLI()
-    else:
-        LitTrainerCLI(args=args)
+    """Entry point of the ``lit-trainer`` console script.
+
+    An error raised by one of lit_trainer's own input checks during the run (an empty data file, a checkpoint of
+    another run, ...) is printed as one message without the traceback, exit status 1; ``LIT_TRAINER_TRACEBACK=1``
+    shows the traceback. Other errors propagate unchanged.
+    """
+    try:
+        if args is None:
+            sys.argv[1:] = join_negative_numbers(sys.argv[1:])
+            LitTrainerCLI()
+        else:
+            LitTrainerCLI(args=args)
+    except Exception as error:
+        if os.environ.get(TRACEBACK_ENV) or not raised_by_our_checks(error):
+            raise
+        exit_with_message(error)
 
 
 if __name__ == "__main__":

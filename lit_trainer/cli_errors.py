@@ -14,6 +14,7 @@ import inspect
 import re
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
@@ -24,6 +25,10 @@ _CLASS_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
 _NOT_ACCEPTED = re.compile(r"(?:Option|Key) '([\w.]+)' is not accepted")
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (\S+)")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)", re.IGNORECASE)
+_PACKAGE = Path(__file__).resolve().parent
+# What lit_trainer's own checks raise (a bad value, a missing or empty file, a refused checkpoint).
+_CHECK_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+TRACEBACK_ENV = "LIT_TRAINER_TRACEBACK"
 
 
 def join_negative_numbers(args: Sequence[str]) -> list[str]:
@@ -142,6 +147,29 @@ class FriendlyParser(LightningArgumentParser):
     def print_usage(self, file: Any = None) -> None:
         """One line instead of every option (``--help`` lists them)."""
         (file or sys.stdout).write(f"usage: {self.prog} [--config FILE] [--section.option VALUE ...]\n")
+
+
+def raised_by_our_checks(error: BaseException) -> bool:
+    """Whether ``error`` is one of lit_trainer's own input checks: a ``ValueError`` whose innermost frame is in the
+    ``lit_trainer`` package, or a missing-file error met while lit_trainer reads its inputs. Those messages already
+    say what is wrong, so the console script prints them without the traceback; anything else (a bug, an error
+    raised inside torch or Lightning) keeps its traceback."""
+    if not isinstance(error, _CHECK_ERRORS):
+        return False
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE))
+        tb = tb.tb_next
+    if isinstance(error, OSError):  # raised by open()/stat() in the standard library, on lit_trainer's behalf
+        return any(frames)
+    return bool(frames) and frames[-1]
+
+
+def exit_with_message(error: BaseException) -> NoReturn:
+    """Print ``error`` as one ``lit-trainer: error: ...`` paragraph on stderr and exit with status 1."""
+    sys.stderr.write(f"lit-trainer: error: {error}\n(set {TRACEBACK_ENV}=1 to see the traceback)\n")
+    raise SystemExit(1)
 
 
 def friendly_value_error(error: ValueError) -> ValueError | None:
