@@ -68,6 +68,7 @@ class StepLoggingMixin:
         if self.trainer.global_step == self._last_global_step:
             return  # still accumulating: no optimizer step happened on this micro-batch
         self._last_global_step = self.trainer.global_step
+        self._last_step_epoch = self.trainer.current_epoch  # the counter moves on when the epoch's loop ends
         self._log_steps += 1
         self._step_costs.append(self._step_cost)
         self._step_cost = 0.0
@@ -75,7 +76,8 @@ class StepLoggingMixin:
             return
         self._write_logs()
 
-    def _write_logs(self) -> None:
+    def _window_values(self) -> dict[str, Tensor | float]:
+        """The logging window's values, reduced over ranks (every rank must call it)."""
         elapsed = max(1e-9, time.perf_counter() - self._log_started - self._excluded_time)
         world = self.trainer.world_size
         device = self.device
@@ -100,11 +102,33 @@ class StepLoggingMixin:
             values["grad_norm"] = self._grad_norm
         if world > 1 and self._step_costs:
             values["cost_spread"] = self._cost_spread()
+        return values
+
+    def _write_logs(self) -> None:
+        values = self._window_values()
         self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
         self.log("loss", values["train_loss"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
                  rank_zero_only=True)
         self.log("tok/s", values["tokens_per_sec"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
                  rank_zero_only=True)
+        self._reset_log_window()
+
+    @override
+    def on_train_end(self) -> None:
+        """Write the last logging window when the run ended between two logging steps.
+
+        Lightning writes logs only every ``log_every_n_steps`` steps, so a run of 30 steps with the default 50 would
+        leave ``metrics.csv`` without a training row, and a longer run would lose its last steps. The remaining
+        window goes straight to the loggers (``self.log`` is not allowed in ``on_train_end``), at the step Lightning
+        would have used.
+        """
+        if self._log_steps == 0 or not self.trainer.loggers:
+            return
+        values = {key: float(value) for key, value in self._window_values().items()}
+        if self.trainer.is_global_zero:
+            values["epoch"] = self._last_step_epoch
+            for logger in self.trainer.loggers:
+                logger.log_metrics(values, step=self.trainer.global_step - 1)
         self._reset_log_window()
 
     def _cost_spread(self) -> Tensor:
