@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torchmetrics import Metric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
@@ -268,6 +269,14 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
                 torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
 
     # ------------------------------------------------------------------------------------------- training start
+    @override
+    def on_fit_start(self) -> None:
+        # ``trainer.validate()`` runs under ``torch.inference_mode``: the metric states it reset are inference tensors,
+        # which validation during ``fit`` (under ``no_grad``) cannot update in place. Fresh states, made here.
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
+
     @override
     def on_train_start(self) -> None:
         # the step counter may start above 0 (resume): a change of it marks an optimizer step
