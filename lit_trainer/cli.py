@@ -44,7 +44,11 @@ from lit_trainer.cli_errors import (
     join_negative_numbers,
     raised_by_our_checks,
 )
-from lit_trainer.cli_noise import quiet_frozen_eval_mode_warning, quiet_startup_noise
+from lit_trainer.cli_noise import (
+    quiet_frozen_eval_mode_warning,
+    quiet_progress_bars_off_terminal,
+    quiet_startup_noise,
+)
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.runs import DEFAULT_ROOT, default_run_name, fresh_version, version_of
@@ -108,6 +112,7 @@ class LitTrainerCLI(LightningCLI):
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}))
         self._resume_from: str | None = None
         quiet_startup_noise()
+        quiet_progress_bars_off_terminal()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
             super().__init__(

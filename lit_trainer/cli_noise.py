@@ -5,13 +5,18 @@ Each filter matches one known message and nothing else; other warnings keep thei
 * Lightning's "💡 Tip: ... try installing [litlogger]" advertisement at every ``Trainer`` creation;
 * ``isinstance(treespec, LeafSpec)`` deprecation raised by torch from inside Lightning's own code;
 * "Found N module(s) in eval mode at the start of training", only when every module in eval mode holds frozen
-  parameters only (a DPO reference model): a module left in eval mode by mistake still warns.
+  parameters only (a DPO reference model): a module left in eval mode by mistake still warns;
+* the progress bars of ``datasets`` (tokenizing, filtering) and ``transformers`` (writing the export) when stderr is
+  not a terminal: in a log file each bar is a run of carriage-return updates, and lit_trainer's own plain progress
+  lines already say where the run is. On a terminal they stay.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
+from typing import TextIO
 
 import torch
 
@@ -50,3 +55,20 @@ def quiet_frozen_eval_mode_warning(model: torch.nn.Module) -> None:
     """Silence Lightning's eval-mode warning when it is only about frozen modules (a reference model)."""
     if only_frozen_modules_in_eval_mode(model):
         warnings.filterwarnings("ignore", message=_EVAL_MODE)
+
+
+def quiet_progress_bars_off_terminal(stream: TextIO | None = None) -> bool:
+    """Turn off the ``datasets`` and ``transformers`` progress bars when ``stream`` (stderr) is not a terminal.
+
+    Returns:
+        Whether they were turned off.
+    """
+    stream = sys.stderr if stream is None else stream
+    if stream.isatty():
+        return False
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    return True

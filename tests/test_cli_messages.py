@@ -145,6 +145,31 @@ def test_noise_filters_are_targeted(caplog):
     assert not only_frozen_modules_in_eval_mode(torch.nn.Linear(2, 2))
 
 
+def test_library_progress_bars_are_off_only_off_a_terminal():
+    import io
+
+    import datasets
+    import transformers
+
+    from lit_trainer.cli_noise import quiet_progress_bars_off_terminal
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def enabled() -> tuple[bool, bool]:
+        return datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled()
+
+    datasets.enable_progress_bars()
+    transformers.utils.logging.enable_progress_bar()
+    try:
+        assert not quiet_progress_bars_off_terminal(Terminal()) and enabled() == (True, True)
+        assert quiet_progress_bars_off_terminal(io.StringIO()) and enabled() == (False, False)
+    finally:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+
+
 def test_plain_progress_lines_show_the_values_of_their_own_step(capsys, tmp_path):
     """Lightning runs the callbacks' ``on_train_batch_end`` before the module's, where a step's window is logged: a line
     printed there would show the previous window's values. Each line must carry the value logged at its own step."""
