@@ -32,8 +32,17 @@ from examples.customizing.optimizer import EmbeddingLRModule  # noqa: E402
 
 
 def _trainer(callbacks=(), **kw) -> pl.Trainer:
-    kw = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-          "limit_val_batches": 0, "num_sanity_val_steps": 0, "accelerator": "cpu", "devices": 1, **kw}
+    kw = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "accelerator": "cpu",
+        "devices": 1,
+        **kw,
+    }
     return pl.Trainer(callbacks=list(callbacks), **kw)
 
 
@@ -50,8 +59,12 @@ def _random_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_focal_loss_with_gamma_zero_is_the_standard_loss():
     logits, labels = _random_batch()
     for count in (None, torch.tensor(40)):
-        torch.testing.assert_close(focal_causal_lm_loss(logits, labels, count, gamma=0.0),
-                                   causal_lm_loss(logits, labels, count), rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(
+            focal_causal_lm_loss(logits, labels, count, gamma=0.0),
+            causal_lm_loss(logits, labels, count),
+            rtol=1e-6,
+            atol=0.0,
+        )
 
 
 def test_focal_loss_down_weights_confident_tokens_by_hand():
@@ -76,8 +89,14 @@ def test_focal_loss_window_gradient_equals_full_batch(tokenizer):
     model = tiny_llama(seed=4)
     # the 4 shortest rows, then the 4 longest: two micro-batches of very different token counts
     texts = sorted(TEXTS, key=len)
-    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": texts}), val_size=0, batch_size=4,
-                       max_length=64, sampling="sequential")
+    dm = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": texts}),
+        val_size=0,
+        batch_size=4,
+        max_length=64,
+        sampling="sequential",
+    )
     dm.setup("fit")
     halves = [dm._collate([dm.train_dataset[i] for i in range(k, k + 4)], True) for k in (0, 4)]
     tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in halves]
@@ -108,8 +127,14 @@ class _BatchRecorder(pl.Callback):
 
 
 def test_curriculum_data_module_yields_shortest_rows_first_then_shuffles(tokenizer):
-    dm = CurriculumSFTDataModule(tokenizer=tokenizer, dataset=accum_datamodule(tokenizer).dataset_source, val_size=0,
-                                 batch_size=2, max_length=64, curriculum_epochs=1)
+    dm = CurriculumSFTDataModule(
+        tokenizer=tokenizer,
+        dataset=accum_datamodule(tokenizer).dataset_source,
+        val_size=0,
+        batch_size=2,
+        max_length=64,
+        curriculum_epochs=1,
+    )
     recorder = _BatchRecorder()
     module = CausalLMModule(tiny_llama(seed=5), tokenizer=tokenizer, learning_rate=1e-3)
     _trainer([recorder], max_epochs=2).fit(module, datamodule=dm)
@@ -123,8 +148,9 @@ def test_curriculum_data_module_yields_shortest_rows_first_then_shuffles(tokeniz
 def test_optimizer_override_gives_the_embeddings_their_own_rate(tokenizer):
     model = tiny_llama(seed=6)
     before = model.get_input_embeddings().weight.detach().clone()
-    module = EmbeddingLRModule(model, tokenizer=tokenizer, learning_rate=1e-2, embedding_lr_ratio=0.1,
-                               scheduler="constant")
+    module = EmbeddingLRModule(
+        model, tokenizer=tokenizer, learning_rate=1e-2, embedding_lr_ratio=0.1, scheduler="constant"
+    )
     trainer = _trainer(max_steps=2)
     trainer.fit(module, datamodule=accum_datamodule(tokenizer, batch_size=4))
     optimizer = trainer.optimizers[0]
@@ -176,12 +202,29 @@ def test_dpop_module_uses_the_reference_model_and_keeps_dpo_metrics(tokenizer):
 
 def test_dpop_config_trains_two_steps_from_the_command_line(tmp_path):
     config = ROOT / "examples" / "customizing" / "dpop.yaml"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
     exe = Path(sys.executable).with_name("lit-trainer")
-    proc = subprocess.run([str(exe) if exe.exists() else "lit-trainer", "fit", "--config", str(config),
-                           "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            str(exe) if exe.exists() else "lit-trainer",
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.log_every_n_steps",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "dpopmodule" / "version_0"
     saved = yaml.safe_load((run / "config.yaml").read_text())

@@ -11,14 +11,13 @@ from lit_trainer.data import SFTDataModule
 
 
 class CurriculumSampler:
-    """This rank's micro-batches: rows sorted by length (shortest first) in epochs < ``curriculum_epochs``, shuffled
+    """This rank's micro-batches: rows sorted by length (shortest first) in the first ``epochs`` epochs, shuffled
     with ``seed + epoch`` after. The order depends on (seed, epoch, rank) only and every rank yields ``len(self)``
     batches (the incomplete last round is dropped), so resume stays exact and DDP ranks stay in step."""
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, *, seed: int, num_replicas: int, rank: int,
-                 curriculum_epochs: int) -> None:
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, world: int, rank: int, epochs: int) -> None:
         self.lengths, self.batch_size, self.seed = list(lengths), batch_size, seed
-        self.num_replicas, self.rank, self.curriculum_epochs = num_replicas, rank, curriculum_epochs
+        self.num_replicas, self.rank, self.curriculum_epochs = world, rank, epochs
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -42,10 +41,9 @@ class CurriculumSFTDataModule(SFTDataModule):
     """SFTDataModule with a length curriculum; every other option is SFTDataModule's."""
 
     def __init__(self, *args: Any, curriculum_epochs: int = 1, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # every __init__ argument is saved in self.hparams
 
     def train_batch_sampler(self) -> CurriculumSampler:
-        trainer = self.trainer
-        return CurriculumSampler(self.lengths(), self.hparams.batch_size, seed=self.hparams.seed,
-                                 num_replicas=trainer.world_size, rank=trainer.global_rank,
-                                 curriculum_epochs=self.hparams.curriculum_epochs)
+        hp, trainer = self.hparams, self.trainer
+        world, rank = trainer.world_size, trainer.global_rank
+        return CurriculumSampler(self.lengths(), hp.batch_size, hp.seed, world, rank, hp.curriculum_epochs)

@@ -26,7 +26,7 @@ class FocalLossLM(CausalLMModule):
     """CausalLMModule trained with the focal loss; every other option is CausalLMModule's."""
 
     def __init__(self, model: Any = "tiny", *, gamma: float = 2.0, **kwargs: Any) -> None:
-        super().__init__(model, **kwargs)
+        super().__init__(model, **kwargs)  # every __init__ argument is saved in self.hparams
         if gamma < 0:
             raise ValueError(f"`FocalLossLM(gamma={gamma})` is invalid: use gamma >= 0 (0 is the plain loss).")
 
