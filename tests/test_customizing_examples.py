@@ -17,6 +17,7 @@ from conftest import tiny_llama
 from datasets import Dataset
 
 from lit_trainer.data import PreferenceDataModule, SFTDataModule
+from lit_trainer.data.loader import TrainLoader
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.losses.dpo import dpo_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the examples are run from the repository root, as the guide says
     sys.path.insert(0, str(ROOT))
 
-from examples.customizing.batching import CurriculumSFTDataModule  # noqa: E402
+from examples.customizing.batching import CurriculumSampler, CurriculumSFTDataModule  # noqa: E402
 from examples.customizing.dpop import DPOPModule, dpop_loss  # noqa: E402
 from examples.customizing.focal_loss import FocalLossLM, focal_causal_lm_loss  # noqa: E402
 from examples.customizing.optimizer import EmbeddingLRModule  # noqa: E402
@@ -142,6 +143,24 @@ def test_curriculum_data_module_yields_shortest_rows_first_then_shuffles(tokeniz
     by_epoch = {e: [n for epoch, rows in recorder.batches if epoch == e for n in rows] for e in (0, 1)}
     assert [rows for epoch, rows in recorder.batches if epoch == 0] == [lengths[i : i + 2] for i in (0, 2, 4, 6)]
     assert sorted(by_epoch[1]) == lengths and by_epoch[1] != lengths  # every row once, no longer sorted
+
+
+def test_curriculum_sampler_resumes_on_the_same_rows(tokenizer):
+    """The TrainLoader resumes by iterating the sampler again and skipping: an order that is a function of (seed,
+    epoch, rank) gives the uninterrupted run's remaining batches, in both the sorted and the shuffled epochs."""
+    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0, max_length=64)
+    dm.setup("fit")
+
+    def loader(epoch: int, position: int = 0) -> list[list[int]]:
+        sampler = CurriculumSampler(dm.lengths(), 2, seed=3, world=1, rank=0, epochs=1)
+        train = TrainLoader(dm.train_dataset, sampler, lambda rows: dm._collate(rows, True), count_items=dm.count_items)
+        train.load_state_dict({"epoch": epoch, "position": position})
+        return [batch["attention_mask"].sum(-1).tolist() for batch in train]
+
+    for epoch in (0, 1):
+        full = loader(epoch)
+        assert len(full) == 4 and loader(epoch, position=3) == full[3:] and loader(epoch, position=1) == full[1:]
+    assert loader(0) != loader(1)
 
 
 # ------------------------------------------------------------------------------------------------------- optimizer
