@@ -86,31 +86,49 @@ def _focal_full_batch_gradient(model, dm, rows: list[int], gamma: float) -> dict
     return grads
 
 
-def test_focal_loss_window_gradient_equals_full_batch(tokenizer):
-    model = tiny_llama(seed=4)
-    # the 4 shortest rows, then the 4 longest: two micro-batches of very different token counts
+def _uneven_halves(tokenizer) -> SFTDataModule:
+    """The 4 shortest rows, then the 4 longest: two micro-batches of 4 rows, 8 and 130 target tokens."""
     texts = sorted(TEXTS, key=len)
-    dm = SFTDataModule(
-        tokenizer=tokenizer,
-        dataset=Dataset.from_dict({"text": texts}),
-        val_size=0,
-        batch_size=4,
-        max_length=64,
-        sampling="sequential",
-    )
+    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": texts}), val_size=0, batch_size=4,
+                       max_length=64, sampling="sequential")  # fmt: skip
     dm.setup("fit")
     halves = [dm._collate([dm.train_dataset[i] for i in range(k, k + 4)], True) for k in (0, 4)]
     tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in halves]
     assert tokens[1] > 5 * tokens[0], tokens
+    return dm
+
+
+def _step_gradient(module, dm) -> dict[str, torch.Tensor]:
+    """The gradient of one optimizer step over the data module's two micro-batches (accumulated), before clipping."""
+    capture = GradCapture()
+    _trainer([capture], max_steps=1, accumulate_grad_batches=2).fit(module, datamodule=dm)
+    assert len(capture.grads) == 1
+    return capture.grads[0]
+
+
+def test_focal_loss_window_gradient_equals_full_batch(tokenizer):
+    model, dm = tiny_llama(seed=4), _uneven_halves(tokenizer)
     reference = _focal_full_batch_gradient(copy.deepcopy(model), dm, list(range(8)), gamma=2.0)
     # guard: averaging the two micro-batch means (what a per-batch mean loss gives) is far from it
     parts = [_focal_full_batch_gradient(copy.deepcopy(model), dm, list(range(k, k + 4)), 2.0) for k in (0, 4)]
     assert relative_error({k: (parts[0][k] + parts[1][k]) / 2 for k in reference}, reference) > 0.05
     module = FocalLossLM(copy.deepcopy(model), tokenizer=tokenizer, gamma=2.0, learning_rate=0.0, max_grad_norm=None)
-    capture = GradCapture()
-    _trainer([capture], max_steps=1, accumulate_grad_batches=2).fit(module, datamodule=dm)
-    assert len(capture.grads) == 1
-    assert relative_error(capture.grads[0], reference) < 1e-5
+    assert relative_error(_step_gradient(module, dm), reference) < 1e-5
+
+
+class _PerBatchMeanFocal(FocalLossLM):
+    """What the guide warns against: the micro-batch's own mean, ignoring the step's count."""
+
+    def compute_loss(self, batch, num_items_in_batch):
+        return super().compute_loss(batch, None)
+
+
+def test_a_per_batch_mean_is_off_by_the_accumulation_factor(tokenizer):
+    """docs/customizing.md: with the count given, a per-micro-batch mean gives N times the mean of the means."""
+    model, dm = tiny_llama(seed=4), _uneven_halves(tokenizer)
+    parts = [_focal_full_batch_gradient(copy.deepcopy(model), dm, list(range(k, k + 4)), 2.0) for k in (0, 4)]
+    module = _PerBatchMeanFocal(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=0.0, max_grad_norm=None)
+    assert relative_error(_step_gradient(module, dm), {k: parts[0][k] + parts[1][k] for k in parts[0]}) < 1e-5
 
 
 def test_focal_loss_rejects_a_negative_gamma():
