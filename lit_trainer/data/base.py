@@ -169,17 +169,28 @@ class BaseDataModule(pl.LightningDataModule):
 
         return require_lengths(self.train_dataset, self.hparams.length_column_name, sampling=self.hparams.sampling)
 
-    @override
-    def train_dataloader(self) -> TrainLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
+    def train_batch_sampler(self) -> Any:
+        """The training batch sampler: which rows form each micro-batch of this rank (the ``sampling`` option).
+
+        Override it to change batching; what it returns must follow the protocol of
+        :mod:`lit_trainer.data.batch_sampler` (``docs/customizing.md`` has an example). Called by
+        :meth:`train_dataloader` once the data is set up.
+        """
         world, rank, accumulate = self._replicas()
         hp = self.hparams
-        sampler = make_batch_sampler(
+        return make_batch_sampler(
             hp.sampling, num_samples=len(self.train_dataset), lengths=self.lengths, batch_size=hp.batch_size,
             seed=hp.seed, num_replicas=world, rank=rank, accumulate_grad_batches=accumulate, drop_last=hp.drop_last,
             cost_model=self.rebalance_cost_model(),
         )
+
+    @override
+    def train_dataloader(self) -> TrainLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        _, _, accumulate = self._replicas()
+        hp = self.hparams
+        sampler = self.train_batch_sampler()
         return TrainLoader(
             self.train_dataset, sampler, lambda rows: self._collate(rows, True), count_items=self.count_items,
             accumulate_grad_batches=accumulate, windows=self._step_windows(), seed=hp.seed, num_workers=hp.num_workers, pin_memory=hp.pin_memory,

@@ -50,15 +50,7 @@ class OptimizationMixin:
         named = list(self.trainable_parameters())
         if not named:
             raise ValueError("The module has no trainable parameter: nothing to optimize.")
-        if self._optimizer_fn is not None:
-            optimizer = self._optimizer_fn([p for _, p in named])
-        else:
-            decay = [p for n, p in named if not any(k in n.lower() for k in _NO_DECAY) and p.ndim > 1]
-            no_decay = [p for n, p in named if any(k in n.lower() for k in _NO_DECAY) or p.ndim <= 1]
-            groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                      {"params": no_decay, "weight_decay": 0.0}]
-            optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.learning_rate,
-                                          fused=fused_adamw_supported([p for _, p in named]) or None)
+        optimizer = self.create_optimizer(named)
         if self._scheduler_fn is not None:
             scheduler = self._scheduler_fn(optimizer)
         else:
@@ -66,6 +58,20 @@ class OptimizationMixin:
             scheduler = build_schedule(optimizer, hp.scheduler, hp.warmup_steps,
                                        max(1, int(self.trainer.estimated_stepping_batches)), hp.scheduler_kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def create_optimizer(self, named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        """The optimizer over ``named`` (the :meth:`trainable_parameters`, in order): the ``optimizer`` callable when
+        one was given, else AdamW with ``learning_rate`` and ``weight_decay`` (none on biases, norms and 1-D
+        parameters). Override it to build another optimizer or parameter groups (``docs/customizing.md``); the
+        learning-rate schedule is then applied to the optimizer it returns."""
+        if self._optimizer_fn is not None:
+            return self._optimizer_fn([p for _, p in named])
+        decay = [p for n, p in named if not any(k in n.lower() for k in _NO_DECAY) and p.ndim > 1]
+        no_decay = [p for n, p in named if any(k in n.lower() for k in _NO_DECAY) or p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.learning_rate,
+                                 fused=fused_adamw_supported([p for _, p in named]) or None)
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:

@@ -1,0 +1,1 @@
+"""Runnable examples from the documentation (``docs/customizing.md``, ``CONTRIBUTING.md``); tests import them."""

@@ -1,0 +1,1 @@
+"""Extension points of lit_trainer, one file each (``docs/customizing.md``)."""
