@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-
-T = TypeVar("T")
 
 
 @runtime_checkable
@@ -64,11 +62,11 @@ class EpochPosition:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def _iter_from(self, start: int) -> Iterator[T]:
+    def _iter_from(self, start: int) -> Iterator[Any]:
         """The items of epoch ``self.epoch`` from item ``start`` on (``start <= len(self)``)."""
         raise NotImplementedError
 
-    def __iter__(self) -> Iterator[T]:
+    def __iter__(self) -> Iterator[Any]:
         start, self._resume_at = self._resume_at, 0
         self.position = start
         for item in self._iter_from(start):

@@ -1,6 +1,6 @@
 """Length-aware training samplers: ``sampling: group_by_length`` and ``sampling: batch_rebalance``.
 
-Both follow the batch-sampler protocol of :mod:`lit_trainer.data.batch_sampler` (rank-aware, the order a pure
+Both are :class:`~lit_trainer.data.batch_sampler.BatchSampler` s (rank-aware, the order a pure
 function of ``(seed, epoch)``, ``set_epoch``, ``state_dict``/``load_state_dict`` with ``{"epoch", "position"}``, the
 same ``len()`` on every rank) and differ from the HF Trainer's reference samplers where the
 reference has a bug (no global RNG, no duplicated samples in the tail, no replay of epoch 0 on a multi-rank resume)
@@ -126,7 +126,7 @@ def make_length_grouped_batch_sampler(
     lengths: Sequence[int], *, batch_size: int, seed: int, num_replicas: int | None = None, rank: int | None = None,
     accumulate_grad_batches: int = 1, drop_last: bool = False,
 ) -> LengthGroupedBatchSampler:
-    """The ``group_by_length`` training batch sampler (protocol of :mod:`lit_trainer.data.batch_sampler`).
+    """The ``group_by_length`` training batch sampler (a :class:`~lit_trainer.data.batch_sampler.BatchSampler`).
 
     Mega-batch size: ``min(n // 4, 50 optimizer steps)`` rounded down to whole micro-batches, where an optimizer step
     is ``batch_size * accumulate_grad_batches * num_replicas`` samples. On one device this is the reference's size
