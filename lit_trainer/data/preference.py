@@ -177,8 +177,8 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
                  packing: PreferencePacking = "none", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if packing == "bfd":
-            raise ValueError(f"`packing='bfd'` is for SFT rows; preference pairs support one of "
-                             f"{get_args(PreferencePacking)}.")
+            raise ValueError(f"`packing='bfd'` is for SFT rows; preference pairs support packing='padding_free' "
+                             f"(choices: {get_args(PreferencePacking)}).")
         check_packing_options(packing, None, self.hparams)
         if truncation_mode not in get_args(TruncationMode):
             raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use one of {get_args(TruncationMode)}.")
