@@ -31,7 +31,8 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler as RefRebalance
 from transformers.trainer_pt_utils import LengthGroupedSampler as RefGrouped
 
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
-from lit_trainer.data.samplers import BatchRebalanceSampler, make_length_grouped_batch_sampler, microbatch_cost
+from lit_trainer.data.rebalance import microbatch_cost
+from lit_trainer.data.samplers import BatchRebalanceSampler, make_length_grouped_batch_sampler
 
 Steps = list[list[list[list[int]]]]  # steps[step][rank][slot] = dataset indices
 

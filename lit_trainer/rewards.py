@@ -2,7 +2,7 @@
 
 A reward function is any callable ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``: one
 value per completion, ``None`` = "this function does not score this row" (it becomes NaN, see
-``lit_trainer.losses.grpo.grpo_advantages``). ``columns`` are the other dataset columns, one list entry per row.
+``lit_trainer.losses.grpo_advantages.grpo_advantages``). ``columns`` are the other dataset columns, one list entry per row.
 
 Example:
     >>> arithmetic_reward(["37+45="] * 2, ["82", " 81"], [[], []], answer=[82, 82])

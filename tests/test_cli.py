@@ -10,7 +10,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_trainer.callbacks.resume import write_sentinel
+from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
 from lit_trainer.cli import LitTrainerCLI
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -164,7 +164,7 @@ def test_curriculum_data_module_yields_shortest_rows_first_then_shuffles(tokeniz
 
 
 def test_curriculum_sampler_resumes_on_the_same_rows(tokenizer):
-    """The TrainLoader resumes by iterating the sampler again and skipping: an order that is a function of (seed,
+    """The TrainLoader resumes by seeking the sampler to the next micro-batch: an order that is a function of (seed,
     epoch, rank) gives the uninterrupted run's remaining batches, in both the sorted and the shuffled epochs."""
     dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0, max_length=64)
     dm.setup("fit")

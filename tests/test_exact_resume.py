@@ -17,16 +17,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
 
-from lit_trainer.callbacks.resume import (
-    SENTINEL_NAME,
-    ExactResume,
-    apply_rng_state,
-    collect_rng_state,
-    resolve_resume,
-    resolve_resume_checkpoint,
-    sentinel_target,
-    write_sentinel,
-)
+from lit_trainer.callbacks import ExactResume, resolve_resume, resolve_resume_checkpoint
+from lit_trainer.callbacks._rng_state import apply_rng_state, collect_rng_state
+from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_injection_train.py"
 

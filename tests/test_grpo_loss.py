@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lit_trainer.losses.grpo import grpo_advantages, grpo_loss_metrics, grpo_policy_loss, grpo_reward_metrics
+from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
+from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
 
 NAN = float("nan")
 

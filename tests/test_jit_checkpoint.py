@@ -17,8 +17,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
-from lit_trainer.callbacks.resume import SENTINEL_NAME, sentinel_target
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
 

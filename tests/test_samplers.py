@@ -9,13 +9,12 @@ import datasets
 import pytest
 import torch
 
+from lit_trainer.data.rebalance import balance_step, microbatch_cost
 from lit_trainer.data.samplers import (
     BatchRebalanceSampler,
     LengthGroupedSampler,
-    balance_step,
     cost_spread,
     make_length_grouped_batch_sampler,
-    microbatch_cost,
     padding_stats,
     require_lengths,
 )

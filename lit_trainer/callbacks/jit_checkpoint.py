@@ -21,7 +21,7 @@ recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, 
 * **Ordering.** At setup the callback moves itself behind every other non-``Checkpoint`` callback, so its save
   sees their end-of-step state (an EMA/BEMA update made in their ``on_train_batch_end``).
 * **Atomic.** The file is written under a hidden partial name and renamed into place (``_atomic.commit``), so a
-  reader never sees half a checkpoint; ``lit_trainer.callbacks.resume.resolve_resume_checkpoint`` skips the one a
+  reader never sees half a checkpoint; ``lit_trainer.callbacks.resolve_resume_checkpoint`` skips the one a
   left-over sentinel names. An ``AsyncCheckpointIO`` is flushed before the rename.
 * **Exit status.** After the save every rank raises :class:`JITCheckpointExit`, a ``SystemExit`` with
   ``exit_code`` (default 143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM, so Slurm,

@@ -23,15 +23,7 @@ from typing_extensions import override
 
 from lit_trainer._dist import gather_from_all_ranks, gather_to_rank_zero
 from lit_trainer.callbacks._replay_loader import REPLAY_MARKER, ReplayLoader, can_skip_by_index, loader_generators
-from lit_trainer.callbacks._rng_state import (  # noqa: F401 (re-exported)
-    RawRngState,
-    apply_rng_state,
-    capture_rng,
-    collect_rng_state,
-    restore_rng,
-    rng_state_from_dict,
-    rng_state_to_dict,
-)
+from lit_trainer.callbacks._rng_state import RawRngState, apply_rng_state, capture_rng, restore_rng, rng_state_to_dict
 from lit_trainer.callbacks._window_grads import (
     collect_window_grads,
     grads_are_local,
@@ -40,14 +32,6 @@ from lit_trainer.callbacks._window_grads import (
     window_in_progress,
 )
 from lit_trainer.callbacks._namespace import PackageBound
-from lit_trainer.callbacks.checkpoint_resolution import (  # noqa: F401 (re-exported)
-    SENTINEL_NAME,
-    implicit_resume_sources,
-    resolve_resume,
-    resolve_resume_checkpoint,
-    sentinel_target,
-    write_sentinel,
-)
 
 
 def _flat_loaders(loaders: Any) -> list[Any]:

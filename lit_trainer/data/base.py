@@ -16,9 +16,11 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_trainer.data.batch_sampler import SAMPLING_CHOICES, Sampling, make_batch_sampler
+from lit_trainer.data.batch_sampler import BatchSampler
 from lit_trainer.data.loader import EvalLoader, TrainLoader, validate_loader_options
 from lit_trainer.data.rebalance import CostModel
+from lit_trainer.data.samplers import require_lengths
+from lit_trainer.data.sampling import Sampling, check_sampling, make_batch_sampler
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
@@ -84,8 +86,7 @@ class BaseDataModule(pl.LightningDataModule):
             raise ValueError(f"`batch_size={batch_size}` is invalid: it must be >= 1.")
         if eval_batch_size is not None and eval_batch_size < 1:
             raise ValueError(f"`eval_batch_size={eval_batch_size}` is invalid: it must be >= 1 or unset.")
-        if sampling not in SAMPLING_CHOICES:
-            raise ValueError(f"`sampling={sampling!r}` is invalid: choose one of {SAMPLING_CHOICES}.")
+        check_sampling(sampling)
         validate_loader_options(num_workers, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
         self.tokenizer_source = tokenizer
@@ -165,17 +166,15 @@ class BaseDataModule(pl.LightningDataModule):
             ValueError: when the column is missing or incomplete; the message names ``sampling``,
                 ``length_column_name`` and the fix.
         """
-        from lit_trainer.data.samplers import require_lengths
-
         return require_lengths(self.train_dataset, self.hparams.length_column_name, sampling=self.hparams.sampling)
 
-    def train_batch_sampler(self) -> Any:
-        """The training batch sampler: which rows form each micro-batch of this rank (the ``sampling`` option).
+    def train_batch_sampler(self) -> BatchSampler:
+        """The training batch sampler: which rows form each micro-batch of this rank, by the ``sampling`` strategy
+        (:mod:`lit_trainer.data.sampling`). Called by :meth:`train_dataloader` once the data is set up.
 
-        Override it to change batching; what it returns must follow the protocol of
-        :mod:`lit_trainer.data.batch_sampler` (``docs/customizing.md`` has an example). Called by
-        :meth:`train_dataloader` once the data is set up.
-        """
+        Override it to change batching: what it returns must follow the
+        :class:`~lit_trainer.data.batch_sampler.BatchSampler` protocol (``docs/customizing.md`` has an example,
+        ``docs/resume.md`` the contract)."""
         world, rank, accumulate = self._replicas()
         hp = self.hparams
         return make_batch_sampler(
@@ -190,9 +189,9 @@ class BaseDataModule(pl.LightningDataModule):
             self.setup("fit")
         _, _, accumulate = self._replicas()
         hp = self.hparams
-        sampler = self.train_batch_sampler()
         return TrainLoader(
-            self.train_dataset, sampler, lambda rows: self._collate(rows, True), count_items=self.count_items,
+            self.train_dataset, self.train_batch_sampler(), lambda rows: self._collate(rows, True),
+            count_items=self.count_items,
             accumulate_grad_batches=accumulate, windows=self._step_windows(), seed=hp.seed, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
             persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
         )

@@ -1,54 +1,106 @@
-"""Rank-aware, epoch-seeded batch samplers for the training loader (``sampling: random | sequential``).
+"""The batch-sampler contract (:class:`BatchSampler`), its one resume position (:class:`EpochPosition`), and the
+rank-aware, epoch-seeded :class:`ShardedBatchSampler` of ``sampling: random | sequential``.
 
-Every training batch sampler used by :class:`~lit_trainer.data.loader.TrainLoader` follows one small protocol:
-
-* iterating yields THIS rank's micro-batches (lists of dataset indices) for the current epoch;
-* ``len()`` is the number of micro-batches this rank yields per epoch, equal on every rank (so DDP never hangs);
-* ``set_epoch(e)`` selects the epoch; the order is a pure function of ``(seed, epoch, rank)``, never of a global RNG,
-  so a resumed run sees exactly the same order;
-* ``state_dict()``/``load_state_dict()`` hold ``{"epoch", "position"}``.
-
-The length-aware strategies (``group_by_length``, ``batch_rebalance``) live in :mod:`lit_trainer.data.samplers`;
-:func:`make_batch_sampler` dispatches on the ``sampling`` option.
+Every training batch sampler used by :class:`~lit_trainer.data.loader.TrainLoader` satisfies :class:`BatchSampler`.
+The samplers of this package get the position part of it from :class:`EpochPosition`, which is the only place that
+tracks where an epoch stands: the loader keeps no epoch and no skip of its own, it seeks the sampler with
+``load_state_dict`` (see ``docs/resume.md``). The built-in strategies are registered by name in
+:mod:`lit_trainer.data.sampling`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from lit_trainer.data.rebalance import CostModel
 
-Sampling = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
-SAMPLING_CHOICES: tuple[str, ...] = ("random", "sequential", "group_by_length", "batch_rebalance")
+@runtime_checkable
+class BatchSampler(Protocol):
+    """What :class:`~lit_trainer.data.loader.TrainLoader` needs from a training batch sampler.
+
+    * iterating yields THIS rank's micro-batches (lists of dataset indices) for the current epoch;
+    * ``len()`` is the number of micro-batches this rank yields per epoch, equal on every rank (so DDP never hangs);
+    * ``set_epoch(e)`` selects the epoch; the order must be a pure function of ``(seed, epoch, rank)``, never of a
+      global RNG, so that a resumed run sees the same order. Selecting ANOTHER epoch drops a pending resume;
+    * ``state_dict()`` returns ``{"epoch", "position"}``; right after ``load_state_dict(state)`` it returns ``state``;
+    * ``load_state_dict({"epoch", "position"})`` makes the NEXT iteration yield epoch ``epoch`` from micro-batch
+      ``position`` on (once; later iterations start at 0). The loader uses it to seek at every epoch start.
+
+    Subclassing :class:`EpochPosition` and writing ``_iter_from(start)`` and ``__len__`` gives all of it.
+    """
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+    def __len__(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None: ...
 
 
 class EpochPosition:
-    """Shared ``set_epoch``/``state_dict``/``load_state_dict`` of the samplers: ``{"epoch", "position"}``.
+    """The resume position of a sampler, in one place: ``epoch``, ``position`` and where the next iteration starts.
 
-    ``position`` counts the items (indices or micro-batches) already yielded in the current epoch; a loaded position
-    is consumed by the next iteration of that epoch, which then starts at it.
+    A subclass writes ``_iter_from(start)`` (the epoch's items from item ``start`` on, for ``self.epoch``) and
+    ``__len__``; iterating, ``set_epoch``, ``state_dict`` and ``load_state_dict`` are implemented here once.
+    ``position`` counts the items (indices or micro-batches) yielded in the current epoch; a loaded position is
+    consumed by the next iteration, which starts at it. After a whole epoch, ``position`` is 0 again (the next
+    iteration starts the epoch over) unless the class sets ``_rewind_at_epoch_end = False``, in which case it stays
+    at ``len()``: the state then says the whole epoch was yielded.
     """
 
     epoch: int = 0
     position: int = 0
     _resume_at: int = 0
+    _rewind_at_epoch_end: ClassVar[bool] = True
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _iter_from(self, start: int) -> Iterator[Any]:
+        """The items of epoch ``self.epoch`` from item ``start`` on (``start <= len(self)``)."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Any]:
+        start, self._resume_at = self._resume_at, 0
+        self.position = start
+        for item in self._iter_from(start):
+            self.position += 1
+            yield item
+        if self._rewind_at_epoch_end:
+            self.position = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields."""
+        """Select the epoch whose order the next iteration yields; another epoch than the current one drops a pending
+        resume position (a checkpoint taken at the end of an epoch resumes at the start of the next one)."""
+        if epoch != self.epoch:
+            self.position = self._resume_at = 0
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position"}``: the items already yielded in this epoch."""
+        """``{"epoch", "position"}``: the items already yielded in this epoch (or the loaded position)."""
         return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration yields epoch ``state["epoch"]`` from item ``state["position"]``."""
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume: the next iteration yields epoch ``state["epoch"]`` from item ``state["position"]`` on.
+
+        Raises:
+            ValueError: when the position is outside ``[0, len(self)]`` (the data or batch size changed).
+        """
+        position = int(state["position"])
+        if not 0 <= position <= len(self):
+            raise ValueError(
+                f"`position={position}` is out of range for an epoch of {len(self)} items of {type(self).__name__}: "
+                "the checkpoint was written with other data, batch size or world size. Resume with the same settings "
+                "or start a new run."
+            )
         self.epoch = int(state["epoch"])
-        self._resume_at = int(state["position"])
+        self.position = self._resume_at = position
 
 
 class ShardedBatchSampler(EpochPosition):
@@ -96,9 +148,6 @@ class ShardedBatchSampler(EpochPosition):
         self.num_replicas = num_replicas
         self.rank = rank
         self.drop_last = drop_last
-        self.epoch = 0
-        self.position = 0
-        self._resume_at = 0
 
     def _global_batches(self) -> list[list[int]]:
         if self.shuffle:
@@ -121,13 +170,8 @@ class ShardedBatchSampler(EpochPosition):
             batches += [pool[k * self.batch_size : (k + 1) * self.batch_size] for k in range(need)]
         return batches
 
-    def __iter__(self) -> Iterator[list[int]]:
-        mine = self._global_batches()[self.rank :: self.num_replicas]
-        start, self._resume_at = self._resume_at, 0
-        self.position = start
-        for self.position, batch in enumerate(mine[start:], start=start + 1):
-            yield batch
-        self.position = 0
+    def _iter_from(self, start: int) -> Iterator[list[int]]:
+        return iter(self._global_batches()[self.rank :: self.num_replicas][start:])
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size)
@@ -147,77 +191,3 @@ def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, i
             f"`num_replicas={num_replicas}, rank={rank}` is invalid: need num_replicas >= 1 and 0 <= rank < num_replicas."
         )
     return num_replicas, rank
-
-
-def _random(lengths: Callable[[], Sequence[int]], num_samples: int, **kw: Any) -> ShardedBatchSampler:
-    return ShardedBatchSampler(num_samples, kw["batch_size"], shuffle=True, seed=kw["seed"],
-                               num_replicas=kw["num_replicas"], rank=kw["rank"], drop_last=kw["drop_last"])
-
-
-def _sequential(lengths: Callable[[], Sequence[int]], num_samples: int, **kw: Any) -> ShardedBatchSampler:
-    return ShardedBatchSampler(num_samples, kw["batch_size"], shuffle=False, seed=kw["seed"],
-                               num_replicas=kw["num_replicas"], rank=kw["rank"], drop_last=kw["drop_last"])
-
-
-def _group_by_length(lengths: Callable[[], Sequence[int]], num_samples: int, **kw: Any) -> Any:
-    from lit_trainer.data.samplers import make_length_grouped_batch_sampler
-
-    return make_length_grouped_batch_sampler(lengths(), **kw)
-
-
-def _batch_rebalance(lengths: Callable[[], Sequence[int]], num_samples: int, **kw: Any) -> Any:
-    from lit_trainer.data.samplers import BatchRebalanceSampler
-
-    return BatchRebalanceSampler(
-        lengths(), kw["batch_size"], num_replicas=kw["num_replicas"], rank=kw["rank"],
-        accumulate_grad_batches=kw["accumulate_grad_batches"], seed=kw["seed"], drop_last=kw["drop_last"],
-        cost_model=kw["cost_model"],
-    )
-
-
-_FACTORIES: dict[str, Callable[..., Any]] = {
-    "random": _random,
-    "sequential": _sequential,
-    "group_by_length": _group_by_length,
-    "batch_rebalance": _batch_rebalance,
-}
-
-
-def make_batch_sampler(
-    sampling: Sampling,
-    *,
-    num_samples: int,
-    lengths: Callable[[], Sequence[int]],
-    batch_size: int,
-    seed: int,
-    num_replicas: int,
-    rank: int,
-    accumulate_grad_batches: int = 1,
-    drop_last: bool = False,
-    cost_model: CostModel = "padded",
-) -> Any:
-    """Build the training batch sampler for ``sampling`` (see the module docstring for the protocol).
-
-    Args:
-        sampling: one of ``random``, ``sequential``, ``group_by_length``, ``batch_rebalance``.
-        num_samples: dataset size.
-        lengths: a zero-argument callable returning per-sample lengths (only called by length-aware strategies, so
-            datasets without lengths work with random/sequential).
-        batch_size: micro-batch size per rank (the average size for ``batch_rebalance``).
-        seed: base seed; epoch ``e`` uses ``seed + e``.
-        num_replicas: world size.
-        rank: this rank.
-        accumulate_grad_batches: micro-batches per optimizer step (``batch_rebalance`` balances per step).
-        drop_last: drop incomplete batches instead of completing them.
-        cost_model: ``batch_rebalance``'s micro-batch cost, ``"padded"`` or ``"packed"`` (padding-free rows; see
-            :mod:`lit_trainer.data.rebalance`).
-
-    Raises:
-        ValueError: for an unknown ``sampling``.
-    """
-    if sampling not in _FACTORIES:
-        raise ValueError(f"`sampling={sampling!r}` is invalid: choose one of {SAMPLING_CHOICES}.")
-    return _FACTORIES[sampling](
-        lengths, num_samples, batch_size=batch_size, seed=seed, num_replicas=num_replicas, rank=rank,
-        accumulate_grad_batches=accumulate_grad_batches, drop_last=drop_last, cost_model=cost_model,
-    )

@@ -28,24 +28,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from lit_trainer.data.batch_sampler import BatchSampler
 from lit_trainer.data.windows import StepWindows
 
 NUM_ITEMS_KEY = "num_items_in_batch"
-
-
-class _SkippingBatchSampler:
-    """Yields the wrapped batch sampler's micro-batches after skipping the first ``skip`` (index lists only)."""
-
-    def __init__(self, batch_sampler: Any) -> None:
-        self.batch_sampler = batch_sampler
-        self.skip = 0
-
-    def __iter__(self) -> Iterator[list[int]]:
-        skip, self.skip = self.skip, 0
-        return islice(iter(self.batch_sampler), skip, None)
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
 
 
 class TrainLoader:
@@ -53,8 +39,10 @@ class TrainLoader:
 
     Args:
         dataset: a map-style dataset returning dict rows.
-        batch_sampler: a batch sampler following the protocol of :mod:`lit_trainer.data.batch_sampler`
-            (rank-aware, ``set_epoch``, same length on every rank).
+        batch_sampler: a :class:`~lit_trainer.data.batch_sampler.BatchSampler` (rank-aware, ``set_epoch``, same length
+            on every rank, ``state_dict``/``load_state_dict``). It owns the epoch and the resume point: the loader
+            seeks it with ``load_state_dict`` at every epoch start and only counts the micro-batches it has handed
+            to the training loop (the inner ``DataLoader`` prefetches, so the sampler itself runs ahead of training).
         collate_fn: turns a list of rows into a dict of tensors.
         count_items: returns the number of loss items in a collated micro-batch (target tokens for SFT), or a 1-D
             tensor of several counts (DPO: pairs and chosen tokens). ``None`` disables the count.
@@ -78,7 +66,7 @@ class TrainLoader:
     def __init__(
         self,
         dataset: Dataset,
-        batch_sampler: Any,
+        batch_sampler: BatchSampler,
         collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]],
         *,
         count_items: Callable[[dict[str, Any]], int | torch.Tensor] | None = None,
@@ -99,13 +87,12 @@ class TrainLoader:
         self.accumulate_grad_batches = accumulate_grad_batches
         self.windows = windows
         self.seed = seed
-        self.epoch = 0
-        self._consumed = 0
-        self._skipper = _SkippingBatchSampler(batch_sampler)
+        self._consumed = 0  # micro-batches of the current epoch handed to the training loop: the checkpointed position
+        self._restoring = False  # load_state_dict was called: the next iteration starts at the sampler's position
         self._generator = torch.Generator()
         self._inner = DataLoader(
             dataset,
-            batch_sampler=self._skipper,
+            batch_sampler=batch_sampler,
             collate_fn=collate_fn,
             num_workers=num_workers,
             pin_memory=pin_memory,
@@ -120,25 +107,24 @@ class TrainLoader:
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch; a pending resume position only applies to the epoch it was saved in."""
-        if epoch != self.epoch:
-            self._skipper.skip = 0
-        self.epoch = epoch
+        """Select the epoch (in the sampler); a pending resume position only applies to the epoch it was saved in."""
         self.batch_sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The sampler's current epoch."""
+        return int(self.batch_sampler.state_dict()["epoch"])
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self.batch_sampler.set_epoch(self.epoch)
-        self._generator.manual_seed(self.seed + self.epoch)
+        epoch, start = self._start()
+        self._generator.manual_seed(self.seed + epoch)
         # a mid-window resume re-reads (does not yield) the window's trained micro-batches: the count is the window's
-        replay = 0
-        if self.count_items is not None and self._skipper.skip:
-            start, _ = self._current_windows().bounds(self._skipper.skip)
-            replay = self._skipper.skip - start
-        self._skipper.skip -= replay
-        self._consumed = self._skipper.skip
+        replay = start - self._current_windows().bounds(start)[0] if self.count_items is not None and start else 0
+        self.batch_sampler.load_state_dict({"epoch": epoch, "position": start - replay})  # seek
+        self._consumed = start - replay
         batches = iter(self._inner)
         while True:
             # the window is read when it starts (after Lightning's epoch-start hooks)
@@ -156,6 +142,14 @@ class TrainLoader:
                 yield batch
             replay = 0
 
+    def _start(self) -> tuple[int, int]:
+        """``(epoch, first micro-batch)`` of the iteration that begins: the sampler's loaded position after
+        :meth:`load_state_dict` (unless another epoch was selected since, which the sampler drops), else 0."""
+        state = self.batch_sampler.state_dict()
+        start = int(state["position"]) if self._restoring else 0
+        self._restoring = False
+        return int(state["epoch"]), start
+
     def _current_windows(self) -> StepWindows:
         if self.windows is not None:
             return self.windows()
@@ -166,10 +160,12 @@ class TrainLoader:
         return {"epoch": self.epoch, "position": self._consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration of epoch ``state["epoch"]`` starts at micro-batch ``state["position"]``."""
-        self.epoch = int(state["epoch"])
-        self._skipper.skip = int(state["position"])
-        self.batch_sampler.set_epoch(self.epoch)
+        """Resume: the next iteration of epoch ``state["epoch"]`` starts at micro-batch ``state["position"]``.
+
+        The state goes to the batch sampler, which holds it (and drops it if another epoch is selected first).
+        """
+        self.batch_sampler.load_state_dict({"epoch": int(state["epoch"]), "position": int(state["position"])})
+        self._restoring = True
 
 
 def window_count(counts: list[int | torch.Tensor]) -> torch.Tensor:

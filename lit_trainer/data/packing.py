@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from datasets import Dataset
 
 Packing = Literal["none", "padding_free", "bfd"]
-PACKING_CHOICES: tuple[str, ...] = ("none", "padding_free", "bfd")
+PACKING_CHOICES: tuple[str, ...] = get_args(Packing)
 IGNORE_INDEX = -100
 
 

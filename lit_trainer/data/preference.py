@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from lit_trainer.data.preference_checks import RowProblem, check_row, value_prob
 from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
 TruncationMode = Literal["keep_start", "keep_end"]
+PreferencePacking = Literal["none", "padding_free"]  # packing values that apply to pairs ("bfd" is for SFT rows)
 REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:]}
@@ -173,14 +174,14 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
 
     def __init__(self, *args: Any, truncation_mode: TruncationMode = "keep_start",
                  pad_to_multiple_of: int | None = None, drop_identical_pairs: bool = True,
-                 packing: Literal["none", "padding_free"] = "none", **kwargs: Any) -> None:
+                 packing: PreferencePacking = "none", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if packing == "bfd":
-            raise ValueError("`packing='bfd'` is for SFT rows; preference pairs support packing='padding_free' "
-                             "(or 'none').")
+            raise ValueError(f"`packing='bfd'` is for SFT rows; preference pairs support packing='padding_free' "
+                             f"(choices: {get_args(PreferencePacking)}).")
         check_packing_options(packing, None, self.hparams)
-        if truncation_mode not in _TRUNCATE:
-            raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use 'keep_start' or 'keep_end'.")
+        if truncation_mode not in get_args(TruncationMode):
+            raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use one of {get_args(TruncationMode)}.")
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of={pad_to_multiple_of}` is invalid: use an integer >= 1 or None.")
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])

@@ -16,8 +16,8 @@ in the reference's ``GRPOConfig``): :meth:`PromptDataModule.train_dataloader` re
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple, get_args
 
 from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.batch_sampler import EpochPosition
 from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.loader import TrainLoader
@@ -35,6 +36,7 @@ PROMPT_IDS = "prompt_input_ids"
 PROMPT_MASK = "prompt_attention_mask"
 PROMPTS = "prompts"
 REWARD_COLUMNS = "reward_columns"
+PromptSampling = Literal["random", "sequential"]  # the `sampling` values that apply to prompts
 _EXCLUDED_COLUMNS = ("completion", "completion_ids", PROMPT_IDS)  # never passed to reward functions (as reference)
 
 
@@ -47,11 +49,12 @@ class RolloutGeometry(NamedTuple):
     num_iterations: int
 
 
-class GenerationBatchSampler:
+class GenerationBatchSampler(EpochPosition):
     """Cuts this rank's :class:`RepeatSampler` stream into micro-batches of one local generation batch each.
 
-    Follows the batch-sampler protocol of :mod:`lit_trainer.data.batch_sampler` (rank-aware, equal length on every
-    rank, ``set_epoch``, ``state_dict``).
+    A :class:`~lit_trainer.data.batch_sampler.BatchSampler` (rank-aware, equal length on every rank); its epoch and
+    resume position (in micro-batches) are its :class:`~lit_trainer.data.batch_sampler.EpochPosition`, and the
+    RepeatSampler only supplies each epoch's index list.
 
     Args:
         sampler: the rank's RepeatSampler (``repeat_count = num_iterations * steps_per_generation``).
@@ -61,27 +64,14 @@ class GenerationBatchSampler:
     def __init__(self, sampler: RepeatSampler, rows: int) -> None:
         self.sampler = sampler
         self.rows = rows
-        self.position = 0
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def _iter_from(self, start: int) -> Iterator[list[int]]:
+        self.sampler.set_epoch(self.epoch)
         indices = self.sampler.indices()
-        for self.position, start in enumerate(range(0, len(indices), self.rows), start=1):
-            yield indices[start : start + self.rows]
+        return (indices[i : i + self.rows] for i in range(start * self.rows, len(indices), self.rows))
 
     def __len__(self) -> int:
         return len(self.sampler) // self.rows
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch``."""
-        self.sampler.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position"}`` in micro-batches (the TrainLoader keeps its own, authoritative copy)."""
-        return {"epoch": self.sampler.epoch, "position": self.position}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Select the saved epoch (skipping is done by the TrainLoader)."""
-        self.sampler.set_epoch(int(state["epoch"]))
 
 
 def _prompt_problem(prompt: Any) -> str | None:
@@ -125,10 +115,10 @@ class PromptDataModule(BaseDataModule):
 
     def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.hparams.sampling not in ("random", "sequential"):
+        if self.hparams.sampling not in get_args(PromptSampling):
             raise ValueError(
-                f"`sampling={self.hparams.sampling!r}` does not apply to GRPO prompts: use 'random' (the reference's "
-                "shuffled RepeatSampler) or 'sequential'."
+                f"`sampling={self.hparams.sampling!r}` does not apply to GRPO prompts: use one of "
+                f"{get_args(PromptSampling)} ('random' is the reference's shuffled RepeatSampler)."
             )
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
         self.conversational = False

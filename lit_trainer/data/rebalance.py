@@ -15,12 +15,12 @@ count (:func:`packed_microbatch_cost`) and :func:`balance_packed_step` splits th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
 CostModel = Literal["padded", "packed"]
-COST_MODELS: tuple[str, ...] = ("padded", "packed")
+COST_MODELS: tuple[str, ...] = get_args(CostModel)
 
 QUADRATIC_COST_COEF = 0.001
 _SCALE = 1000  # 1 / QUADRATIC_COST_COEF: integer costs are scaled by this

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from lit_trainer.data.batch_sampler import EpochPosition
+
 
 def _default_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -20,7 +22,7 @@ def _default_world() -> tuple[int, int]:
     return 1, 0
 
 
-class RepeatSampler(Sampler[int]):
+class RepeatSampler(EpochPosition, Sampler[int]):
     """Yields prompt indices in the GRPO order of the reference ``RepeatSampler``, this rank's share only.
 
     Global order: a permutation of ``range(num_prompts)`` (``torch.randperm`` from a generator seeded with ``seed``;
@@ -53,7 +55,14 @@ class RepeatSampler(Sampler[int]):
     Example:
         >>> list(RepeatSampler(4, mini_repeat_count=2, batch_size=2, repeat_count=2, shuffle=False))
         [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
+
+    Resume (``set_epoch``, ``state_dict``/``load_state_dict`` with ``{"epoch", "position"}`` in indices) comes from
+    :class:`~lit_trainer.data.batch_sampler.EpochPosition`; after a whole epoch the position stays at ``len()``.
+    A prefetching DataLoader runs ahead of training: a caller that knows the consumed batches can store
+    ``consumed_batches * loader_batch_size`` as the position instead.
     """
+
+    _rewind_at_epoch_end = False  # the state after a whole epoch says so: {"epoch": e, "position": len(self)}
 
     def __init__(
         self,
@@ -93,9 +102,6 @@ class RepeatSampler(Sampler[int]):
         self.num_prompts, self.mini_repeat_count, self.batch_size = num_prompts, mini_repeat_count, batch_size
         self.repeat_count, self.shuffle, self.seed = repeat_count, shuffle, seed
         self.num_replicas, self.rank = num_replicas, rank
-        self.epoch = 0
-        self._position = 0  # indices yielded so far in this epoch (this rank)
-        self._resume_position = 0  # indices to skip at the start of the next iteration
 
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
@@ -114,44 +120,12 @@ class RepeatSampler(Sampler[int]):
         local = emissions[:, self.rank * share : (self.rank + 1) * share]
         return local.repeat_interleave(self.repeat_count, dim=0).reshape(-1).tolist()
 
-    def __iter__(self) -> Iterator[int]:
-        indices = self.indices()
-        start, self._resume_position = self._resume_position, 0
-        self._position = start
-        for index in indices[start:]:
-            self._position += 1
-            yield index
+    def _iter_from(self, start: int) -> Iterator[int]:
+        return iter(self.indices()[start:])
 
     def __len__(self) -> int:
         rows = (self.num_prompts // self.batch_size) * self.batch_size * self.mini_repeat_count
         return rows * self.repeat_count // self.num_replicas
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch`` (Lightning calls this at each epoch start).
-
-        A pending resume offset (from :meth:`load_state_dict`) is kept only if ``epoch`` is the loaded epoch, so a
-        checkpoint taken at the end of an epoch resumes at the start of the next one.
-        """
-        if epoch != self.epoch:
-            self._resume_position = 0
-            self._position = 0
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position"}``; ``position`` = indices this iterator has yielded in the epoch.
-
-        A prefetching DataLoader runs ahead of training: a caller that knows the consumed batches can store
-        ``consumed_batches * loader_batch_size`` as the position instead.
-        """
-        return {"epoch": self.epoch, "position": self._position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration uses ``state["epoch"]`` and skips its first ``state["position"]`` indices."""
-        position = int(state["position"])
-        if not 0 <= position <= len(self):
-            raise ValueError(f"`position={position}` is out of range for an epoch of {len(self)} indices.")
-        self.epoch = int(state["epoch"])
-        self._position = self._resume_position = position
 
 
 def _suggest_spg(per_rank_rows: int, num_generations: int, spg: int) -> int:

@@ -1,6 +1,6 @@
 """Length-aware training samplers: ``sampling: group_by_length`` and ``sampling: batch_rebalance``.
 
-Both follow the batch-sampler protocol of :mod:`lit_trainer.data.batch_sampler` (rank-aware, the order a pure
+Both are :class:`~lit_trainer.data.batch_sampler.BatchSampler` s (rank-aware, the order a pure
 function of ``(seed, epoch)``, ``set_epoch``, ``state_dict``/``load_state_dict`` with ``{"epoch", "position"}``, the
 same ``len()`` on every rank) and differ from the HF Trainer's reference samplers where the
 reference has a bug (no global RNG, no duplicated samples in the tail, no replay of epoch 0 on a multi-rank resume)
@@ -25,10 +25,7 @@ import numpy as np
 import torch
 
 from lit_trainer.data.batch_sampler import EpochPosition, ShardedBatchSampler, resolve_replicas
-from lit_trainer.data.repeat_sampler import RepeatSampler  # noqa: F401 (public import path, see docs/design.md#layering)
-from lit_trainer.data.rebalance import (  # noqa: F401 (re-exported)
-    COST_MODELS, QUADRATIC_COST_COEF, CostModel, balance_packed_step, balance_step, microbatch_cost,
-)
+from lit_trainer.data.rebalance import COST_MODELS, QUADRATIC_COST_COEF, CostModel, balance_packed_step, balance_step
 
 _MEGA_BATCH_STEPS = 50  # group_by_length: at most this many optimizer steps per mega-batch (the reference's 50)
 
@@ -87,9 +84,6 @@ class LengthGroupedSampler(EpochPosition, torch.utils.data.Sampler[int]):
         self.batch_size = batch_size
         self.seed = seed
         self.mega_batch_mult = mega_batch_mult or max(1, min(n // (4 * batch_size), _MEGA_BATCH_STEPS))
-        self.epoch = 0
-        self.position = 0
-        self._resume_at = 0
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The full index order of ``epoch`` (a pure function of ``seed + epoch``)."""
@@ -102,12 +96,8 @@ class LengthGroupedSampler(EpochPosition, torch.utils.data.Sampler[int]):
             megas[donor].sort(key=lambda k: -lengths[k])
         return [i for mega in megas for i in mega]
 
-    def __iter__(self) -> Iterator[int]:
-        start, self._resume_at = self._resume_at, 0
-        self.position = start
-        for self.position, index in enumerate(self.epoch_order(self.epoch)[start:], start=start + 1):
-            yield index
-        self.position = 0
+    def _iter_from(self, start: int) -> Iterator[int]:
+        return iter(self.epoch_order(self.epoch)[start:])
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -136,7 +126,7 @@ def make_length_grouped_batch_sampler(
     lengths: Sequence[int], *, batch_size: int, seed: int, num_replicas: int | None = None, rank: int | None = None,
     accumulate_grad_batches: int = 1, drop_last: bool = False,
 ) -> LengthGroupedBatchSampler:
-    """The ``group_by_length`` training batch sampler (protocol of :mod:`lit_trainer.data.batch_sampler`).
+    """The ``group_by_length`` training batch sampler (a :class:`~lit_trainer.data.batch_sampler.BatchSampler`).
 
     Mega-batch size: ``min(n // 4, 50 optimizer steps)`` rounded down to whole micro-batches, where an optimizer step
     is ``batch_size * accumulate_grad_batches * num_replicas`` samples. On one device this is the reference's size
@@ -234,9 +224,6 @@ class BatchRebalanceSampler(EpochPosition):
         self.drop_last = drop_last
         self.steps = _plan_steps(len(self.lengths), batch_size * accumulate_grad_batches * self.num_replicas,
                                  self.num_replicas, accumulate_grad_batches, drop_last)
-        self.epoch = 0
-        self.position = 0
-        self._resume_at = 0
         self._cached: tuple[int | None, list[int]] = (None, [])
 
     def step_plan(self, epoch: int, step: int) -> list[list[list[int]]]:
@@ -253,18 +240,14 @@ class BatchRebalanceSampler(EpochPosition):
             self._cached = (epoch, torch.randperm(len(self.lengths), generator=generator).tolist())
         return self._cached[1]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        start, self._resume_at = self._resume_at, 0
-        self.position = start
-        first = _step_at(self.steps, start)
+    def _iter_from(self, start: int) -> Iterator[list[int]]:
+        first = _step_at(self.steps, start)  # the steps before the resume point are not even planned
         done = sum(slots for _, _, slots in self.steps[:first])
         for step in range(first, len(self.steps)):
             for micro_batch in self.step_plan(self.epoch, step)[self.rank]:
                 done += 1
                 if done > start:
-                    self.position = done
                     yield micro_batch
-        self.position = 0
 
     def __len__(self) -> int:
         return sum(slots for _, _, slots in self.steps)

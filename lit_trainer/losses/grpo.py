@@ -15,14 +15,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from lit_trainer.losses.grpo_advantages import (  # noqa: F401  (re-exported)
-    Aggregation,
-    ScaleRewards,
-    _check_choice,
-    grpo_advantages,
-    grpo_reward_metrics,
-    nanstd,
-)
+from lit_trainer.losses.grpo_advantages import _check_choice
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]

@@ -15,7 +15,7 @@ per-architecture plan).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ ParamDtype = Literal["float32", "bfloat16", "float16"]
 # shards; the modules clip and rescale those themselves
 LOCAL_GRAD_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+assert set(_DTYPES) == set(get_args(ParamDtype)), "ParamDtype and _DTYPES list the same dtypes"
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
@@ -67,7 +68,7 @@ def fsdp_policies(param_dtype: ParamDtype | None, cpu_offload: bool) -> dict[str
     kwargs: dict[str, Any] = {}
     if param_dtype is not None:
         if param_dtype not in _DTYPES:
-            raise ValueError(f"`shard_param_dtype={param_dtype!r}` is invalid: use one of {sorted(_DTYPES)} or None.")
+            raise ValueError(f"`shard_param_dtype={param_dtype!r}` is invalid: use one of {get_args(ParamDtype)} or None.")
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

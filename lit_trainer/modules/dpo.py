@@ -8,7 +8,7 @@ precompute pass and its release, checkpoints) and validation; how a batch is sco
 from __future__ import annotations
 
 import gc
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.losses.dpo import (
-    DPO_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, DPOLossType, FDivergenceType, dpo_loss,
+    F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, DPOLossType, FDivergenceType, dpo_loss,
 )  # fmt: skip
 from lit_trainer.models import load_model
 from lit_trainer.modules import _ref_logps, _sharding
@@ -29,7 +29,7 @@ from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
-LOSS_NAMES: tuple[str, ...] = (*DPO_LOSS_TYPES, "sft")
+LOSS_NAMES: tuple[str, ...] = get_args(LossName)  # nested Literals flatten: the DPO loss types, then "sft"
 _SFT_NLL = "sft_nll"
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")

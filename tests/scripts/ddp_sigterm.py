@@ -35,9 +35,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lit_trainer.callbacks import ExactResume, resolve_resume
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint
 from lit_trainer.callbacks.neftune import NEFTune
-from lit_trainer.callbacks.resume import ExactResume, resolve_resume
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
 
