@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
