@@ -21,10 +21,15 @@ Semantics (same as the reference unless noted):
 
 Differences from plain ``ModelCheckpoint``:
 
-* Writes are atomic (``lit_trainer._atomic``): a checkpoint is written as ``.<name>.partial`` and
-  renamed when complete, so a crash mid-save never leaves a file with the final name. The ``best/`` export is
-  written in a temporary folder and renamed likewise. Object-store paths and ``AsyncCheckpointIO`` fall back to
-  Lightning's own writing.
+* Writes are atomic. At setup (``fit``, local ``dirpath``) the callback wraps the strategy's ``checkpoint_io`` in
+  ``lit_trainer.checkpoint_io.AtomicCheckpointIO``, so every checkpoint file of the run (this callback's and any
+  other ``trainer.save_checkpoint``) is written as ``.<name>.partial`` and renamed when complete: a crash mid-save
+  never leaves a file with the final name (that module says what Lightning's own writer guarantees). An
+  ``AsyncCheckpointIO``, an already atomic plugin and object-store paths are left as they are. Strategies that
+  write distributed checkpoint folders themselves (``ModelParallelStrategy``, sharded FSDP, DeepSpeed) bypass the
+  plugin: while this callback writes such a folder, ``<dirpath>/checkpoint-is-incomplete.txt`` names it, so
+  resume logic (``lit_trainer.callbacks.checkpoint_resolution``) skips it after a crash. The ``best/`` export is
+  written in a temporary folder and renamed likewise.
 * Under DDP the monitored value of global rank 0 decides (it is broadcast), so all ranks keep identical
   bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
   torchmetrics metric) to make the decision on the global value.
@@ -39,6 +44,13 @@ Differences from plain ``ModelCheckpoint``:
 
 Resume: the best path and score, and the list of kept checkpoints, are part of the callback state (Lightning's
 ``ModelCheckpoint.state_dict``, tensors and primitives only); they are restored when ``dirpath`` is unchanged.
+
+How it sits on ``ModelCheckpoint`` (public extension points only, no private method overridden): ``save_top_k=-1``
+so Lightning's own top-k bookkeeping never deletes; :meth:`check_monitor_top_k` broadcasts rank 0's value and says
+yes only to a strict improvement; Lightning then names, records and saves the checkpoint; right after the hook that
+saved it (``on_train_batch_end``, ``on_train_epoch_end`` or ``on_validation_end``) the callback makes every rank
+agree on the path, exports, and applies ``save_total_limit`` through ``trainer.strategy.remove_checkpoint``.
+``tests/test_lightning_private_api.py`` pins the parts of that flow it relies on.
 """
 
 from __future__ import annotations
