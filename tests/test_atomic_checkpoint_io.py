@@ -152,3 +152,14 @@ def test_a_distributed_checkpoint_folder_is_marked_incomplete_while_written(tmp_
     (tmp_path / "step=3.ckpt").mkdir()  # the strategy's shards, being written
     assert (tmp_path / SENTINEL_NAME).read_text().splitlines()[-1] == "target: step=3.ckpt"
     assert resolve_resume_checkpoint(tmp_path) is None
+
+
+def test_usable_as_a_trainer_plugin_without_best_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    trainer = pl.Trainer(max_steps=2, plugins=[AtomicCheckpointIO()], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)  # Lightning's own ModelCheckpoint
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    _interrupt_moves(monkeypatch)
+    with pytest.raises(_Killed):
+        trainer.fit(Regressor(), data)
+    assert os.listdir(tmp_path / "checkpoints") == [".epoch=0-step=2.ckpt.partial"]
