@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -205,15 +205,6 @@ def test_validation_errors(tmp_path: Path) -> None:
     assert BestCheckpoint(monitor="eval_loss").mode == "min" and BestCheckpoint(monitor="accuracy").mode == "max"
     with pytest.raises(ValueError, match=r"needs `Regressor.model` with a `save_pretrained`"):
         _fit(_trainer(tmp_path, [BestCheckpoint(monitor="val_score", export_hf=True)], max_steps=2), Regressor())
-
-
-def test_relies_only_on_present_model_checkpoint_internals() -> None:
-    # BestCheckpoint overrides/uses these private ModelCheckpoint members (lightning>=2.6,<2.7)
-    for name in ("_save_monitor_checkpoint", "_update_best_and_save", "_save_checkpoint", "_remove_checkpoint",
-                 "_should_remove_checkpoint", "_get_metric_interpolated_filepath_name", "check_monitor_top_k"):
-        assert callable(getattr(ModelCheckpoint, name)), name
-    fresh = ModelCheckpoint()
-    assert hasattr(fresh, "_last_global_step_saved") and hasattr(fresh, "_last_checkpoint_saved")
 
 
 def test_configurable_from_lightning_cli() -> None:

@@ -97,6 +97,8 @@ def test_sharded_export_equals_single_process_export_and_loads(run: Path, single
 def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
     best = torch.load(run / "best.pt", weights_only=False)
     assert Path(best["checkpoint"]).is_dir()  # ModelParallelStrategy's distributed checkpoint
+    # BestCheckpoint names the folder in the incomplete-save sentinel while the strategy writes it, then removes it
+    assert sorted(os.listdir(Path(best["checkpoint"]).parent)) == ["best", Path(best["checkpoint"]).name]
     exported = AutoModelForCausalLM.from_pretrained(best["export"]).state_dict()
     assert all(torch.equal(exported[name], value) for name, value in best["weights"].items())
     assert best["neftune_draws"] == 2  # NEFTune found the sharded model's embedding: one draw per micro-batch

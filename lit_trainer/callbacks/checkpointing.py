@@ -21,10 +21,15 @@ Semantics (same as the reference unless noted):
 
 Differences from plain ``ModelCheckpoint``:
 
-* Writes are atomic (``lit_trainer._atomic``): a checkpoint is written as ``.<name>.partial`` and
-  renamed when complete, so a crash mid-save never leaves a file with the final name. The ``best/`` export is
-  written in a temporary folder and renamed likewise. Object-store paths and ``AsyncCheckpointIO`` fall back to
-  Lightning's own writing.
+* Writes are atomic. At setup (``fit``, local ``dirpath``) the callback wraps the strategy's ``checkpoint_io`` in
+  ``lit_trainer.checkpoint_io.AtomicCheckpointIO``, so every checkpoint file of the run (this callback's and any
+  other ``trainer.save_checkpoint``) is written as ``.<name>.partial`` and renamed when complete: a crash mid-save
+  never leaves a file with the final name (that module says what Lightning's own writer guarantees). An
+  ``AsyncCheckpointIO``, an already atomic plugin and object-store paths are left as they are. Strategies that
+  write distributed checkpoint folders themselves (``ModelParallelStrategy``, sharded FSDP, DeepSpeed) bypass the
+  plugin: while this callback writes such a folder, ``<dirpath>/checkpoint-is-incomplete.txt`` names it, so
+  resume logic (``lit_trainer.callbacks.checkpoint_resolution``) skips it after a crash. The ``best/`` export is
+  written in a temporary folder and renamed likewise.
 * Under DDP the monitored value of global rank 0 decides (it is broadcast), so all ranks keep identical
   bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
   torchmetrics metric) to make the decision on the global value.
@@ -39,15 +44,23 @@ Differences from plain ``ModelCheckpoint``:
 
 Resume: the best path and score, and the list of kept checkpoints, are part of the callback state (Lightning's
 ``ModelCheckpoint.state_dict``, tensors and primitives only); they are restored when ``dirpath`` is unchanged.
+
+How it sits on ``ModelCheckpoint`` (public extension points only, no private method overridden): ``save_top_k=-1``
+so Lightning's own top-k bookkeeping never deletes; :meth:`check_monitor_top_k` broadcasts rank 0's value and says
+yes only to a strict improvement; Lightning then names, records and saves the checkpoint; right after the hook that
+saved it (``on_train_batch_end``, ``on_train_epoch_end`` or ``on_validation_end``) the callback makes every rank
+agree on the path, exports, and applies ``save_total_limit`` through ``trainer.strategy.remove_checkpoint``.
+``tests/test_lightning_private_api.py`` pins the parts of that flow it relies on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
-from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
@@ -55,10 +68,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
 
-from lit_trainer._atomic import commit, is_local_path, partial_path
-from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, scored_state_dict, weight_scorers
+from lit_trainer._atomic import is_local_path
+from lit_trainer.callbacks._checkpoint_files import load_checkpoint_state_dict, removable
+from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, weight_scorers
 from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
 from lit_trainer.callbacks.hf_export import export_hf
+from lit_trainer.checkpoint_io import AtomicCheckpointIO, is_async
 from lit_trainer.modules._sharding import load_full_state_dict
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
@@ -75,34 +91,6 @@ def infer_mode(monitor: str) -> Literal["min", "max"]:
         ``"min"`` or ``"max"``.
     """
     return "min" if monitor.endswith("loss") else "max"
-
-
-def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The weights a Lightning checkpoint was scored with, loaded safely (``weights_only=True``).
-
-    Args:
-        path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``, or the directory of a distributed checkpoint
-            (``ModelParallelStrategy``), whose shards are all read into full tensors (one full copy in CPU memory).
-
-    Returns:
-        The ``"state_dict"`` entry (CPU tensors, memory-mapped), with the weights a callback such as
-        ``BEMA(evaluate_with_bema=True)`` validated in place of the live ones, when the checkpoint holds them.
-
-    Raises:
-        RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
-    """
-    if Path(path).is_dir():  # a distributed checkpoint (ModelParallelStrategy): every shard, read by this process
-        from lightning.fabric.utilities.load import _load_distributed_checkpoint
-
-        return scored_state_dict(_load_distributed_checkpoint(Path(path)))
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # noqa: BLE001 - re-raised with the fix
-        raise RuntimeError(
-            f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
-            "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."
-        ) from err
-    return scored_state_dict(checkpoint)
 
 
 class _BestCheckpoint(PackageBound):
@@ -166,7 +154,7 @@ class _BestCheckpoint(PackageBound):
             dirpath=dirpath,
             filename=filename,
             monitor=monitor,
-            verbose=verbose,
+            verbose=False,  # its own messages (Lightning's speak of a top-k)
             save_top_k=-1,
             save_weights_only=save_weights_only,
             mode=mode or infer_mode(monitor),
@@ -181,7 +169,9 @@ class _BestCheckpoint(PackageBound):
         self.merge_adapters = merge_adapters
         self._decided_score: float = math.nan
         self._scorer: Any = None  # the callback whose validation scores other weights than the live ones
-        self._saving = False  # True while this callback writes a checkpoint (its on_save_checkpoint adds weights)
+        self._verbose = verbose
+        self._improved = False  # a new best was decided: the checkpoint being written is this callback's
+        self._sentinel: Path | None = None  # marks a distributed checkpoint folder as incomplete while it is written
 
     def _unsupported(self, strategy: Any) -> bool:
         """``load_best_at_end`` and ``export_hf`` work under ModelParallelStrategy (distributed checkpoint folders)
@@ -209,6 +199,13 @@ class _BestCheckpoint(PackageBound):
                 "method (a transformers model); set export_hf=False for other modules."
             )
         self._check_scorers(trainer)
+        io = trainer.strategy.checkpoint_io  # atomic writes for every checkpoint file (see lit_trainer.checkpoint_io)
+        if stage == "fit" and is_local_path(self.dirpath) and not (isinstance(io, AtomicCheckpointIO) or is_async(io)):
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO(io)
+
+    def _writes_folders(self, strategy: Any) -> bool:
+        """Strategies that can write a distributed checkpoint folder themselves, not through ``checkpoint_io``."""
+        return isinstance(strategy, (self._ns.ModelParallelStrategy, self._ns.FSDPStrategy, self._ns.DeepSpeedStrategy))
 
     def _check_scorers(self, trainer: pl.Trainer) -> None:
         """Find the callback (e.g. ``BEMA(evaluate_with_bema=True)``) whose scored weights the checkpoints keep."""
@@ -226,8 +223,16 @@ class _BestCheckpoint(PackageBound):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
                            ) -> None:
-        """Put the weights the monitored score was measured on beside the live ``state_dict`` (own saves only)."""
-        if not (self._saving and self._scorer is not None):
+        """For this callback's own saves: mark a distributed checkpoint folder as incomplete until it is written,
+        and put the weights the monitored score was measured on beside the live ``state_dict``."""
+        if not self._improved:
+            return
+        if trainer.is_global_zero and self._writes_folders(trainer.strategy) and is_local_path(self.best_model_path):
+            # ModelCheckpoint sets best_model_path before it saves; resume logic skips the folder this names
+            path = Path(self.best_model_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._sentinel = write_sentinel(path.parent, path.name, trainer.global_step)
+        if self._scorer is None:
             return
         weights = self._scorer.evaluated_weights()
         if weights is None:
@@ -245,45 +250,67 @@ class _BestCheckpoint(PackageBound):
 
     @override
     def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
-        """Whether ``current`` (global rank 0's value, broadcast) strictly improves on the best score."""
+        """Whether ``current`` (global rank 0's value, broadcast) strictly improves on the best score.
+
+        ``current`` is the monitored entry of the candidates ``ModelCheckpoint`` then names the file and records
+        the score with; rank 0's value is written into it so that every rank records the same score and name.
+        """
+        self._improved = False
         if current is None:
             return False
         value = float(trainer.strategy.broadcast(float(current)))
+        if isinstance(current, Tensor):
+            with torch.no_grad():
+                current.copy_(torch.as_tensor(value, dtype=current.dtype))
         self._decided_score = value
-        if math.isnan(value):
-            return False
-        if self.best_model_score is None:
-            return True
-        return bool(_IMPROVES[self.mode](value, float(self.best_model_score)))
+        best = self.best_model_score
+        self._improved = not math.isnan(value) and (best is None or _IMPROVES[self.mode](value, float(best)))
+        if not self._improved and self._verbose:
+            self._ns.rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={value:.6g} did not "
+                                    f"improve on the best {best}; nothing saved.")
+        return self._improved
+
+    # ModelCheckpoint saves from these three hooks; what follows a new best (rank agreement on the path, the HF
+    # export, the rotation) runs right after the hook that saved it, on every rank
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+                           ) -> None:
+        with self._after_new_best(trainer):
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
 
     @override
-    def _save_monitor_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
-        current = monitor_candidates.get(self.monitor)
-        if self.check_monitor_top_k(trainer, current):
-            score = torch.tensor(self._decided_score, dtype=torch.float64)
-            self._update_best_and_save(score, trainer, monitor_candidates)
-        elif self.verbose:
-            self._ns.rank_zero_info(
-                f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={self._decided_score:.6g} did not "
-                f"improve on the best {self.best_model_score}; nothing saved."
-            )
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._after_new_best(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
 
     @override
-    def _update_best_and_save(
-        self, current: Tensor, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
-    ) -> None:
-        score = current.detach().to("cpu", torch.float64)
-        candidates = {**monitor_candidates, self.monitor: score}
-        filepath = trainer.strategy.broadcast(self._get_metric_interpolated_filepath_name(candidates, trainer))
-        self.current_score = score
-        self.best_k_models[filepath] = score
-        self.best_model_path, self.best_model_score = filepath, score
-        if self.verbose:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._after_new_best(trainer):
+            super().on_validation_end(trainer, pl_module)
+
+    @contextlib.contextmanager
+    def _after_new_best(self, trainer: pl.Trainer) -> Iterator[None]:
+        self._improved = False
+        try:
+            yield
+        finally:
+            improved, self._improved = self._improved, False
+        if improved:  # the same on every rank (decided from rank 0's value)
+            self._on_new_best(trainer)
+
+    def _on_new_best(self, trainer: pl.Trainer) -> None:
+        path = trainer.strategy.broadcast(self.best_model_path)  # the file rank 0 wrote
+        if path != self.best_model_path:  # a file name template with other metrics logged without sync_dist
+            self.best_k_models = {(path if p == self.best_model_path else p): v for p, v in self.best_k_models.items()}
+            self.best_model_path = path
+        if self._sentinel is not None:
+            self._sentinel.unlink(missing_ok=True)
+            self._sentinel = None
+        if self._verbose:
             self._ns.rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best "
-                                    f"{self.monitor}={float(score):.6g}, saving {filepath!r}")
-        self._save_checkpoint(trainer, filepath)
+                                    f"{self.monitor}={self._decided_score:.6g}, saved {path!r}")
         if self.export_hf:
-            self._export_hf(trainer, filepath)
+            self._export_hf(trainer, path)
         self._rotate(trainer)
 
     def _rotate(self, trainer: pl.Trainer) -> None:
@@ -294,35 +321,10 @@ class _BestCheckpoint(PackageBound):
             excess = len(saved) - max(self.save_total_limit, len(protected))
             for path in [p for p in saved if p not in protected][: max(excess, 0)]:
                 self.best_k_models.pop(path)
-                if self._should_remove_checkpoint(trainer, path, self.best_model_path):
-                    self._remove_checkpoint(trainer, path)
+                if removable(path, self.dirpath, trainer.ckpt_path):
+                    trainer.strategy.remove_checkpoint(path)  # global rank 0, through the checkpoint_io
         worst = (max if self.mode == "min" else min)(self.best_k_models, key=lambda p: float(self.best_k_models[p]))
         self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
-
-    @override
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        """Write to ``.<name>.partial`` then rename (global rank 0), so no incomplete file has the final name."""
-        if not is_local_path(filepath) or isinstance(trainer.strategy.checkpoint_io, self._ns.AsyncCheckpointIO):
-            self._saving = True
-            try:
-                super()._save_checkpoint(trainer, filepath)
-            finally:
-                self._saving = False
-            return
-        tmp = str(partial_path(filepath))
-        self._saving = True
-        try:
-            trainer.save_checkpoint(tmp, self.save_weights_only)
-        finally:
-            self._saving = False
-        if trainer.is_global_zero:
-            commit(tmp, filepath)
-        trainer.strategy.barrier("BestCheckpoint._save_checkpoint")
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = filepath
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(proxy(self))
 
     def _export_hf(self, trainer: pl.Trainer, checkpoint_path: str) -> None:
         """Write the checkpoint's ``model.*`` weights with ``save_pretrained`` (+ tokenizer) to ``best/``."""

@@ -1,0 +1,61 @@
+"""Reading and deleting ``BestCheckpoint``'s files: the scored weights of a checkpoint, and the rotation's rule for
+which files may be deleted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lit_trainer._atomic import is_local_path
+from lit_trainer.callbacks._evaluated_weights import scored_state_dict
+
+
+def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The weights a Lightning checkpoint was scored with, loaded safely (``weights_only=True``).
+
+    Args:
+        path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``, or the directory of a distributed checkpoint
+            (``ModelParallelStrategy``), whose shards are all read into full tensors (one full copy in CPU memory).
+
+    Returns:
+        The ``"state_dict"`` entry (CPU tensors, memory-mapped), with the weights a callback such as
+        ``BEMA(evaluate_with_bema=True)`` validated in place of the live ones, when the checkpoint holds them.
+
+    Raises:
+        RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
+    """
+    if Path(path).is_dir():  # a distributed checkpoint (ModelParallelStrategy): every shard, read by this process
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+        return scored_state_dict(_load_distributed_checkpoint(Path(path)))
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the fix
+        raise RuntimeError(
+            f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
+            "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."
+        ) from err
+    return scored_state_dict(checkpoint)
+
+
+def removable(path: str, dirpath: str | os.PathLike | None, resume_path: str | os.PathLike | None) -> bool:
+    """Whether rotation may delete ``path``: a remote path, or a local one inside ``dirpath`` that is not the
+    checkpoint this run resumed from (``ModelCheckpoint``'s rule for its own deletions).
+
+    Args:
+        path: A checkpoint this callback saved.
+        dirpath: The callback's folder.
+        resume_path: ``trainer.ckpt_path`` (``None`` without a resume).
+
+    Returns:
+        True when the file may be deleted.
+    """
+    if not is_local_path(path):
+        return True
+    absolute = Path(path).absolute()
+    if resume_path is not None and is_local_path(resume_path) and absolute == Path(resume_path).absolute():
+        return False
+    return dirpath is not None and Path(dirpath).absolute() in absolute.parents

@@ -1,0 +1,108 @@
+"""AtomicCheckpointIO: every checkpoint file is written under a hidden partial name, then renamed into place.
+
+What Lightning's own ``TorchCheckpointIO`` already guarantees (lightning 2.6): it serialises the whole checkpoint
+into an in-memory buffer first, so an error inside ``torch.save`` (an object that cannot be pickled) writes
+nothing. The buffer is then written inside an fsspec transaction; for a local path fsspec writes it to a file made
+by ``tempfile.mkstemp`` (the system temporary folder, ``$TMPDIR``) and moves that file onto the target with
+``shutil.move``. That move is a rename, hence atomic, only when the temporary folder and the checkpoint folder are
+on the same file system. When they are not (a ``/tmp`` in memory or on the local disk, checkpoints on a network or
+scratch volume: the usual cluster layout), ``shutil.move`` copies the bytes into the target name and then deletes
+the temporary file, so a process killed during the copy leaves a truncated file under the final name, which a
+resume then picks up. Nothing is flushed to disk either (no ``fsync``), so a power loss can leave an empty file
+under the final name even after a rename.
+
+:class:`AtomicCheckpointIO` closes that gap for local paths with the protocol of :mod:`lit_trainer._atomic`: the
+wrapped plugin writes ``<dir>/.<name>.partial`` (same folder, so same file system), the file is flushed, renamed
+onto ``<dir>/<name>`` with ``os.replace`` and the folder entry is flushed. A crash at any point leaves either the
+previous file or no file under the final name, never part of one; the hidden partial name matches no checkpoint
+glob and ``lit_trainer._atomic.remove_partials`` cleans it up. Paths with a protocol (``s3://``, ``gs://``) go to
+the wrapped plugin unchanged (object stores publish an upload only once it is complete).
+
+Use it directly (``Trainer(plugins=[AtomicCheckpointIO()])``, or around your own plugin:
+``AtomicCheckpointIO(MyCheckpointIO())``), or let ``BestCheckpoint`` install it (see its docs). It applies to
+everything a strategy writes through its ``checkpoint_io``: single-device and DDP checkpoints, and full-state
+files of FSDP. Distributed checkpoint folders (``ModelParallelStrategy``, sharded FSDP, DeepSpeed) are written by
+the strategy itself, not through the plugin.
+
+Example:
+    >>> import os, tempfile
+    >>> io = AtomicCheckpointIO()
+    >>> path = os.path.join(tempfile.mkdtemp(), "step=1.ckpt")
+    >>> io.save_checkpoint({"step": 1}, path)
+    >>> sorted(os.listdir(os.path.dirname(path))), io.load_checkpoint(path)["step"]
+    (['step=1.ckpt'], 1)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from typing_extensions import override
+
+from lit_trainer._atomic import commit, is_local_path, partial_path
+
+
+def is_async(checkpoint_io: Any) -> bool:
+    """Whether ``checkpoint_io`` is an ``AsyncCheckpointIO`` (of either Lightning package) writing in a thread."""
+    modules = [sys.modules.get(name) for name in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")]
+    return isinstance(checkpoint_io, tuple(m.AsyncCheckpointIO for m in modules if m is not None))
+
+
+class AtomicCheckpointIO(CheckpointIO):
+    """A ``CheckpointIO`` that makes another one's local writes atomic (write a partial name, then rename).
+
+    Args:
+        checkpoint_io: The plugin that serialises and writes the checkpoint (default: Lightning's
+            ``TorchCheckpointIO``). It must write synchronously to the path it is given (not an
+            ``AsyncCheckpointIO``, whose write would still be running when the rename happens).
+        fsync: Flush the file and its folder to disk around the rename (survives a power loss).
+
+    Raises:
+        TypeError: If ``checkpoint_io`` is not a ``CheckpointIO`` or writes in the background.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO | None = None, fsync: bool = True) -> None:
+        super().__init__()
+        checkpoint_io = TorchCheckpointIO() if checkpoint_io is None else checkpoint_io
+        if not callable(getattr(checkpoint_io, "save_checkpoint", None)):
+            raise TypeError(f"`AtomicCheckpointIO(checkpoint_io={checkpoint_io!r})` needs a CheckpointIO plugin "
+                            "(an object with save_checkpoint/load_checkpoint/remove_checkpoint).")
+        if is_async(checkpoint_io):
+            raise TypeError("`AtomicCheckpointIO(AsyncCheckpointIO(...))` cannot rename a file that is still being "
+                            "written in the background; wrap the synchronous plugin instead.")
+        self.checkpoint_io = checkpoint_io
+        self.fsync = fsync
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` through the wrapped plugin, atomically for local paths.
+
+        Args:
+            checkpoint: The checkpoint dict (as built by ``Trainer.save_checkpoint``).
+            path: The final path; the data appears under it only once completely written.
+            storage_options: Passed to the wrapped plugin.
+        """
+        if not is_local_path(path):
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        tmp = partial_path(path)
+        self.checkpoint_io.save_checkpoint(checkpoint, str(tmp) if isinstance(path, str) else tmp,
+                                           storage_options=storage_options)
+        commit(tmp, path, fsync=self.fsync)
+
+    @override
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load with the wrapped plugin (its own defaults, e.g. ``map_location``, apply)."""
+        return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove with the wrapped plugin."""
+        self.checkpoint_io.remove_checkpoint(path)
+
+    @override
+    def teardown(self) -> None:
+        """Tear the wrapped plugin down."""
+        self.checkpoint_io.teardown()
