@@ -13,12 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import tiny_llama
 from datasets import Dataset
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.data.prompt import PromptDataModule
+from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.modules.causal_lm import CausalLMModule
 from lit_trainer.modules.dpo import DPOModule
@@ -29,19 +31,6 @@ QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "e
 PAIRS = {"prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8="],
          "chosen": ["3", "300", "5", "ok", "15"],
          "rejected": ["4", "301", "six", "not ok at all", "16"]}
-
-
-def tiny_llama(seed: int) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    model.generation_config.bos_token_id = None
-    return model
 
 
 # ------------------------------------------------------------------------------------------------ the container
@@ -91,8 +80,6 @@ def test_the_metrics_are_submodules_whose_states_stay_out_of_checkpoints():
 # --------------------------------------------------------------------------------------------------- the modules
 def test_causal_lm_logs_a_single_user_metric_by_its_class_name_and_no_exact_match_unless_asked():
     tokenizer = transformers.ByT5Tokenizer()
-    from lit_trainer.data.sft import SFTDataModule
-
     rows = Dataset.from_dict({"text": ["12+34=46", "5+5=10", "1+1=2", "40+2=42"]})
     dm = SFTDataModule(tokenizer=tokenizer, dataset=rows, validation_dataset=rows, batch_size=2, max_length=16)
     accuracy = MulticlassAccuracy(num_classes=384, ignore_index=-100, average="micro")
