@@ -22,7 +22,7 @@ M = TypeVar("M", bound=Metric | MetricCollection)
 class ValidationMetrics(torch.nn.Module):
     """A module's validation metrics by logged name: the one path from ``validation_step`` to the logger.
 
-    A module :meth:`add` s its torchmetrics in ``__init__`` and updates them in ``validation_step``;
+    A module registers its torchmetrics with :meth:`add` in ``__init__`` and updates them in ``validation_step``;
     :class:`~lit_trainer.modules.base.BaseModule` calls :meth:`compute` once at the end of each validation
     (torchmetrics reduces the states over the DDP ranks there), passes the values through its
     ``finalize_val_metrics`` hook, logs them and calls :meth:`reset`. Only metrics updated since the last reset are
