@@ -1,67 +1,101 @@
 """Streaming evaluation metrics (torchmetrics): memory independent of the evaluation set size.
 
 The HF Trainer concatenates every batch's logits before ``compute_metrics`` (docs/design.md#hf-eval-metrics); these
-metrics are updated batch by batch and reduced across ranks once, in ``compute()``.
+metrics are updated batch by batch and reduced across ranks once, in ``compute()``. :class:`ValidationMetrics` is
+how every module declares them, and how the base module computes, logs and resets them.
 """
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import Metric, MetricCollection
 
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 
+M = TypeVar("M", bound=Metric | MetricCollection)
 
-class CausalLMEvalMetrics(torch.nn.Module):
-    """Global per-token loss, perplexity and next-token accuracy, plus optional greedy exact match.
 
-    ``loss`` is the token mean over the whole evaluation set (not the HF Trainer's sample-weighted mean of per-batch
-    means), ``perplexity = exp(loss)``.
+class ValidationMetrics(torch.nn.Module):
+    """A module's validation metrics by logged name: the one path from ``validation_step`` to the logger.
+
+    A module registers its torchmetrics with :meth:`add` in ``__init__`` and updates them in ``validation_step``;
+    :class:`~lit_trainer.modules.base.BaseModule` calls :meth:`compute` once at the end of each validation
+    (torchmetrics reduces the states over the DDP ranks there), passes the values through its
+    ``finalize_val_metrics`` hook, logs them and calls :meth:`reset`. Only metrics updated since the last reset are
+    computed, so an optional metric (greedy exact match, say) never shows up as a meaningless 0 or nan. The metrics
+    are submodules (they follow the module's device); their states stay out of checkpoints (torchmetrics' default).
+
+    Entries are kept in order and may share a name: each keeps its own state, and the last one added wins in the
+    logged values (as a dict would).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "val_") -> None:
         super().__init__()
-        self.loss = MeanMetric()
-        self.token_accuracy = MeanMetric()
-        self.exact_match = MeanMetric()
+        self.prefix = prefix
+        self.entries = torch.nn.ModuleList()
+        self.names: list[str] = []
 
-    @torch.no_grad()
-    def update_from_logits(self, logits: Tensor, labels: Tensor) -> None:
-        """Update loss and accuracy from ``(B, T, V)`` logits and unshifted labels."""
-        shifted = logits[:, :-1].float()
-        targets = labels[:, 1:]
-        mask = targets != IGNORE_INDEX
-        count = mask.sum()
-        if int(count) == 0:
-            return
-        loss_sum = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-        correct = ((shifted.argmax(-1) == targets) & mask).sum()
-        self.loss.update(loss_sum / count, weight=count)
-        self.token_accuracy.update(correct / count, weight=count)
+    def add(self, name: str, metric: M) -> M:
+        """Register ``metric``, logged as ``prefix + name`` (a ``Metric`` whose ``compute`` returns a dict, or a
+        ``MetricCollection``, is logged as ``prefix + key`` per key); returns it."""
+        if not name:
+            raise ValueError(f"`ValidationMetrics.add(name={name!r})` is invalid: a name must not be empty.")
+        if not isinstance(metric, (Metric, MetricCollection)):
+            raise TypeError(f"`ValidationMetrics.add({name!r}, {type(metric).__name__})` is invalid: give a "
+                            "torchmetrics `Metric` or `MetricCollection`.")
+        self.entries.append(metric)
+        self.names.append(name)
+        return metric
 
-    def update_exact_match(self, matches: Tensor) -> None:
-        """Update with a boolean tensor, one entry per evaluated prompt."""
-        if matches.numel():
-            self.exact_match.update(matches.float())
+    def __getitem__(self, name: str) -> Any:
+        """The metric last added under ``name``."""
+        for entry_name, metric in zip(reversed(self.names), reversed(self.entries)):
+            if entry_name == name:
+                return metric
+        raise KeyError(f"No validation metric named {name!r}; the names are {self.names}.")
 
     def compute(self) -> dict[str, Tensor]:
-        """``{"val_loss", "val_perplexity", "val_token_accuracy"[, "val_exact_match"]}`` reduced over ranks."""
-        out: dict[str, Tensor] = {}
-        if self.loss.update_called:
-            loss = self.loss.compute()
-            out.update(val_loss=loss, val_perplexity=torch.exp(loss), val_token_accuracy=self.token_accuracy.compute())
-        if self.exact_match.update_called:
-            out["val_exact_match"] = self.exact_match.compute()
-        return out
+        """``{prefix + name: value}`` of every metric updated since the last reset, reduced over ranks."""
+        values: dict[str, Tensor] = {}
+        for name, metric in zip(self.names, self.entries):
+            if not _updated(metric):
+                continue
+            value = metric.compute()
+            if isinstance(value, dict):
+                values.update({f"{self.prefix}{key}": v for key, v in value.items()})
+            else:
+                values[f"{self.prefix}{name}"] = value
+        return values
 
     def reset(self) -> None:
-        """Clear all states for the next evaluation."""
-        metric: Metric
-        for metric in (self.loss, self.token_accuracy, self.exact_match):
+        """Clear every state for the next validation."""
+        for metric in self.entries:
             metric.reset()
+
+
+def _updated(metric: Metric | MetricCollection) -> bool:
+    if isinstance(metric, MetricCollection):
+        return any(m.update_called for m in metric.values(copy_state=False))
+    return metric.update_called
+
+
+@torch.no_grad()
+def token_loss_and_accuracy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Next-token cross entropy and accuracy of ``(B, T, V)`` logits against unshifted labels, each a mean over the
+    target tokens (``labels != -100`` after the shift), and that token count: update a ``MeanMetric`` with
+    ``weight=count`` for the evaluation set's token mean (not the HF Trainer's mean of per-batch means)."""
+    shifted = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    count = mask.sum()
+    loss_sum = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    correct = ((shifted.argmax(-1) == targets) & mask).sum()
+    return loss_sum / count, correct / count, count
 
 
 def greedy_exact_match(generated: Tensor, targets: Tensor, eos_token_id: int | None) -> Tensor:

@@ -33,17 +33,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lit_trainer._seeding import derive_seed
 from lit_trainer.callbacks._namespace import PackageBound
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One round of the SplitMix64 integer hash (a fixed bijection on 64-bit integers)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def draw_seed(seed: int, rank: int, index: int) -> int:
@@ -57,9 +48,7 @@ def draw_seed(seed: int, rank: int, index: int) -> int:
     Returns:
         A 63-bit non-negative seed for ``torch.Generator.manual_seed``.
     """
-    h = _splitmix64(seed & _MASK64)
-    h = _splitmix64(h ^ (rank & _MASK64))
-    return _splitmix64(h ^ (index & _MASK64)) >> 1
+    return derive_seed(seed, rank, index)
 
 
 def neftune_noise(

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-_MASK64 = (1 << 64) - 1
+from lit_trainer._seeding import derive_seed
 
 
 class Completions(NamedTuple):
@@ -31,22 +31,12 @@ class Completions(NamedTuple):
     truncated: Tensor
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def rollout_seed(seed: int, round_index: int, rank: int, stream: int = 0) -> int:
     """A 63-bit seed for one generation round on one rank (``stream`` 0 = sampling, 1 = buffer shuffle).
 
     A hash, so every (round, rank, stream) gets an unrelated stream, and a resumed run regenerates the same one.
     """
-    h = _splitmix64(seed & _MASK64)
-    for part in (round_index, rank, stream):
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h >> 1
+    return derive_seed(seed, round_index, rank, stream)
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
+from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules import _adapter_checkpoint, _peft, _sharding
 from lit_trainer.modules._optimization import OptimizationMixin
@@ -57,6 +58,13 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     """Base LightningModule for causal-LM training recipes.
+
+    Validation metrics take one path: a subclass adds torchmetrics to ``self.val_metrics`` (a
+    :class:`~lit_trainer.metrics.ValidationMetrics`) in ``__init__``, e.g. ``self.val_metrics.add("loss",
+    MeanMetric())``, and updates them in ``validation_step`` (``self.val_metrics["loss"].update(value,
+    weight=count)``); it writes no ``on_validation_epoch_end``. At the end of each validation the base computes every
+    metric updated since the last validation (reduced over ranks), passes ``{"val_<name>": value}`` through
+    :meth:`finalize_val_metrics` (derived values, e.g. a perplexity), resets them and logs the result.
 
     Args:
         model: a preset name (``"tiny"``), a local directory, a hub id, or a ``PreTrainedModel`` from Python.
@@ -159,6 +167,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         self._last_global_step = 0
         self._step_lr: float | None = None
         self._reset_log_window()
+        self.val_metrics = ValidationMetrics()
 
     #: DPO/GRPO: load ``adapter_path`` a second time as the frozen reference adapter
     uses_reference_adapter = False
@@ -204,6 +213,20 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         tensors, averaged over the micro-steps of the logging window and over ranks.
         """
         raise NotImplementedError
+
+    def finalize_val_metrics(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Turn the computed validation values (``{"val_<name>": value}``, already reduced over ranks) into the logged
+        ones: add derived values, drop helper entries. Default: unchanged."""
+        return values
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """The one validation-metrics path: compute ``self.val_metrics`` (each metric updated since the last reset,
+        reduced over ranks by torchmetrics), :meth:`finalize_val_metrics`, reset, log."""
+        values = self.finalize_val_metrics(self.val_metrics.compute())
+        self.val_metrics.reset()
+        if values:
+            self.log_dict(values, prog_bar=False)
 
     # ---------------------------------------------------------------------------------------- accumulation core
     def step_window(self, batch_idx: int) -> tuple[int, int]:

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric, MetricCollection
+from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
-from lit_trainer.metrics import CausalLMEvalMetrics, greedy_exact_match
+from lit_trainer.metrics import greedy_exact_match, token_loss_and_accuracy
 from lit_trainer.modules import _sharding
 from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
@@ -72,10 +72,14 @@ class CausalLMModule(BaseModule):
                                           "preprocess_logits_for_metrics", "eval_metrics"])
         self.compute_loss_func = compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.val_metrics = CausalLMEvalMetrics()
-        if isinstance(eval_metrics, dict):
-            eval_metrics = MetricCollection(eval_metrics)
-        self.user_metrics = eval_metrics
+        for name in ("loss", "token_accuracy", "exact_match"):
+            self.val_metrics.add(name, MeanMetric())
+        self._user_metrics: str | None = None  # the name of the user's entry in val_metrics
+        if eval_metrics is not None:
+            if isinstance(eval_metrics, dict):
+                eval_metrics = MetricCollection(eval_metrics)
+            self._user_metrics = type(eval_metrics).__name__.lower()  # a collection is logged per key
+            self.val_metrics.add(self._user_metrics, eval_metrics)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
                 ) -> Any:
@@ -108,14 +112,19 @@ class CausalLMModule(BaseModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         outputs = self(batch["input_ids"], batch.get("attention_mask"))
         labels = batch["labels"]
-        self.val_metrics.update_from_logits(outputs.logits, labels)
-        if self.user_metrics is not None:
+        loss, accuracy, count = token_loss_and_accuracy(outputs.logits, labels)
+        if count:
+            self.val_metrics["loss"].update(loss, weight=count)
+            self.val_metrics["token_accuracy"].update(accuracy, weight=count)
+        if self._user_metrics is not None:
             preds = outputs.logits
             if self.preprocess_logits_for_metrics is not None:
                 preds = self.preprocess_logits_for_metrics(outputs.logits, labels)
-            self.user_metrics.update(preds, labels)
+            self.val_metrics[self._user_metrics].update(preds, labels)
         if self.hparams.eval_exact_match and "prompt_input_ids" in batch:
-            self.val_metrics.update_exact_match(self._greedy_matches(batch))
+            matches = self._greedy_matches(batch)
+            if matches.numel():
+                self.val_metrics["exact_match"].update(matches.float())
 
     @torch.no_grad()
     def _greedy_matches(self, batch: dict[str, Any]) -> Tensor:
@@ -132,13 +141,8 @@ class CausalLMModule(BaseModule):
         return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)
 
     @override
-    def on_validation_epoch_end(self) -> None:
-        values = self.val_metrics.compute()
-        if self.user_metrics is not None:
-            computed = self.user_metrics.compute()
-            computed = computed if isinstance(computed, dict) else {type(self.user_metrics).__name__.lower(): computed}
-            values.update({f"val_{k}": v for k, v in computed.items()})
-            self.user_metrics.reset()
-        self.val_metrics.reset()
-        if values:
-            self.log_dict(values, prog_bar=False)
+    def finalize_val_metrics(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Add ``val_perplexity = exp(val_loss)`` after ``val_loss``."""
+        if "val_loss" not in values:
+            return values
+        return {"val_loss": values["val_loss"], "val_perplexity": torch.exp(values["val_loss"]), **values}

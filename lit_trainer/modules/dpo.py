@@ -195,8 +195,8 @@ class DPOModule(DPOScoringMixin, BaseModule):
         self.ref_model = self._build_reference(reference, precompute_ref_log_probs, trust_remote_code)
         if isinstance(self.ref_model, torch.nn.Module) and disable_dropout:
             disable_dropout_in_model(self.ref_model)
-        self.val_metrics = torch.nn.ModuleDict({_slug(n): MeanMetric() for n in ("loss", *METRIC_NAMES)})
-        self.val_metrics[_SFT_NLL] = MeanMetric()
+        for name in ("loss", *METRIC_NAMES, _SFT_NLL):
+            self.val_metrics.add(name, MeanMetric())
         self._precomputed = _ref_logps.PrecomputedReference(ld_alpha, precompute_ref_batch_size, ref_logps_cache_dir)
         self._sync_params: tuple[list[Tensor], list[Tensor]] | None = None
 
@@ -226,22 +226,19 @@ class DPOModule(DPOScoringMixin, BaseModule):
         ref = self._reference_logps(batch)
         losses = self.pair_losses(scores, ref, row_completion_mask(batch))
         pairs = losses.numel()
-        self.val_metrics[_slug("loss")].update(losses.mean(), weight=pairs)
+        self.val_metrics["loss"].update(losses.mean(), weight=pairs)
         nll, tokens = self.chosen_nll(scores)
         self.val_metrics[_SFT_NLL].update(nll / tokens.clamp(min=1), weight=tokens)
         for name, value in self._metrics(scores, ref).items():
-            self.val_metrics[_slug(name)].update(value, weight=pairs)
+            self.val_metrics[name].update(value, weight=pairs)
 
     @override
-    def on_validation_epoch_end(self) -> None:
-        values = {f"val_{name}": self.val_metrics[_slug(name)].compute() for name in ("loss", *METRIC_NAMES)
-                  if self.val_metrics[_slug(name)].update_called}
-        if "val_loss" in values and self.sft_weight:  # the sft term: mean NLL over the set's chosen tokens
-            values["val_loss"] = values["val_loss"] + self.sft_weight * self.val_metrics[_SFT_NLL].compute()
-        for metric in self.val_metrics.values():
-            metric.reset()
-        if values:
-            self.log_dict(values, prog_bar=False)
+    def finalize_val_metrics(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Add the sft term to ``val_loss`` (its mean NLL over the set's chosen tokens, weighted); not logged alone."""
+        nll = values.pop(f"val_{_SFT_NLL}", None)
+        if "val_loss" in values and nll is not None and self.sft_weight:
+            values["val_loss"] = values["val_loss"] + self.sft_weight * nll
+        return values
 
     # ------------------------------------------------------------------------------------------ reference model
     @override
@@ -355,7 +352,3 @@ class DPOModule(DPOScoringMixin, BaseModule):
                 del state[name]
         elif not saved:
             state.update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
-
-
-def _slug(name: str) -> str:
-    return name.replace("/", "__")

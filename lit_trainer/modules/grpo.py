@@ -174,8 +174,9 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         self._restored: dict[str, Any] | None = None
         self._normaliser: StepNormaliser | None = None
         self._seed = generation_seed
-        self.val_reward = MeanMetric(nan_strategy="ignore")
-        self.val_reward_means = torch.nn.ModuleList(MeanMetric(nan_strategy="ignore") for _ in self.reward_funcs)
+        self.val_metrics.add("reward", MeanMetric(nan_strategy="ignore"))
+        self._val_reward_means = [self.val_metrics.add(f"rewards/{name}/mean", MeanMetric(nan_strategy="ignore"))
+                                  for name in self.reward_names]  # one per function, even when two share a name
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -329,15 +330,6 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         rewards = rewards.to(self.device)
         weights = torch.as_tensor(self.hparams.reward_weights or [1.0] * rewards.shape[1], device=self.device)
         total = torch.nansum(rewards * weights, dim=1).masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
-        self.val_reward.update(total)
-        for metric, column in zip(self.val_reward_means, rewards.T):
+        self.val_metrics["reward"].update(total)
+        for metric, column in zip(self._val_reward_means, rewards.T):
             metric.update(column)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        values = {"val_reward": self.val_reward.compute()}
-        for name, metric in zip(self.reward_names, self.val_reward_means):
-            values[f"val_rewards/{name}/mean"] = metric.compute()
-            metric.reset()
-        self.val_reward.reset()
-        self.log_dict(values, prog_bar=False)
