@@ -10,68 +10,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
-from lit_trainer.losses.grpo_advantages import _check_choice
+from lit_trainer.losses.grpo_options import (
+    GRPO_LOSS_DEFAULTS,
+    GRPOLossOptions,
+    ImportanceSamplingLevel,
+    LossType,
+    check_loss_inputs,
+    resolve_loss_options,
+    vespo_shape,
+)
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
+__all__ = [
+    "CLIPPED_LOSS_TYPES", "GRPO_LOSS_DEFAULTS", "GRPOLossOptions", "ImportanceSamplingLevel", "LossType",
+    "grpo_loss_metrics", "grpo_policy_loss", "k3_kl", "vespo_weights",
+]  # fmt: skip
+
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """Loss types using the PPO-style two-sided clipped surrogate (and reporting ``clip_ratio/*`` metrics)."""
+
+
 # ------------------------------------------------------------------------------------------------- policy loss
-class _LossConfig(NamedTuple):
-    loss_type: str
-    eps_low: float
-    eps_high: float
-    delta: float | None
-    beta: float
-    use_bias_correction_kl: bool
-    level: str
-    max_completion_length: int | None
-    num_items_in_batch: Tensor | float | int | None
-    sapo_temperature_pos: float
-    sapo_temperature_neg: float
-    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg)
-
-
-def _check_config(
-    c: _LossConfig, logps: Tensor, old: Tensor | None, adv: Tensor, mask: Tensor, ref: Tensor | None
-) -> None:
-    _check_choice("loss_type", c.loss_type, LossType)
-    _check_choice("importance_sampling_level", c.level, ImportanceSamplingLevel)
-    if logps.dim() != 2 or mask.shape != logps.shape:
-        raise ValueError(f"`logps` {tuple(logps.shape)} and `mask` {tuple(mask.shape)} must both be (B, T).")
-    for name, other in (("old_logps", old), ("ref_logps", ref)):
-        if other is not None and other.shape != logps.shape:
-            raise ValueError(f"`{name}` has shape {tuple(other.shape)}, expected {tuple(logps.shape)} like `logps`.")
-    if adv.numel() != logps.shape[0]:
-        raise ValueError(f"`advantages` has {adv.numel()} values for {logps.shape[0]} rows: give one per row.")
-    if c.eps_low < 0 or c.eps_high < 0:
-        raise ValueError(f"`epsilon={c.eps_low}`, `epsilon_high={c.eps_high}` are invalid: both must be >= 0.")
-    if c.delta is not None and c.delta <= 1.0:
-        raise ValueError(f"`delta={c.delta}` is invalid: it must be > 1 (recommended > 1 + epsilon_high), or None.")
-    if c.beta < 0:
-        raise ValueError(f"`beta={c.beta}` is invalid: the KL coefficient must be >= 0.")
-    if c.beta != 0 and ref is None:
-        raise ValueError(f"`beta={c.beta}` needs `ref_logps` (reference-model log-probs): pass them or set beta=0.")
-    if c.loss_type == "dr_grpo" and (c.max_completion_length is None or c.max_completion_length < 1):
-        raise ValueError(
-            f"`loss_type='dr_grpo'` needs `max_completion_length` >= 1 (got {c.max_completion_length}): pass the "
-            "generation's max_completion_length."
-        )
-    if c.loss_type == "vespo" and c.level != "token":
-        raise ValueError(f"`importance_sampling_level={c.level!r}` does not apply to `loss_type='vespo'`, which weights "
-                         "each sequence by its own summed log-ratio: use importance_sampling_level='token'.")
-    if c.loss_type == "sapo" and (c.sapo_temperature_pos <= 0 or c.sapo_temperature_neg <= 0):
-        raise ValueError(
-            f"`sapo_temperature_pos={c.sapo_temperature_pos}`, `sapo_temperature_neg={c.sapo_temperature_neg}` are "
-            "invalid: both must be > 0."
-        )
-
-
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
     """``x * mask`` broadcast to the mask's shape, exactly 0 where the mask is 0 even if ``x`` is inf/NaN there."""
     x = x.expand_as(mask)
@@ -89,22 +52,22 @@ _IS_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def _clipped_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) -> Tensor:
+def _clipped_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: GRPOLossOptions) -> Tensor:
     """``-min(r A, clamp(r, 1-eps_lo, 1+eps_hi) A)``, the unclipped ``r`` capped at ``delta`` if set."""
-    clipped = torch.clamp(ratio, 1.0 - c.eps_low, 1.0 + c.eps_high)
-    if c.delta is not None:
-        ratio = torch.clamp(ratio, max=c.delta)
+    clipped = torch.clamp(ratio, 1.0 - c["epsilon"], 1.0 + c["epsilon_high"])
+    if c["delta"] is not None:
+        ratio = torch.clamp(ratio, max=c["delta"])
     return -torch.min(ratio * adv, clipped * adv)
 
 
-def _cispo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) -> Tensor:
+def _cispo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: GRPOLossOptions) -> Tensor:
     """``-sg(min(r, eps_hi)) A logp`` (the cap is eps_high itself, not 1 + eps_high, as in the reference)."""
-    return -torch.clamp(ratio, max=c.eps_high).detach() * adv * logps
+    return -torch.clamp(ratio, max=c["epsilon_high"]).detach() * adv * logps
 
 
-def _sapo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: _LossConfig) -> Tensor:
+def _sapo_token_loss(ratio: Tensor, adv: Tensor, logps: Tensor, c: GRPOLossOptions) -> Tensor:
     """``-(4/tau) sigmoid(tau (r - 1)) A`` with ``tau`` = the positive temperature if A > 0, else the negative."""
-    tau = torch.where(adv > 0, c.sapo_temperature_pos, c.sapo_temperature_neg).to(ratio.dtype)
+    tau = torch.where(adv > 0, c["sapo_temperature_pos"], c["sapo_temperature_neg"]).to(ratio.dtype)
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
 
 
@@ -131,7 +94,7 @@ def vespo_weights(
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-_TOKEN_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor, _LossConfig], Tensor]] = {
+_TOKEN_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor, GRPOLossOptions], Tensor]] = {
     **dict.fromkeys(CLIPPED_LOSS_TYPES, _clipped_token_loss),
     "cispo": _cispo_token_loss,
     "sapo": _sapo_token_loss,
@@ -143,26 +106,26 @@ def _row_sums(loss: Tensor, mask: Tensor) -> Tensor:
     return _masked(loss, mask).sum(-1)
 
 
-def _agg_sequence_mean(loss: Tensor, mask: Tensor, c: _LossConfig) -> Tensor:
+def _agg_sequence_mean(loss: Tensor, mask: Tensor, c: GRPOLossOptions) -> Tensor:
     return (_row_sums(loss, mask) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
-def _agg_token_mean(loss: Tensor, mask: Tensor, c: _LossConfig) -> Tensor:
+def _agg_token_mean(loss: Tensor, mask: Tensor, c: GRPOLossOptions) -> Tensor:
     return _row_sums(loss, mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _agg_num_items(loss: Tensor, mask: Tensor, c: _LossConfig) -> Tensor:
-    if c.num_items_in_batch is None:
+def _agg_num_items(loss: Tensor, mask: Tensor, c: GRPOLossOptions) -> Tensor:
+    if c["num_items_in_batch"] is None:
         return _agg_token_mean(loss, mask, c)
-    denom = torch.as_tensor(c.num_items_in_batch, dtype=loss.dtype, device=loss.device).clamp(min=1.0)
+    denom = torch.as_tensor(c["num_items_in_batch"], dtype=loss.dtype, device=loss.device).clamp(min=1.0)
     return _row_sums(loss, mask).sum() / denom
 
 
-_AGGREGATORS: dict[str, Callable[[Tensor, Tensor, _LossConfig], Tensor]] = {
+_AGGREGATORS: dict[str, Callable[[Tensor, Tensor, GRPOLossOptions], Tensor]] = {
     "grpo": _agg_sequence_mean,
     "sapo": _agg_sequence_mean,
     "bnpo": _agg_token_mean,
-    "dr_grpo": lambda loss, mask, c: _row_sums(loss, mask).sum() / (loss.shape[0] * c.max_completion_length),
+    "dr_grpo": lambda loss, mask, c: _row_sums(loss, mask).sum() / (loss.shape[0] * c["max_completion_length"]),
     "dapo": _agg_num_items,
     "cispo": _agg_num_items,
     "vespo": _agg_num_items,
@@ -176,34 +139,14 @@ def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.exp(diff) - diff - 1.0
 
 
-def _kl_term(logps: Tensor, ref_logps: Tensor, log_ratio: Tensor, c: _LossConfig) -> Tensor:
+def _kl_term(logps: Tensor, ref_logps: Tensor, log_ratio: Tensor, c: GRPOLossOptions) -> Tensor:
     """k3, times the PER-TOKEN ratio when bias-corrected (fix of TRL #6586: never the (B, 1) sequence ratio)."""
     kl = k3_kl(logps, ref_logps)
-    return kl * torch.exp(log_ratio) if c.use_bias_correction_kl else kl
+    return kl * torch.exp(log_ratio) if c["use_bias_correction_kl"] else kl
 
 
 def grpo_policy_loss(
-    logps: Tensor,
-    old_logps: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    loss_type: LossType = "dapo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    beta: float = 0.0,
-    ref_logps: Tensor | None = None,
-    use_bias_correction_kl: bool = True,
-    importance_sampling_level: ImportanceSamplingLevel = "token",
-    max_completion_length: int | None = None,
-    num_items_in_batch: Tensor | float | int | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
+    logps: Tensor, old_logps: Tensor | None, advantages: Tensor, mask: Tensor, **options: Unpack[GRPOLossOptions]
 ) -> Tensor:
     """GRPO policy loss of ONE micro-batch, without any gradient-accumulation or world-size factor.
 
@@ -241,53 +184,54 @@ def grpo_policy_loss(
             ratio is 1 but keeps its gradient).
         advantages: ``(B,)`` or ``(B, 1)``.
         mask: ``(B, T)`` completion mask (bool or 0/1).
-        loss_type: see above.
-        epsilon: lower clip ``eps``; also the upper one when ``epsilon_high`` is None.
-        epsilon_high: upper clip (DAPO "clip-higher"), and the CISPO cap.
-        delta: cap of the unclipped ratio (two-sided GRPO), > 1; None = off.
-        beta: KL coefficient; ``!= 0`` requires ``ref_logps``.
-        ref_logps: ``(B, T)`` reference-model log-probs.
-        use_bias_correction_kl: weight the k3 by the per-token ratio (DeepSeek-V3.2), default True as the reference.
-        importance_sampling_level: "token" or "sequence".
-        max_completion_length: the Dr. GRPO constant; required for dr_grpo.
-        num_items_in_batch: dapo/cispo normaliser (int, float or 0-dim tensor; no host sync).
-        sapo_temperature_pos: SAPO temperature for A > 0 (reference default 1.0).
-        sapo_temperature_neg: SAPO temperature for A <= 0 (reference default 1.05).
-        vespo_k_pos: VESPO gamma-weight exponent ``k`` for A >= 0 (reference default 2.0).
-        vespo_lambda_pos: VESPO rate ``lambda`` for A >= 0 (reference default 3.0).
-        vespo_k_neg: VESPO ``k`` for A < 0 (reference default 3.0).
-        vespo_lambda_neg: VESPO ``lambda`` for A < 0 (reference default 2.0).
+        **options: the :class:`~lit_trainer.losses.grpo_options.GRPOLossOptions`, keyword only (defaults in
+            :data:`~lit_trainer.losses.grpo_options.GRPO_LOSS_DEFAULTS`):
+
+            * ``loss_type``: see above (default "dapo").
+            * ``epsilon``: lower clip ``eps`` (default 0.2); also the upper one when ``epsilon_high`` is None.
+            * ``epsilon_high``: upper clip (DAPO "clip-higher"), and the CISPO cap.
+            * ``delta``: cap of the unclipped ratio (two-sided GRPO), > 1; None = off.
+            * ``beta``: KL coefficient (default 0.0); ``!= 0`` requires ``ref_logps``.
+            * ``ref_logps``: ``(B, T)`` reference-model log-probs.
+            * ``use_bias_correction_kl``: weight the k3 by the per-token ratio (DeepSeek-V3.2), default True as the
+              reference.
+            * ``importance_sampling_level``: "token" (default) or "sequence".
+            * ``max_completion_length``: the Dr. GRPO constant; required for dr_grpo.
+            * ``num_items_in_batch``: dapo/cispo/vespo normaliser (int, float or 0-dim tensor; no host sync).
+            * ``sapo_temperature_pos``: SAPO temperature for A > 0 (reference default 1.0).
+            * ``sapo_temperature_neg``: SAPO temperature for A <= 0 (reference default 1.05).
+            * ``vespo_k_pos``: VESPO gamma-weight exponent ``k`` for A >= 0 (reference default 2.0).
+            * ``vespo_lambda_pos``: VESPO rate ``lambda`` for A >= 0 (reference default 3.0).
+            * ``vespo_k_neg``: VESPO ``k`` for A < 0 (reference default 3.0).
+            * ``vespo_lambda_neg``: VESPO ``lambda`` for A < 0 (reference default 2.0).
 
     Returns:
         0-dim loss tensor.
 
     Raises:
-        ValueError: on an unknown option, a shape mismatch, ``beta != 0`` without ``ref_logps``, dr_grpo without
-            ``max_completion_length``, a negative epsilon or beta, ``delta <= 1``, a non-positive SAPO temperature or
-            vespo with sequence-level importance sampling.
+        TypeError: on a keyword that is not one of the options (named in the message).
+        ValueError: as :func:`~lit_trainer.losses.grpo_options.check_loss_inputs` (an unknown loss type or level, a
+            shape mismatch, ``beta != 0`` without ``ref_logps``, dr_grpo without ``max_completion_length``, a negative
+            epsilon or beta, ``delta <= 1``, a non-positive SAPO temperature, vespo at sequence level).
 
     Example:
         >>> logps = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
         >>> grpo_policy_loss(logps, None, torch.tensor([1.0]), torch.tensor([[1, 1]]))  # on-policy: -mean(r A)
         tensor(-1., grad_fn=<DivBackward0>)
     """
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    c = _LossConfig(
-        loss_type, epsilon, eps_high, delta, beta, use_bias_correction_kl, importance_sampling_level,
-        max_completion_length, num_items_in_batch, sapo_temperature_pos, sapo_temperature_neg,
-        (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg),
-    )  # fmt: skip
-    _check_config(c, logps, old_logps, advantages, mask, ref_logps)
+    c = resolve_loss_options("grpo_policy_loss", options)
+    check_loss_inputs(c, logps, old_logps, advantages, mask)
+    loss_type, beta = c["loss_type"], c["beta"]
     mask_f = mask.to(logps.dtype)
     log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
-    ratio = torch.exp(_IS_LEVELS[c.level](log_ratio, mask_f))
+    ratio = torch.exp(_IS_LEVELS[c["importance_sampling_level"]](log_ratio, mask_f))
     adv = advantages.reshape(-1, 1).to(logps.dtype)
     if loss_type == "vespo":  # weights the sequence by its own summed log-ratio, not by `ratio`
-        loss = -vespo_weights(log_ratio, mask_f, adv, c.vespo) * adv * logps
+        loss = -vespo_weights(log_ratio, mask_f, adv, vespo_shape(c)) * adv * logps
     else:
         loss = _TOKEN_LOSSES[loss_type](ratio, adv, logps, c)
     if beta != 0:
-        loss = loss + beta * _kl_term(logps, ref_logps, log_ratio, c)
+        loss = loss + beta * _kl_term(logps, c["ref_logps"], log_ratio, c)
     return _AGGREGATORS[loss_type](loss, mask_f, c)
 
 
@@ -307,20 +251,7 @@ def _row_extreme(x: Tensor, mask: Tensor, *, lowest: bool) -> Tensor:
 
 @torch.no_grad()
 def grpo_loss_metrics(
-    logps: Tensor,
-    old_logps: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    loss_type: LossType = "dapo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    beta: float = 0.0,
-    ref_logps: Tensor | None = None,
-    use_bias_correction_kl: bool = True,
-    importance_sampling_level: ImportanceSamplingLevel = "token",
-    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    logps: Tensor, old_logps: Tensor | None, advantages: Tensor, mask: Tensor, **options: Unpack[GRPOLossOptions]
 ) -> dict[str, Tensor]:
     """Per-micro-step loss metrics (TRL's GRPO metrics) as 0-dim tensors, without grad or host sync.
 
@@ -339,31 +270,25 @@ def grpo_loss_metrics(
         old_logps: as :func:`grpo_policy_loss`.
         advantages: as :func:`grpo_policy_loss`.
         mask: as :func:`grpo_policy_loss`.
-        loss_type: decides which keys are returned.
-        epsilon: as :func:`grpo_policy_loss`.
-        epsilon_high: as :func:`grpo_policy_loss`.
-        delta: as :func:`grpo_policy_loss`.
-        beta: ``kl`` is returned when it is not 0.
-        ref_logps: as :func:`grpo_policy_loss`.
-        use_bias_correction_kl: as :func:`grpo_policy_loss`.
-        importance_sampling_level: as :func:`grpo_policy_loss`.
-        vespo: ``(k_pos, lambda_pos, k_neg, lambda_neg)`` of :func:`vespo_weights`.
+        **options: as :func:`grpo_policy_loss`; ``loss_type`` decides which keys are returned, ``kl`` is returned when
+            ``beta`` is not 0. ``max_completion_length``, ``num_items_in_batch`` and the SAPO temperatures do not
+            change the metrics (so dr_grpo does not need ``max_completion_length`` here).
 
     Returns:
         Dict of metric name to 0-dim tensor (only the keys that apply to ``loss_type`` and ``beta``).
 
     Raises:
+        TypeError: as :func:`grpo_policy_loss`.
         ValueError: as :func:`grpo_policy_loss`.
     """
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    # max_completion_length and the SAPO temperatures do not affect the metrics: placeholders that pass validation
-    c = _LossConfig(
-        loss_type, epsilon, eps_high, delta, beta, use_bias_correction_kl, importance_sampling_level, 1, None, 1, 1
-    )
-    _check_config(c, logps, old_logps, advantages, mask, ref_logps)
+    # the Dr. GRPO constant does not affect the metrics: a placeholder passes validation when it is not given
+    c = resolve_loss_options("grpo_loss_metrics", {"max_completion_length": 1, **options})
+    check_loss_inputs(c, logps, old_logps, advantages, mask)
+    loss_type, delta, beta = c["loss_type"], c["delta"], c["beta"]
+    epsilon, eps_high = c["epsilon"], c["epsilon_high"]
     logps, mask_f, adv = logps.detach(), mask.to(logps.dtype), advantages.reshape(-1, 1)
     log_ratio = logps - (logps if old_logps is None else old_logps)
-    ratio = torch.exp(_IS_LEVELS[c.level](log_ratio, mask_f))
+    ratio = torch.exp(_IS_LEVELS[c["importance_sampling_level"]](log_ratio, mask_f))
     metrics: dict[str, Tensor] = {}
     if loss_type in CLIPPED_LOSS_TYPES:
         capped = ratio if delta is None else ratio.clamp(max=delta)
@@ -375,9 +300,9 @@ def grpo_loss_metrics(
         metrics["clip_ratio/low_min"] = _row_extreme(low, mask_f, lowest=True)
         metrics["clip_ratio/high_max"] = _row_extreme(high, mask_f, lowest=False)
     if loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = vespo_weights(log_ratio, mask_f, adv, vespo).mean()
+        metrics["vespo/phi_seq_mean"] = vespo_weights(log_ratio, mask_f, adv, vespo_shape(c)).mean()
     if loss_type == "cispo":
         metrics["cispo_clip_ratio"] = _token_mean(((ratio > eps_high) & (adv > 0)).to(logps.dtype), mask_f)
     if beta != 0:
-        metrics["kl"] = _token_mean(_kl_term(logps, ref_logps, log_ratio, c), mask_f)
+        metrics["kl"] = _token_mean(_kl_term(logps, c["ref_logps"], log_ratio, c), mask_f)
     return metrics

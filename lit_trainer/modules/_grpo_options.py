@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, get_args
 
-from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
+from lit_trainer.losses.grpo_options import ImportanceSamplingLevel, LossType
 
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_generations": (lambda v: v >= 2, "GRPO compares completions of a prompt: use >= 2, e.g. 8"),

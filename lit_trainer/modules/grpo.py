@@ -43,8 +43,9 @@ from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
 from lit_trainer.data.repeat_sampler import resolve_generation_geometry
-from lit_trainer.losses.grpo import ImportanceSamplingLevel, LossType, grpo_loss_metrics, grpo_policy_loss
+from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
+from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules import _sharding
@@ -58,8 +59,6 @@ from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
-_SHAPE_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                  "vespo_lambda_neg")
 
 
 class GRPOModule(GRPORolloutMixin, BaseModule):
@@ -279,15 +278,11 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         hp = self.hparams
         logps, entropy = self.completion_logps(self.model, batch, with_entropy=True)
         mask = batch["completion_mask"]
-        options = {"loss_type": hp.loss_type, "epsilon": hp.epsilon, "epsilon_high": hp.epsilon_high,
-                   "delta": hp.delta, "beta": hp.beta, "ref_logps": batch.get("ref_logps"),
-                   "use_bias_correction_kl": hp.use_bias_correction_kl,
-                   "importance_sampling_level": hp.importance_sampling_level}
-        old, advantages = batch.get("old_logps"), batch["advantages"]
-        loss = grpo_policy_loss(logps, old, advantages, mask, max_completion_length=hp.max_completion_length,
-                                num_items_in_batch=num_items_in_batch, **{k: hp[k] for k in _SHAPE_OPTIONS}, **options)
-        vespo = (hp.vespo_k_pos, hp.vespo_lambda_pos, hp.vespo_k_neg, hp.vespo_lambda_neg)
-        metrics = grpo_loss_metrics(logps, old, advantages, mask, vespo=vespo, **options)
+        options = {k: hp[k] for k in GRPO_LOSS_DEFAULTS.keys() & hp.keys()}  # the loss options GRPOModule takes
+        old, advantages, ref = batch.get("old_logps"), batch["advantages"], batch.get("ref_logps")
+        loss = grpo_policy_loss(logps, old, advantages, mask, ref_logps=ref, num_items_in_batch=num_items_in_batch,
+                                **options)
+        metrics = grpo_loss_metrics(logps, old, advantages, mask, ref_logps=ref, **options)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, metrics
 
