@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lit_trainer.data.batch_sampler import BatchSampler
-from lit_trainer.data.loader import EvalLoader, TrainLoader, validate_loader_options
+from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
 from lit_trainer.data.rebalance import CostModel
 from lit_trainer.data.samplers import require_lengths
 from lit_trainer.data.sampling import Sampling, check_sampling, make_batch_sampler
@@ -148,6 +148,10 @@ class BaseDataModule(pl.LightningDataModule):
             return 1, 0, 1
         return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
 
+    def _loader_options(self) -> LoaderOptions:
+        """The ``DataLoader`` performance options of this data module's training and validation loaders."""
+        return {name: self.hparams[name] for name in LoaderOptions.__annotations__}  # type: ignore[return-value]
+
     def _step_windows(self) -> Callable[[], StepWindows] | None:
         """The trainer's live optimizer-step windows, for the training loader's window counts."""
         return partial(step_windows, self.trainer) if self.trainer is not None else None
@@ -192,8 +196,7 @@ class BaseDataModule(pl.LightningDataModule):
         return TrainLoader(
             self.train_dataset, self.train_batch_sampler(), lambda rows: self._collate(rows, True),
             count_items=self.count_items,
-            accumulate_grad_batches=accumulate, windows=self._step_windows(), seed=hp.seed, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
-            persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
+            accumulate_grad_batches=accumulate, windows=self._step_windows(), seed=hp.seed, **self._loader_options(),
         )
 
     @override
@@ -206,8 +209,7 @@ class BaseDataModule(pl.LightningDataModule):
         hp = self.hparams
         return EvalLoader(
             self.val_dataset, hp.eval_batch_size or hp.batch_size, lambda rows: self._collate(rows, False),
-            num_replicas=world, rank=rank, num_workers=hp.num_workers, pin_memory=hp.pin_memory,
-            persistent_workers=hp.persistent_workers, prefetch_factor=hp.prefetch_factor,
+            num_replicas=world, rank=rank, **self._loader_options(),
         )
 
     @property

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
+from typing_extensions import Unpack
 
 from lit_trainer.data.batch_sampler import BatchSampler
 from lit_trainer.data.windows import StepWindows
@@ -51,10 +52,9 @@ class TrainLoader:
             pass ``partial(step_windows, trainer)``; a ``BaseModule`` sets it on a loader that has none when
             training starts). Read at the start of every window.
         seed: base seed of the worker seeds (epoch ``e`` uses ``seed + e``), so no global RNG draw happens.
-        num_workers: ``DataLoader`` workers.
-        pin_memory: pin host memory.
-        persistent_workers: keep workers alive between epochs (requires ``num_workers > 0``).
-        prefetch_factor: batches prefetched per worker (requires ``num_workers > 0``).
+        **loader_options: the inner ``DataLoader``'s :class:`LoaderOptions`: ``num_workers`` (workers),
+            ``pin_memory`` (pin host memory), ``persistent_workers`` (keep workers alive between epochs) and
+            ``prefetch_factor`` (batches prefetched per worker), the last two requiring ``num_workers > 0``.
 
     Example::
 
@@ -73,32 +73,17 @@ class TrainLoader:
         accumulate_grad_batches: int = 1,
         windows: Callable[[], StepWindows] | None = None,
         seed: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        prefetch_factor: int | None = None,
+        **loader_options: Unpack[LoaderOptions],
     ) -> None:
-        validate_loader_options(num_workers, persistent_workers, prefetch_factor)
         if accumulate_grad_batches < 1:
             raise ValueError(f"`accumulate_grad_batches={accumulate_grad_batches}` is invalid: it must be >= 1.")
-        self.dataset = dataset
-        self.batch_sampler = batch_sampler
-        self.count_items = count_items
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.windows = windows
-        self.seed = seed
+        self.dataset, self.batch_sampler, self.count_items = dataset, batch_sampler, count_items
+        self.accumulate_grad_batches, self.windows, self.seed = accumulate_grad_batches, windows, seed
         self._consumed = 0  # micro-batches of the current epoch handed to the training loop: the checkpointed position
         self._restoring = False  # load_state_dict was called: the next iteration starts at the sampler's position
         self._generator = torch.Generator()
-        self._inner = DataLoader(
-            dataset,
-            batch_sampler=batch_sampler,
-            collate_fn=collate_fn,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-            prefetch_factor=prefetch_factor,
-            generator=self._generator,
+        self._inner = inner_loader(
+            dataset, collate_fn, loader_options, batch_sampler=batch_sampler, generator=self._generator
         )
 
     @property
@@ -173,6 +158,38 @@ def window_count(counts: list[int | torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(c, dtype=torch.int64) for c in counts]).sum(0)
 
 
+class LoaderOptions(TypedDict, total=False):
+    """The ``DataLoader`` performance options of :class:`TrainLoader` and :class:`EvalLoader`, keyword only.
+
+    ``num_workers`` (default 0: load in the main process), ``pin_memory`` (default False), ``persistent_workers``
+    (default False; needs workers) and ``prefetch_factor`` (default None; needs workers, >= 1), as
+    ``torch.utils.data.DataLoader`` takes them.
+    """
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+
+
+def inner_loader(
+    dataset: Dataset, collate_fn: Callable[[list[dict[str, Any]]], Any], options: LoaderOptions, **sampling: Any
+) -> DataLoader:
+    """The ``DataLoader`` doing the loading inside a loader: the checked ``options`` plus the ``sampling`` arguments.
+
+    Raises:
+        TypeError: on an option that is not a :class:`LoaderOptions` key (named in the message).
+        ValueError: as :func:`validate_loader_options`.
+    """
+    unknown = sorted(set(options) - set(LoaderOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unknown loader option(s) {', '.join(unknown)}: the options are "
+                        f"{', '.join(LoaderOptions.__annotations__)}.")
+    validate_loader_options(options.get("num_workers", 0), options.get("persistent_workers", False),
+                            options.get("prefetch_factor"))
+    return DataLoader(dataset, collate_fn=collate_fn, **options, **sampling)
+
+
 def validate_loader_options(num_workers: int, persistent_workers: bool, prefetch_factor: int | None) -> None:
     """Reject DataLoader option combinations early, with the fix in the message (as ``TrainingArguments`` does).
 
@@ -209,17 +226,10 @@ class EvalLoader:
         *,
         num_replicas: int = 1,
         rank: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        prefetch_factor: int | None = None,
+        **loader_options: Unpack[LoaderOptions],
     ) -> None:
-        validate_loader_options(num_workers, persistent_workers, prefetch_factor)
         self.dataset = Subset(dataset, range(rank, len(dataset), num_replicas))
-        self._inner = DataLoader(
-            self.dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn, num_workers=num_workers,
-            pin_memory=pin_memory, persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-        )
+        self._inner = inner_loader(self.dataset, collate_fn, loader_options, batch_size=batch_size, shuffle=False)
 
     def __len__(self) -> int:
         return len(self._inner)

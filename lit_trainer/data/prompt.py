@@ -232,8 +232,7 @@ class PromptDataModule(BaseDataModule):
         return TrainLoader(
             self.train_dataset, batches, lambda rows: self._collate(rows, True), count_items=None,
             accumulate_grad_batches=accumulate_grad_batches, windows=self._step_windows(), seed=hp.seed,
-            num_workers=hp.num_workers, pin_memory=hp.pin_memory, persistent_workers=hp.persistent_workers,
-            prefetch_factor=hp.prefetch_factor,
+            **self._loader_options(),
         )
 
     @override
