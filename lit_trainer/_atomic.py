@@ -157,7 +157,23 @@ def commit(tmp: _PathLike, final: _PathLike, *, fsync: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(final: _PathLike, *, fsync: bool = True) -> Iterator[Path]:
+def _staged(final: _PathLike, fsync: bool, directory: bool) -> Iterator[Path]:
+    """The temporary path of ``final`` (an empty folder if ``directory``), committed if the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(final)
+    _remove(tmp)
+    if directory:
+        tmp.mkdir()
+    try:
+        yield tmp
+        commit(tmp, final, fsync=fsync)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def atomic_write(final: _PathLike, *, fsync: bool = True) -> contextlib.AbstractContextManager[Path]:
     """Context manager giving a temporary file path that becomes ``final`` only if the block succeeds.
 
     Args:
@@ -178,33 +194,15 @@ def atomic_write(final: _PathLike, *, fsync: bool = True) -> Iterator[Path]:
         >>> open(target).read()
         'hello'
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(final)
-    _remove(tmp)
-    try:
-        yield tmp
-        commit(tmp, final, fsync=fsync)
-    except BaseException:
-        _remove(tmp)
-        raise
+    return _staged(final, fsync, directory=False)
 
 
-@contextlib.contextmanager
-def atomic_directory(final: _PathLike, *, fsync: bool = True) -> Iterator[Path]:
+def atomic_directory(final: _PathLike, *, fsync: bool = True) -> contextlib.AbstractContextManager[Path]:
     """Context manager giving an empty temporary folder that becomes ``final`` only if the block succeeds.
 
     Use it for multi-file outputs such as ``model.save_pretrained(tmp)`` + ``tokenizer.save_pretrained(tmp)``.
-
-    Args:
-        final: The folder to create or replace as a whole (its old content is not merged).
-        fsync: See :func:`commit`.
-
-    Yields:
-        The temporary folder (created, empty).
-
-    Raises:
-        Exception: Whatever the block raises; the temporary folder is then removed and ``final`` is untouched.
+    ``final`` is the folder to create or replace as a whole (its old content is not merged); it yields the
+    temporary folder (created, empty); ``fsync`` and a failing block are handled as by :func:`atomic_write`.
 
     Example:
         >>> import os, tempfile
@@ -214,17 +212,7 @@ def atomic_directory(final: _PathLike, *, fsync: bool = True) -> Iterator[Path]:
         >>> os.listdir(target)
         ['config.json']
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(final)
-    _remove(tmp)
-    tmp.mkdir()
-    try:
-        yield tmp
-        commit(tmp, final, fsync=fsync)
-    except BaseException:
-        _remove(tmp)
-        raise
+    return _staged(final, fsync, directory=True)
 
 
 def remove_partials(folder: _PathLike) -> list[Path]:
