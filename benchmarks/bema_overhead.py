@@ -26,9 +26,19 @@ from lit_trainer.callbacks.bema import BEMA
 
 
 def build_model() -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-                         max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -100,8 +110,10 @@ def main() -> None:
     times = loop.run(args.steps, variants)  # each BEMA sees steps 1..steps: steps // 400 default updates
 
     step_s = statistics.mean(times[0])
-    print(f"model: Llama hidden 128, 2 layers, vocab 384, {num_params:,} parameters; batch 64 x 12; "
-          f"{args.threads} thread(s); BEMA buffers on {args.device}; {args.steps} steps per setting, interleaved")
+    print(
+        f"model: Llama hidden 128, 2 layers, vocab 384, {num_params:,} parameters; batch 64 x 12; "
+        f"{args.threads} thread(s); BEMA buffers on {args.device}; {args.steps} steps per setting, interleaved"
+    )
     print(f"plain training step: mean {step_s * 1e3:.2f} ms, median {statistics.median(times[0]) * 1e3:.2f} ms")
     print(f"BEMA hook: update step {update_s * 1e3:.3f} ms, other steps {check_s * 1e6:.2f} us\n")
     print(f"| {'setting':<16} | {'mean step (ms)':>14} | {'measured overhead':>17} | {'derived overhead':>16} |")

@@ -55,16 +55,19 @@ def batches(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """``(preference batches, SFT batches)``: the same pairs, chosen completions only for SFT."""
     rows = builtin.preference_rows("train").select(range(args.pairs * args.steps))
     tokenizer = build_tokenizer()
-    pref = PreferenceDataModule(tokenizer=tokenizer, dataset=rows, val_size=0, batch_size=args.pairs, max_length=32,
-                                sampling="sequential")
+    pref = PreferenceDataModule(
+        tokenizer=tokenizer, dataset=rows, val_size=0, batch_size=args.pairs, max_length=32, sampling="sequential"
+    )
     sft_rows = Dataset.from_dict({"prompt": rows["prompt"], "completion": rows["chosen"]})
-    sft = SFTDataModule(tokenizer=tokenizer, dataset=sft_rows, val_size=0, batch_size=args.pairs, max_length=32,
-                        sampling="sequential")
+    sft = SFTDataModule(
+        tokenizer=tokenizer, dataset=sft_rows, val_size=0, batch_size=args.pairs, max_length=32, sampling="sequential"
+    )
     out = []
     for dm in (pref, sft):
         dm.setup("fit")
-        out.append([{k: v.to(args.device) for k, v in b.items() if k != "num_items_in_batch"}
-                    for b in dm.train_dataloader()])
+        out.append(
+            [{k: v.to(args.device) for k, v in b.items() if k != "num_items_in_batch"} for b in dm.train_dataloader()]
+        )
     return out[0], out[1]
 
 
@@ -73,8 +76,9 @@ def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
     policy = load_model(args.preset)
     if variant == "sft":
         return CausalLMModule(policy, learning_rate=1e-4).to(args.device)
-    module = DPOModule(policy, loss_type=["sigmoid", "sft"], learning_rate=1e-4,
-                       precompute_ref_log_probs=variant == "dpo_precomputed")
+    module = DPOModule(
+        policy, loss_type=["sigmoid", "sft"], learning_rate=1e-4, precompute_ref_log_probs=variant == "dpo_precomputed"
+    )
     return module.to(args.device)
 
 
@@ -142,8 +146,22 @@ def one_variant(args: argparse.Namespace) -> None:
 def memory(args: argparse.Namespace) -> dict[str, float]:
     out = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--only", variant, "--preset", args.preset, "--pairs", str(args.pairs),
-               "--steps", str(args.steps), "--threads", str(args.threads), "--device", args.device]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--only",
+            variant,
+            "--preset",
+            args.preset,
+            "--pairs",
+            str(args.pairs),
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+            "--device",
+            args.device,
+        ]
         text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         out[variant] = float(next(line for line in text.splitlines() if line.startswith("RSS_MIB")).split()[1])
     return out
@@ -160,8 +178,9 @@ def main() -> None:
     live = modules["dpo_live"]
     data = {"dpo_live": pref, "sft": sft}
     data["dpo_precomputed"], precompute_s = precompute(live.ref_model, live, pref)
-    optimizers = {v: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
-                  for v, m in modules.items()}
+    optimizers = {
+        v: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for v, m in modules.items()
+    }
     for v in VARIANTS:  # warm-up
         run_steps(modules[v], optimizers[v], data[v][:2], args.device)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -178,8 +197,10 @@ def main() -> None:
     rows = {v: sum(b["input_ids"].size(0) for b in data[v]) for v in VARIANTS}
     params = sum(p.numel() for p in modules["sft"].parameters())
     print(f"command: python benchmarks/{' '.join(sys.argv)}".replace("benchmarks/benchmarks/", "benchmarks/"))
-    print(f"model: preset {args.preset!r} ({params / 1e6:.2f}M parameters), {args.pairs} pairs per step, "
-          f"{args.steps} steps x {args.repeats} interleaved rounds, {args.threads} thread(s), device {args.device}")
+    print(
+        f"model: preset {args.preset!r} ({params / 1e6:.2f}M parameters), {args.pairs} pairs per step, "
+        f"{args.steps} steps x {args.repeats} interleaved rounds, {args.threads} thread(s), device {args.device}"
+    )
     header = "| variant | pairs/s | rows/s | tokens/s | step ms | parameter MiB held |"
     extra = (" peak RSS MiB above baseline |" if rss else "") + (" peak CUDA MiB |" if peaks else "")
     print(header + extra)
@@ -187,13 +208,17 @@ def main() -> None:
     for v in VARIANTS:
         sec = statistics.median(times[v])
         pairs = f"{args.pairs * args.steps / sec:,.0f}" if v != "sft" else "-"
-        line = (f"| {v} | {pairs} | {rows[v] / sec:,.0f} | {tokens[v] / sec:,.0f} | {1000 * sec / args.steps:.1f} | "
-                f"{held_bytes(modules[v]) / 2**20:.2f} |")
+        line = (
+            f"| {v} | {pairs} | {rows[v] / sec:,.0f} | {tokens[v] / sec:,.0f} | {1000 * sec / args.steps:.1f} | "
+            f"{held_bytes(modules[v]) / 2**20:.2f} |"
+        )
         line += f" {rss[v]:.0f} |" if rss else ""
         line += f" {peaks[v] / 2**20:.1f} |" if peaks else ""
         print(line)
-    print(f"one-off precompute pass over the {args.pairs * args.steps} pairs: {precompute_s:.2f} s "
-          f"({args.pairs * args.steps / precompute_s:,.0f} pairs/s)")
+    print(
+        f"one-off precompute pass over the {args.pairs * args.steps} pairs: {precompute_s:.2f} s "
+        f"({args.pairs * args.steps / precompute_s:,.0f} pairs/s)"
+    )
 
 
 if __name__ == "__main__":

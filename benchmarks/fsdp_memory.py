@@ -36,16 +36,28 @@ def _measure(devices: int, model: str, out: Path) -> None:
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     module = CausalLMModule(model, learning_rate=1e-3)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
-                         strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=SFTDataModule(batch_size=4, max_length=32, val_size=0))
     params = list(module.parameters())
     optimizer = trainer.optimizers[0]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
-    row = {"rank": trainer.global_rank, "params": _local_bytes(params),
-           "grads": _local_bytes([p.grad for p in params if p.grad is not None]), "optimizer": _local_bytes(state)}
+    row = {
+        "rank": trainer.global_rank,
+        "params": _local_bytes(params),
+        "grads": _local_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": _local_bytes(state),
+    }
     (out / f"d{devices}_rank{trainer.global_rank}.json").write_text(json.dumps(row))
 
 
@@ -60,9 +72,13 @@ def main() -> None:
         return
     out = Path(tempfile.mkdtemp())
     for devices in (1, 2):
-        subprocess.run([sys.executable, __file__, "--model", args.model, "--devices", str(devices), "--out",
-                        str(out)], check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, __file__, "--model", args.model, "--devices", str(devices), "--out", str(out)],
+            check=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     rows = {d: [json.loads((out / f"d{d}_rank{r}.json").read_text()) for r in range(d)] for d in (1, 2)}
     print(f"model {args.model}: per-rank bytes after 2 AdamW steps (local shards)")
     print("| ranks | rank | parameters | gradients | optimizer state | total |\n|---:|---:|---:|---:|---:|---:|")

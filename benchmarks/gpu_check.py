@@ -38,10 +38,20 @@ from lit_trainer.modules import CausalLMModule, DPOModule, GRPOModule
 
 def trainer(steps: int, devices: int = 1, sharded: bool = False, callbacks: list | None = None) -> pl.Trainer:
     strategy: Any = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if sharded else "auto"
-    return pl.Trainer(accelerator="cuda", devices=devices, strategy=strategy, precision="bf16-mixed",
-                      max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                      callbacks=callbacks or [])
+    return pl.Trainer(
+        accelerator="cuda",
+        devices=devices,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks or [],
+    )
 
 
 def first_weight(module: pl.LightningModule) -> torch.Tensor:
@@ -57,21 +67,38 @@ def run_module(name: str, module: pl.LightningModule, datamodule: Any, steps: in
     moved = not torch.equal(before, first_weight(module))
     loss = float(fit.callback_metrics.get("train_loss", torch.tensor(float("nan"))))
     if fit.is_global_zero:
-        print(f"[gpu_check] {name}: {fit.global_step} steps, weights moved: {moved}, last logged loss {loss:.4f}, "
-              f"peak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
+        print(
+            f"[gpu_check] {name}: {fit.global_step} steps, weights moved: {moved}, last logged loss {loss:.4f}, "
+            f"peak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB",
+            flush=True,
+        )
     assert moved, f"{name}: the weights did not change"
     return fit
 
 
 def modules(model: str, sharded: bool) -> list[tuple[str, pl.LightningModule, Any]]:
     shard = {"shard_param_dtype": "bfloat16"} if sharded else {}
-    grpo = GRPOModule(model, reward_funcs=["lit_trainer.rewards.arithmetic_reward"], num_generations=4,
-                      max_completion_length=8, beta=0.04, **shard)
-    return [("SFT", CausalLMModule(model, learning_rate=1e-3, **shard), SFTDataModule(model, batch_size=16,
-                                                                                      max_length=32, val_size=0)),
-            ("DPO", DPOModule(model, learning_rate=1e-4, **shard), PreferenceDataModule(model, batch_size=8,
-                                                                                         max_length=32, val_size=0)),
-            ("GRPO", grpo, PromptDataModule(model, batch_size=4, max_length=32, val_size=0))]
+    grpo = GRPOModule(
+        model,
+        reward_funcs=["lit_trainer.rewards.arithmetic_reward"],
+        num_generations=4,
+        max_completion_length=8,
+        beta=0.04,
+        **shard,
+    )
+    return [
+        (
+            "SFT",
+            CausalLMModule(model, learning_rate=1e-3, **shard),
+            SFTDataModule(model, batch_size=16, max_length=32, val_size=0),
+        ),
+        (
+            "DPO",
+            DPOModule(model, learning_rate=1e-4, **shard),
+            PreferenceDataModule(model, batch_size=8, max_length=32, val_size=0),
+        ),
+        ("GRPO", grpo, PromptDataModule(model, batch_size=4, max_length=32, val_size=0)),
+    ]
 
 
 def part_modules(args: argparse.Namespace, sharded: bool, devices: int) -> None:
@@ -120,18 +147,33 @@ def part_throughput(args: argparse.Namespace) -> None:
     collator = transformers.DataCollatorForSeq2Seq(dm.tokenizer, padding=True, label_pad_token_id=-100)
     with tempfile.TemporaryDirectory() as out:
         hf = transformers.Trainer(
-            model=load_model(args.model), train_dataset=rows.select_columns(["input_ids", "attention_mask", "labels"]),
+            model=load_model(args.model),
+            train_dataset=rows.select_columns(["input_ids", "attention_mask", "labels"]),
             data_collator=collator,
-            args=transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=steps,
-                                                learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
-                                                bf16=True, report_to="none", save_strategy="no", disable_tqdm=True,
-                                                train_sampling_strategy="sequential", logging_steps=50))
+            args=transformers.TrainingArguments(
+                output_dir=out,
+                per_device_train_batch_size=batch,
+                max_steps=steps,
+                learning_rate=1e-4,
+                lr_scheduler_type="constant",
+                max_grad_norm=1.0,
+                bf16=True,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                train_sampling_strategy="sequential",
+                logging_steps=50,
+            ),
+        )
         start = time.perf_counter()
         hf.train()
         theirs = (tokens / (time.perf_counter() - start), torch.cuda.max_memory_allocated() / 2**20)
-    print(f"[gpu_check] transformers.Trainer: {theirs[0]:,.0f} tokens/s, peak {theirs[1]:.0f} MiB; ours / HF: "
-          f"{ours[0] / theirs[0]:.3f}x tokens/s, {ours[1] / theirs[1]:.3f}x memory (tokens counted with padding "
-          "excluded, the same rows for both)", flush=True)
+    print(
+        f"[gpu_check] transformers.Trainer: {theirs[0]:,.0f} tokens/s, peak {theirs[1]:.0f} MiB; ours / HF: "
+        f"{ours[0] / theirs[0]:.3f}x tokens/s, {ours[1] / theirs[1]:.3f}x memory (tokens counted with padding "
+        "excluded, the same rows for both)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -142,8 +184,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA device.")
-    print(f"[gpu_check] {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} device(s), torch "
-          f"{torch.__version__}", flush=True)
+    print(
+        f"[gpu_check] {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} device(s), torch "
+        f"{torch.__version__}",
+        flush=True,
+    )
     if args.part == "fsdp2":  # the 2-device launch (Lightning re-runs this command line for rank 1)
         part_modules(args, sharded=True, devices=2)
         return
@@ -152,8 +197,11 @@ def main() -> None:
     part_export(args)
     part_throughput(args)
     if torch.cuda.device_count() >= 2:
-        subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", str(args.steps), "--part",
-                        "fsdp2"], check=True, env=os.environ.copy())
+        subprocess.run(
+            [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps), "--part", "fsdp2"],
+            check=True,
+            env=os.environ.copy(),
+        )
     else:
         print("[gpu_check] FSDP2 with devices=2 skipped: one GPU visible", flush=True)
 

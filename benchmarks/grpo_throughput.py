@@ -66,25 +66,50 @@ def run(spg: int, args: argparse.Namespace) -> dict[str, float]:
 
     L.seed_everything(args.seed, verbose=False)
     model = load_model(args.preset)
-    module = GRPOModule(model, tokenizer=load_tokenizer(args.preset),
-                        reward_funcs=["lit_trainer.rewards.arithmetic_reward"], num_generations=args.num_generations,
-                        steps_per_generation=spg, max_completion_length=args.max_completion_length, temperature=0.7,
-                        learning_rate=1e-4, scheduler="constant", generation_seed=args.seed)
+    module = GRPOModule(
+        model,
+        tokenizer=load_tokenizer(args.preset),
+        reward_funcs=["lit_trainer.rewards.arithmetic_reward"],
+        num_generations=args.num_generations,
+        steps_per_generation=spg,
+        max_completion_length=args.max_completion_length,
+        temperature=0.7,
+        learning_rate=1e-4,
+        scheduler="constant",
+        generation_seed=args.seed,
+    )
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     totals = {"generate": 0.0, "generate_calls": 0, "rollout": 0.0, "rollout_calls": 0}
     module.model.generate = _timed(module.model.generate, totals, "generate", device)
     module._make_rollouts = _timed(module._make_rollouts, totals, "rollout", device)
-    data = PromptDataModule(tokenizer=args.preset, batch_size=args.batch_size, max_length=16, val_size=0,
-                            seed=args.seed)
+    data = PromptDataModule(
+        tokenizer=args.preset, batch_size=args.batch_size, max_length=16, val_size=0, seed=args.seed
+    )
     timer = LoopTimer()
-    trainer = L.Trainer(max_steps=args.steps, accelerator=args.device, devices=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator=args.device,
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
     trainer.fit(module, datamodule=data)
     loop = timer.end - timer.start
-    return {"spg": spg, "loop_s": loop, "steps_per_s": args.steps / loop, "calls": totals["generate_calls"],
-            "gen_s": totals["generate"], "gen_share": totals["generate"] / loop,
-            "rollout_share": totals["rollout"] / loop, "gen_s_per_step": totals["generate"] / args.steps}
+    return {
+        "spg": spg,
+        "loop_s": loop,
+        "steps_per_s": args.steps / loop,
+        "calls": totals["generate_calls"],
+        "gen_s": totals["generate"],
+        "gen_share": totals["generate"] / loop,
+        "rollout_share": totals["rollout"] / loop,
+        "gen_s_per_step": totals["generate"] / args.steps,
+    }
 
 
 def main() -> None:
@@ -108,17 +133,23 @@ def main() -> None:
     datasets.disable_progress_bars()
     results = [run(k, args) for k in args.spg]
     base = results[0]["gen_s_per_step"]
-    print(f"\nGRPO throughput: preset={args.preset}, {args.batch_size} completions/step "
-          f"({args.batch_size // args.num_generations} prompts x {args.num_generations}), max_completion_length="
-          f"{args.max_completion_length}, {args.steps} optimizer steps, device={args.device}, threads={args.threads}")
-    header = (f"{'spg':>4} {'steps/s':>8} {'generate calls':>15} {'gen s':>7} {'gen share':>10} {'rollout share':>14} "
-              f"{'gen s/step':>11} {'gen cost factor':>16} {'ideal':>6}")
+    print(
+        f"\nGRPO throughput: preset={args.preset}, {args.batch_size} completions/step "
+        f"({args.batch_size // args.num_generations} prompts x {args.num_generations}), max_completion_length="
+        f"{args.max_completion_length}, {args.steps} optimizer steps, device={args.device}, threads={args.threads}"
+    )
+    header = (
+        f"{'spg':>4} {'steps/s':>8} {'generate calls':>15} {'gen s':>7} {'gen share':>10} {'rollout share':>14} "
+        f"{'gen s/step':>11} {'gen cost factor':>16} {'ideal':>6}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         factor = base / r["gen_s_per_step"] if r["gen_s_per_step"] else float("nan")
-        print(f"{r['spg']:>4} {r['steps_per_s']:>8.2f} {r['calls']:>15} {r['gen_s']:>7.2f} {r['gen_share']:>9.0%} "
-              f"{r['rollout_share']:>13.0%} {r['gen_s_per_step']:>11.4f} {factor:>15.2f}x {r['spg']:>5}x")
+        print(
+            f"{r['spg']:>4} {r['steps_per_s']:>8.2f} {r['calls']:>15} {r['gen_s']:>7.2f} {r['gen_share']:>9.0%} "
+            f"{r['rollout_share']:>13.0%} {r['gen_s_per_step']:>11.4f} {factor:>15.2f}x {r['spg']:>5}x"
+        )
     print(f"\ncommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
 
 

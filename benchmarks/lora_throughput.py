@@ -52,15 +52,23 @@ def batches(args: argparse.Namespace) -> dict[str, list[dict]]:
     """``{"sft": ..., "dpo": ...}``: the same problems; SFT trains on the chosen completions."""
     rows = builtin.preference_rows("train").select(range(args.rows * args.steps))
     tokenizer = build_tokenizer()
-    common = {"tokenizer": tokenizer, "val_size": 0, "batch_size": args.rows, "max_length": 32,
-              "sampling": "sequential"}
+    common = {
+        "tokenizer": tokenizer,
+        "val_size": 0,
+        "batch_size": args.rows,
+        "max_length": 32,
+        "sampling": "sequential",
+    }
     sft_rows = Dataset.from_dict({"prompt": rows["prompt"], "completion": rows["chosen"]})
     out = {}
-    for name, dm in (("dpo", PreferenceDataModule(dataset=rows, **common)), ("sft", SFTDataModule(dataset=sft_rows,
-                                                                                                   **common))):
+    for name, dm in (
+        ("dpo", PreferenceDataModule(dataset=rows, **common)),
+        ("sft", SFTDataModule(dataset=sft_rows, **common)),
+    ):
         dm.setup("fit")
-        out[name] = [{k: v.to(args.device) for k, v in b.items() if k != "num_items_in_batch"}
-                     for b in dm.train_dataloader()]
+        out[name] = [
+            {k: v.to(args.device) for k, v in b.items() if k != "num_items_in_batch"} for b in dm.train_dataloader()
+        ]
     return out
 
 
@@ -142,11 +150,14 @@ def main() -> None:
     params = sum(p.numel() for p in modules["sft_full"].parameters())
     trainable = sum(p.numel() for _, p in modules["sft_lora"].trainable_parameters())
     print(f"command: python benchmarks/{' '.join(sys.argv)}".replace("benchmarks/benchmarks/", "benchmarks/"))
-    print(f"model: preset {args.preset!r} ({params / 1e6:.2f}M parameters; LoRA r={args.rank} on all linear layers: "
-          f"{trainable / 1e6:.3f}M trainable), {args.rows} rows/pairs per step, {args.steps} steps x {args.repeats} "
-          f"interleaved rounds, {args.threads} thread(s), device {args.device}")
-    header = ("| variant | tokens/s | step ms | parameter MiB held | optimizer MiB | saved activations MiB | "
-              "checkpoint MiB |")
+    print(
+        f"model: preset {args.preset!r} ({params / 1e6:.2f}M parameters; LoRA r={args.rank} on all linear layers: "
+        f"{trainable / 1e6:.3f}M trainable), {args.rows} rows/pairs per step, {args.steps} steps x {args.repeats} "
+        f"interleaved rounds, {args.threads} thread(s), device {args.device}"
+    )
+    header = (
+        "| variant | tokens/s | step ms | parameter MiB held | optimizer MiB | saved activations MiB | checkpoint MiB |"
+    )
     extra = " peak CUDA MiB |" if peaks else ""
     print(header + extra)
     print("|" + "---|" * (header.count("|") - 1 + extra.count("|")))
@@ -154,16 +165,22 @@ def main() -> None:
     for v in VARIANTS:
         sec = statistics.median(times[v])
         stats[v] = (tokens[v] / sec, mib(list(modules[v].parameters())), optimizer_mib(optimizers[v]))
-        line = (f"| {v} | {stats[v][0]:,.0f} | {1000 * sec / args.steps:.1f} | {stats[v][1]:.2f} | "
-                f"{stats[v][2]:.3f} | {activations[v]:.2f} | {checkpoint_mib(modules[v], optimizers[v]):.2f} |")
+        line = (
+            f"| {v} | {stats[v][0]:,.0f} | {1000 * sec / args.steps:.1f} | {stats[v][1]:.2f} | "
+            f"{stats[v][2]:.3f} | {activations[v]:.2f} | {checkpoint_mib(modules[v], optimizers[v]):.2f} |"
+        )
         print(line + (f" {peaks[v] / 2**20:.1f} |" if peaks else ""))
     for full, lora in (("sft_full", "sft_lora"), ("dpo_full", "dpo_lora")):
-        print(f"{lora} / {full}: tokens/s x{stats[lora][0] / stats[full][0]:.2f}, parameter memory "
-              f"x{stats[lora][1] / stats[full][1]:.2f}, parameter + optimizer memory "
-              f"x{sum(stats[lora][1:]) / sum(stats[full][1:]):.2f}")
+        print(
+            f"{lora} / {full}: tokens/s x{stats[lora][0] / stats[full][0]:.2f}, parameter memory "
+            f"x{stats[lora][1] / stats[full][1]:.2f}, parameter + optimizer memory "
+            f"x{sum(stats[lora][1:]) / sum(stats[full][1:]):.2f}"
+        )
     for base in ("sft_full", "sft_lora"):
-        print(f"{base}_gc / {base}: saved activations x{activations[base + '_gc'] / activations[base]:.2f}, "
-              f"tokens/s x{stats[base + '_gc'][0] / stats[base][0]:.2f}")
+        print(
+            f"{base}_gc / {base}: saved activations x{activations[base + '_gc'] / activations[base]:.2f}, "
+            f"tokens/s x{stats[base + '_gc'][0] / stats[base][0]:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ import transformers
 from datasets import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sft_throughput as harness  # noqa: E402  (the shared timing harness)
+import sft_throughput as harness
 
-from lit_trainer.data.packing import pack_dataset  # noqa: E402
-from lit_trainer.data.sft import SFTDataModule  # noqa: E402
-from lit_trainer.models import load_model, load_tokenizer  # noqa: E402
-from lit_trainer.modules.causal_lm import CausalLMModule  # noqa: E402
+from lit_trainer.data.packing import pack_dataset
+from lit_trainer.data.sft import SFTDataModule
+from lit_trainer.models import load_model, load_tokenizer
+from lit_trainer.modules.causal_lm import CausalLMModule
 
 FIRST_BYTE_ID, LAST_BYTE_ID = 3, 258
 
@@ -59,8 +59,9 @@ def corpus(low: int, high: int, rows: int, seed: int) -> Dataset:
 def make_setup(args: argparse.Namespace, rows: Dataset, batch_size: int) -> harness.Setup:
     step_args = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
     timed = rows.select(range(args.warmup * batch_size, (args.warmup + args.steps) * batch_size))["length"]
-    padded = sum(max(timed[i : i + batch_size]) * len(timed[i : i + batch_size])
-                 for i in range(0, len(timed), batch_size))
+    padded = sum(
+        max(timed[i : i + batch_size]) * len(timed[i : i + batch_size]) for i in range(0, len(timed), batch_size)
+    )
     torch.manual_seed(args.seed)
     weights = {k: v.clone() for k, v in load_model(args.model).state_dict().items()}
     return harness.Setup(step_args, load_tokenizer("tiny"), rows, weights, sum(timed), padded)
@@ -74,10 +75,23 @@ def fresh_model(setup: harness.Setup) -> torch.nn.Module:
 
 def run_ours(setup: harness.Setup, packing: str) -> harness.Result:
     args = setup.args
-    module = CausalLMModule(fresh_model(setup), tokenizer=setup.tokenizer, learning_rate=harness.LR,
-                            weight_decay=0.0, scheduler="constant", warmup_steps=0, max_grad_norm=harness.CLIP)
-    dm = SFTDataModule(tokenizer=setup.tokenizer, batch_size=args.batch_size, max_length=args.max_length,
-                       sampling="sequential", val_size=0, packing=packing)
+    module = CausalLMModule(
+        fresh_model(setup),
+        tokenizer=setup.tokenizer,
+        learning_rate=harness.LR,
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_steps=0,
+        max_grad_norm=harness.CLIP,
+    )
+    dm = SFTDataModule(
+        tokenizer=setup.tokenizer,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        sampling="sequential",
+        val_size=0,
+        packing=packing,
+    )
     dm.train_dataset, dm.val_dataset = setup.dataset, None  # already tokenized (and binned), in order
     timer = harness.LightningTimer(args.warmup)
     with tempfile.TemporaryDirectory() as logdir:
@@ -88,23 +102,40 @@ def run_ours(setup: harness.Setup, packing: str) -> harness.Result:
 
 def run_hf(setup: harness.Setup, flatten: bool) -> harness.Result:
     args, model = setup.args, fresh_model(setup)
-    collator = (transformers.DataCollatorWithFlattening() if flatten
-                else harness.pad_collate(setup.tokenizer.pad_token_id))
+    collator = (
+        transformers.DataCollatorWithFlattening() if flatten else harness.pad_collate(setup.tokenizer.pad_token_id)
+    )
     if flatten:
         model.config.use_cache = False
     timer = harness.HFTimer(args.warmup)
     with tempfile.TemporaryDirectory() as out:
         training_args = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=args.warmup + args.steps,
-            learning_rate=harness.LR, adam_beta1=harness.BETAS[0], adam_beta2=harness.BETAS[1],
-            adam_epsilon=harness.EPS, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
-            max_grad_norm=harness.CLIP, logging_steps=harness.LOG_EVERY, report_to="none", use_cpu=True,
-            dataloader_num_workers=0, save_strategy="no", eval_strategy="no", remove_unused_columns=False,
-            train_sampling_strategy="sequential", disable_tqdm=True, seed=args.seed,
+            output_dir=out,
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.warmup + args.steps,
+            learning_rate=harness.LR,
+            adam_beta1=harness.BETAS[0],
+            adam_beta2=harness.BETAS[1],
+            adam_epsilon=harness.EPS,
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=harness.CLIP,
+            logging_steps=harness.LOG_EVERY,
+            report_to="none",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            save_strategy="no",
+            eval_strategy="no",
+            remove_unused_columns=False,
+            train_sampling_strategy="sequential",
+            disable_tqdm=True,
+            seed=args.seed,
         )
         dataset = setup.dataset.remove_columns(["prompt_length", "length"]) if flatten else setup.dataset
-        trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset,
-                                       data_collator=collator, callbacks=[timer])
+        trainer = transformers.Trainer(
+            model=model, args=training_args, train_dataset=dataset, data_collator=collator, callbacks=[timer]
+        )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.train()
     return timer.clock.result(None, None, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
@@ -163,17 +194,27 @@ def main() -> None:
         low, high = (int(x) for x in spread.split("-"))
         table[spread] = measure_spread(args, low, high, names)
     command = " ".join(["OMP_NUM_THREADS=1 python benchmarks/packing_throughput.py", *sys.argv[1:]])
-    print(f"\nCommand: `{command}`\n\ntorch {torch.__version__}, transformers {transformers.__version__}; "
-          f"model {args.model}; torch.set_num_threads(1); {os.cpu_count()} cores shared with other jobs; "
-          f"{args.rounds} round(s); {args.steps} timed steps after {args.warmup}; batch {args.batch_size} rows; "
-          f"max_length {args.max_length}.\n")
-    print("| lengths | padding (padded batches) | " + " | ".join(f"{n} tok/s" for n in names)
-          + " | " + " | ".join(f"{n} / hf" for n in names if n != "hf") + " |")
+    print(
+        f"\nCommand: `{command}`\n\ntorch {torch.__version__}, transformers {transformers.__version__}; "
+        f"model {args.model}; torch.set_num_threads(1); {os.cpu_count()} cores shared with other jobs; "
+        f"{args.rounds} round(s); {args.steps} timed steps after {args.warmup}; batch {args.batch_size} rows; "
+        f"max_length {args.max_length}.\n"
+    )
+    print(
+        "| lengths | padding (padded batches) | "
+        + " | ".join(f"{n} tok/s" for n in names)
+        + " | "
+        + " | ".join(f"{n} / hf" for n in names if n != "hf")
+        + " |"
+    )
     print("|---|---:|" + "---:|" * (2 * len(names) - ("hf" in names)))
     for spread, out in table.items():
         cells = [f"{out[n][0]:,.0f}" for n in names]
-        ratios = [f"{out[n][0] / out['hf'][0]:.2f}x (CPU {out[n][1] / out['hf'][1]:.2f}x)" if "hf" in out else "-"
-                  for n in names if n != "hf"]
+        ratios = [
+            f"{out[n][0] / out['hf'][0]:.2f}x (CPU {out[n][1] / out['hf'][1]:.2f}x)" if "hf" in out else "-"
+            for n in names
+            if n != "hf"
+        ]
         print(f"| {spread} | {out['_padding'][0]:.0%} | " + " | ".join(cells + ratios) + " |")
 
 

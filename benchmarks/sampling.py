@@ -69,16 +69,16 @@ def ref_split(lengths: Sequence[int], indices: list[int], world: int, accumulate
     step_lengths = [lengths[i] for i in indices]
     plan = []
     for rank in range(world):
-        sampler = RefRebalance(step_lengths, len(indices), world, accumulate, shuffle=False, rank=rank,
-                               drop_last=True)
+        sampler = RefRebalance(step_lengths, len(indices), world, accumulate, shuffle=False, rank=rank, drop_last=True)
         plan.append([[indices[p] for p in mb] for mb in sampler])
     return plan
 
 
 def same_steps(lengths: Sequence[int], world: int, accumulate: int, batch: int, seed: int) -> dict[str, float]:
     """Our split and the reference's split of the SAME step sample sets; timings per step."""
-    sampler = BatchRebalanceSampler(lengths, batch, num_replicas=world, rank=0, accumulate_grad_batches=accumulate,
-                                    seed=seed)
+    sampler = BatchRebalanceSampler(
+        lengths, batch, num_replicas=world, rank=0, accumulate_grad_batches=accumulate, seed=seed
+    )
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()  # epoch 0's order
     out = {"ours_waste": 0, "ours_strag": 0.0, "ref_waste": 0, "ref_strag": 0.0, "ours_s": 0.0, "ref_s": 0.0}
     for step in range(len(sampler.steps)):
@@ -106,13 +106,30 @@ def epoch_samplers(lengths: Sequence[int], world: int, accumulate: int, batch: i
     n = len(lengths)
     streams: dict[str, list[list[list[int]]]] = {
         "random": [list(ShardedBatchSampler(n, batch, seed=seed, num_replicas=world, rank=r)) for r in range(world)],
-        "gbl_ours": [list(make_length_grouped_batch_sampler(lengths, batch_size=batch, seed=seed, num_replicas=world,
-                                                            rank=r, accumulate_grad_batches=accumulate))
-                     for r in range(world)],
-        "reb_ours": [list(BatchRebalanceSampler(lengths, batch, num_replicas=world, rank=r,
-                                                accumulate_grad_batches=accumulate, seed=seed)) for r in range(world)],
-        "reb_ref": [list(RefRebalance(list(lengths), batch * accumulate * world, world, accumulate, seed=seed,
-                                      rank=r, drop_last=False)) for r in range(world)],
+        "gbl_ours": [
+            list(
+                make_length_grouped_batch_sampler(
+                    lengths, batch_size=batch, seed=seed, num_replicas=world, rank=r, accumulate_grad_batches=accumulate
+                )
+            )
+            for r in range(world)
+        ],
+        "reb_ours": [
+            list(
+                BatchRebalanceSampler(
+                    lengths, batch, num_replicas=world, rank=r, accumulate_grad_batches=accumulate, seed=seed
+                )
+            )
+            for r in range(world)
+        ],
+        "reb_ref": [
+            list(
+                RefRebalance(
+                    list(lengths), batch * accumulate * world, world, accumulate, seed=seed, rank=r, drop_last=False
+                )
+            )
+            for r in range(world)
+        ],
     }
     order = list(RefGrouped(batch * accumulate, lengths=list(lengths), generator=torch.Generator().manual_seed(seed)))
     batches = [order[i : i + batch] for i in range(0, n, batch)]  # the DataLoader's batches, dealt round-robin
@@ -160,8 +177,10 @@ def main() -> None:
 
 def large_grouped(args: argparse.Namespace, rows: int = 65536, world: int = 8) -> None:
     """``group_by_length`` where the mega-batch cap binds: ours spans 50 optimizer steps, the reference 50 / W."""
-    print(f"\n### group_by_length on {rows} rows, W={world}, GA=1, B={args.batch_size}: padding waste (% of padded "
-          f"tokens), {args.seeds} seeds\n")
+    print(
+        f"\n### group_by_length on {rows} rows, W={world}, GA=1, B={args.batch_size}: padding waste (% of padded "
+        f"tokens), {args.seeds} seeds\n"
+    )
     print("| lengths | ours | reference |")
     print("|---|---|---|")
     for dist, draw in DISTRIBUTIONS.items():
@@ -171,16 +190,23 @@ def large_grouped(args: argparse.Namespace, rows: int = 65536, world: int = 8) -
             rng = random.Random(f"large-{dist}-{seed}")
             lengths = [draw(rng) for _ in range(rows)]
             real += sum(lengths)
-            ours = [list(make_length_grouped_batch_sampler(lengths, batch_size=args.batch_size, seed=seed,
-                                                           num_replicas=world, rank=r)) for r in range(world)]
-            order = list(RefGrouped(args.batch_size, lengths=lengths,
-                                    generator=torch.Generator().manual_seed(seed)))
+            ours = [
+                list(
+                    make_length_grouped_batch_sampler(
+                        lengths, batch_size=args.batch_size, seed=seed, num_replicas=world, rank=r
+                    )
+                )
+                for r in range(world)
+            ]
+            order = list(RefGrouped(args.batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed)))
             batches = [order[i : i + args.batch_size] for i in range(0, rows, args.batch_size)]
             ref = [batches[r::world] for r in range(world)]
             waste["ours"] += measure(lengths, to_steps(ours, 1))[0]
             waste["ref"] += measure(lengths, to_steps(ref, 1))[0]
-        print(f"| {dist} | {100 * waste['ours'] / (waste['ours'] + real):.2f}% | "
-              f"{100 * waste['ref'] / (waste['ref'] + real):.2f}% |")
+        print(
+            f"| {dist} | {100 * waste['ours'] / (waste['ours'] + real):.2f}% | "
+            f"{100 * waste['ref'] / (waste['ref'] + real):.2f}% |"
+        )
 
 
 def pct(new: float, old: float) -> str:
@@ -189,8 +215,10 @@ def pct(new: float, old: float) -> str:
 
 def report(same_rows: list, epoch_rows: list, totals: dict, timing: dict, args: argparse.Namespace) -> None:
     names = ("random", "gbl_ours", "gbl_ref", "reb_ours", "reb_ref")
-    print(f"\n### Same step sample sets: our `batch_rebalance` split vs the reference's "
-          f"({args.rows} rows, B={args.batch_size}, {args.seeds} seeds)\n")
+    print(
+        f"\n### Same step sample sets: our `batch_rebalance` split vs the reference's "
+        f"({args.rows} rows, B={args.batch_size}, {args.seeds} seeds)\n"
+    )
     print("| lengths | W | GA | straggler ours | straggler ref | Δ straggler | waste ours | waste ref | Δ waste |")
     print("|---|---|---|---|---|---|---|---|---|")
     deltas, worse, more_waste, waste_deltas = [], 0, 0, []
@@ -199,13 +227,19 @@ def report(same_rows: list, epoch_rows: list, totals: dict, timing: dict, args: 
         worse += s["ours_strag"] > s["ref_strag"]
         more_waste += s["ours_waste"] > s["ref_waste"]
         waste_deltas.append(s["ours_waste"] / s["ref_waste"] - 1)
-        print(f"| {dist} | {world} | {accumulate} | {s['ours_strag']:.4g} | {s['ref_strag']:.4g} | "
-              f"{pct(s['ours_strag'], s['ref_strag'])} | {int(s['ours_waste'])} | {int(s['ref_waste'])} | "
-              f"{pct(s['ours_waste'], s['ref_waste'])} |")
-    print(f"\n### Whole epochs, each sampler with its own order: padding waste (% of padded tokens) and straggler "
-          f"cost relative to random\n")
-    print("| lengths | W | GA | waste random | waste gbl ours | waste gbl ref | waste reb ours | waste reb ref | "
-          "strag gbl ours | strag gbl ref | strag reb ours | strag reb ref |")
+        print(
+            f"| {dist} | {world} | {accumulate} | {s['ours_strag']:.4g} | {s['ref_strag']:.4g} | "
+            f"{pct(s['ours_strag'], s['ref_strag'])} | {int(s['ours_waste'])} | {int(s['ref_waste'])} | "
+            f"{pct(s['ours_waste'], s['ref_waste'])} |"
+        )
+    print(
+        "\n### Whole epochs, each sampler with its own order: padding waste (% of padded tokens) and straggler "
+        "cost relative to random\n"
+    )
+    print(
+        "| lengths | W | GA | waste random | waste gbl ours | waste gbl ref | waste reb ours | waste reb ref | "
+        "strag gbl ours | strag gbl ref | strag reb ours | strag reb ref |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dist, world, accumulate, e in epoch_rows:
         waste = [f"{100 * e[name][0] / (e[name][0] + e['real'][0]):.1f}%" for name in names]
@@ -213,17 +247,25 @@ def report(same_rows: list, epoch_rows: list, totals: dict, timing: dict, args: 
         print(f"| {dist} | {world} | {accumulate} | " + " | ".join(waste + strag) + " |")
     mean = sum(deltas) / len(deltas)
     print("\n### Summary against the goals\n")
-    print(f"- batch_rebalance, same steps: straggler {100 * mean:+.2f}% on average vs the reference (goal <= -3%); "
-          f"worse than the reference on {worse} of {len(deltas)} settings (goal 0); best {100 * min(deltas):+.1f}%, "
-          f"worst {100 * max(deltas):+.1f}%.")
-    print(f"- batch_rebalance, same steps: padding waste {pct(totals['ours_waste'], totals['ref_waste'])} in total "
-          f"vs the reference (goal <= 0); more waste on {more_waste} of {len(deltas)} settings, worst "
-          f"{100 * max(waste_deltas):+.1f}% (goal: never above +5%).")
-    print(f"- group_by_length, whole epochs over {args.seeds} seeds: padding waste "
-          f"{pct(totals['gbl_ours'], totals['gbl_ref'])} in total vs the reference (goal <= 0).")
+    print(
+        f"- batch_rebalance, same steps: straggler {100 * mean:+.2f}% on average vs the reference (goal <= -3%); "
+        f"worse than the reference on {worse} of {len(deltas)} settings (goal 0); best {100 * min(deltas):+.1f}%, "
+        f"worst {100 * max(deltas):+.1f}%."
+    )
+    print(
+        f"- batch_rebalance, same steps: padding waste {pct(totals['ours_waste'], totals['ref_waste'])} in total "
+        f"vs the reference (goal <= 0); more waste on {more_waste} of {len(deltas)} settings, worst "
+        f"{100 * max(waste_deltas):+.1f}% (goal: never above +5%)."
+    )
+    print(
+        f"- group_by_length, whole epochs over {args.seeds} seeds: padding waste "
+        f"{pct(totals['gbl_ours'], totals['gbl_ref'])} in total vs the reference (goal <= 0)."
+    )
     steps = max(timing["steps"], 1)
-    print(f"- split time per step: ours {1000 * timing['ours_s'] / steps:.2f} ms, reference "
-          f"{1000 * timing['ref_s'] / steps:.2f} ms (mean over {steps} steps).")
+    print(
+        f"- split time per step: ours {1000 * timing['ours_s'] / steps:.2f} ms, reference "
+        f"{1000 * timing['ref_s'] / steps:.2f} ms (mean over {steps} steps)."
+    )
 
 
 if __name__ == "__main__":

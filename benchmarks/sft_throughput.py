@@ -99,8 +99,13 @@ class Clock:
         self.stop = now
 
     def result(self, losses: list[Any] | None, logged: list[float] | None, optimizer: torch.optim.Optimizer) -> Result:
-        return Result(self.stop[0] - self.start[0], self.stop[1] - self.start[1], adamw_kind(optimizer),
-                      [float(x) for x in losses or []], logged or [])
+        return Result(
+            self.stop[0] - self.start[0],
+            self.stop[1] - self.start[1],
+            adamw_kind(optimizer),
+            [float(x) for x in losses or []],
+            logged or [],
+        )
 
 
 def adamw_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -114,8 +119,9 @@ def adamw_kind(optimizer: torch.optim.Optimizer) -> str:
 # ------------------------------------------------------------------------------------------------------------- setup
 def build_setup(args: argparse.Namespace) -> Setup:
     tokenizer = load_tokenizer("tiny")
-    dm = SFTDataModule(tokenizer=tokenizer, dataset="builtin:addition", batch_size=args.batch_size,
-                       max_length=args.max_length)
+    dm = SFTDataModule(
+        tokenizer=tokenizer, dataset="builtin:addition", batch_size=args.batch_size, max_length=args.max_length
+    )
     dm.setup("fit")
     rows = dm.train_dataset
     total = (args.warmup + args.steps) * args.batch_size
@@ -125,8 +131,10 @@ def build_setup(args: argparse.Namespace) -> Setup:
         order += torch.randperm(len(rows), generator=generator).tolist()
     dataset = rows.select(order[:total]).flatten_indices()
     timed = dataset.select(range(args.warmup * args.batch_size, total))["length"]
-    padded = sum(max(timed[i : i + args.batch_size]) * len(timed[i : i + args.batch_size])
-                 for i in range(0, len(timed), args.batch_size))
+    padded = sum(
+        max(timed[i : i + args.batch_size]) * len(timed[i : i + args.batch_size])
+        for i in range(0, len(timed), args.batch_size)
+    )
     torch.manual_seed(args.seed)
     weights = copy.deepcopy(load_model("tiny").state_dict())
     return Setup(args, tokenizer, dataset, weights, sum(timed), padded)
@@ -160,14 +168,20 @@ def pad_collate(pad_id: int) -> Callable[[list[dict[str, Any]]], dict[str, torch
 
 
 def plain_loader(setup: Setup) -> DataLoader:
-    return DataLoader(setup.dataset, batch_size=setup.args.batch_size, shuffle=False,
-                      collate_fn=pad_collate(setup.tokenizer.pad_token_id), num_workers=0)
+    return DataLoader(
+        setup.dataset,
+        batch_size=setup.args.batch_size,
+        shuffle=False,
+        collate_fn=pad_collate(setup.tokenizer.pad_token_id),
+        num_workers=0,
+    )
 
 
 def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token-mean next-token cross entropy (the loop's own, not lit_trainer's)."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=-100)
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- the runners
@@ -186,19 +200,41 @@ def lightning_trainer(setup: Setup, timer: LightningTimer, logdir: str, bar: str
     """``bar``: None (no progress bar), "default" (Lightning's choice: Rich when installed) or "tqdm"."""
     callbacks: list[pl.Callback] = [timer] + ([TQDMProgressBar()] if bar == "tqdm" else [])
     return pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=setup.args.warmup + setup.args.steps, log_every_n_steps=LOG_EVERY,
-        logger=CSVLogger(logdir), callbacks=callbacks, enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=bar is not None, limit_val_batches=0, num_sanity_val_steps=0, **kw,
+        accelerator="cpu",
+        devices=1,
+        max_steps=setup.args.warmup + setup.args.steps,
+        log_every_n_steps=LOG_EVERY,
+        logger=CSVLogger(logdir),
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=bar is not None,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        **kw,
     )
 
 
 def run_ours(setup: Setup, adamw: str, bar: str | None = None) -> Result:
     args = setup.args
     optimizer = None if adamw == "default" else make_adamw(adamw)
-    module = CausalLMModule(fresh_model(setup), tokenizer=setup.tokenizer, learning_rate=LR, weight_decay=0.0,
-                            scheduler="constant", warmup_steps=0, max_grad_norm=CLIP, optimizer=optimizer)
-    dm = SFTDataModule(tokenizer=setup.tokenizer, batch_size=args.batch_size, max_length=args.max_length,
-                       sampling="sequential", val_size=0)
+    module = CausalLMModule(
+        fresh_model(setup),
+        tokenizer=setup.tokenizer,
+        learning_rate=LR,
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_steps=0,
+        max_grad_norm=CLIP,
+        optimizer=optimizer,
+    )
+    dm = SFTDataModule(
+        tokenizer=setup.tokenizer,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        sampling="sequential",
+        val_size=0,
+    )
     dm.train_dataset, dm.val_dataset = setup.dataset, None  # already tokenized and ordered (setup() is skipped)
     timer = LightningTimer(args.warmup)
     with tempfile.TemporaryDirectory() as logdir:
@@ -226,8 +262,9 @@ class MinimalModule(pl.LightningModule):
         self.model, self.adamw = model, adamw
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            use_cache=False).logits
+        logits = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
         return shifted_ce(logits, batch["labels"])
 
     def configure_optimizers(self) -> Any:
@@ -280,22 +317,47 @@ def run_hf(setup: Setup, adamw: str) -> Result:
     """transformers.Trainer; AdamW: its default ``adamw_torch_fused``, ``adamw_torch`` (for-loop on CPU), or (foreach,
     which has no ``optim`` name) an AdamW passed through ``optimizers=`` (the Trainer still builds the scheduler)."""
     args, model = setup.args, fresh_model(setup)
-    optim = {"default": "adamw_torch_fused", "fused": "adamw_torch_fused", "forloop": "adamw_torch",
-             "foreach": "adamw_torch"}[adamw]
+    optim = {
+        "default": "adamw_torch_fused",
+        "fused": "adamw_torch_fused",
+        "forloop": "adamw_torch",
+        "foreach": "adamw_torch",
+    }[adamw]
     given = (make_adamw("foreach")(model.parameters()), None) if adamw == "foreach" else (None, None)
     timer = HFTimer(args.warmup)
     with tempfile.TemporaryDirectory() as out:
         training_args = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=args.warmup + args.steps,
-            learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, weight_decay=0.0,
-            lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=CLIP, logging_steps=LOG_EVERY,
-            report_to="none", use_cpu=True, dataloader_num_workers=0, save_strategy="no", eval_strategy="no",
-            remove_unused_columns=False, train_sampling_strategy="sequential", disable_tqdm=True, seed=args.seed,
+            output_dir=out,
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.warmup + args.steps,
+            learning_rate=LR,
+            adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1],
+            adam_epsilon=EPS,
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=CLIP,
+            logging_steps=LOG_EVERY,
+            report_to="none",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            save_strategy="no",
+            eval_strategy="no",
+            remove_unused_columns=False,
+            train_sampling_strategy="sequential",
+            disable_tqdm=True,
+            seed=args.seed,
             optim=optim,
         )
-        trainer = transformers.Trainer(model=model, args=training_args, train_dataset=setup.dataset,
-                                       data_collator=pad_collate(setup.tokenizer.pad_token_id), callbacks=[timer],
-                                       optimizers=given)
+        trainer = transformers.Trainer(
+            model=model,
+            args=training_args,
+            train_dataset=setup.dataset,
+            data_collator=pad_collate(setup.tokenizer.pad_token_id),
+            callbacks=[timer],
+            optimizers=given,
+        )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.train()
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -334,8 +396,14 @@ def lightning_overhead(steps: int) -> tuple[float, float]:
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
     data = DataLoader(torch.ones(steps, 1), batch_size=1)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     start = time.process_time()
     trainer.fit(Trivial(), train_dataloaders=data)
     lightning_s = (time.process_time() - start) / steps
@@ -368,10 +436,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--adamw", choices=("default", "forloop", "foreach", "fused"), default="default",
-                        help="AdamW implementation of runners named without @impl")
-    parser.add_argument("--runners", default="ours,ours@forloop,lightning-min,hf,torch,torch@fused",
-                        help=f"comma-separated, from {sorted(RUNNERS)}, each optionally @forloop/@foreach/@fused")
+    parser.add_argument(
+        "--adamw",
+        choices=("default", "forloop", "foreach", "fused"),
+        default="default",
+        help="AdamW implementation of runners named without @impl",
+    )
+    parser.add_argument(
+        "--runners",
+        default="ours,ours@forloop,lightning-min,hf,torch,torch@fused",
+        help=f"comma-separated, from {sorted(RUNNERS)}, each optionally @forloop/@foreach/@fused",
+    )
     parser.add_argument("--profile", default=None, metavar="RUNNER", help="cProfile one runner and exit")
     parser.add_argument("--overhead-steps", type=int, default=2000, help="steps of the trivial-module measure (0=off)")
     args = parser.parse_args()
@@ -392,9 +467,11 @@ def main() -> None:
     report(setup, results)
     if args.overhead_steps:
         light, plain = lightning_overhead(args.overhead_steps)
-        print(f"\nLightning's own per-step cost (trivial 1-parameter module, {args.overhead_steps} steps, CPU time, "
-              f"fit() start-up included): {light * 1e6:.0f} us/step in lightning.Trainer vs {plain * 1e6:.0f} us/step "
-              f"in a plain loop (+{(light - plain) * 1e6:.0f} us/step).")
+        print(
+            f"\nLightning's own per-step cost (trivial 1-parameter module, {args.overhead_steps} steps, CPU time, "
+            f"fit() start-up included): {light * 1e6:.0f} us/step in lightning.Trainer vs {plain * 1e6:.0f} us/step "
+            f"in a plain loop (+{(light - plain) * 1e6:.0f} us/step)."
+        )
 
 
 def report(setup: Setup, results: dict[str, list[Result]]) -> None:
@@ -403,12 +480,16 @@ def report(setup: Setup, results: dict[str, list[Result]]) -> None:
     cpu = {n: statistics.median(setup.real_tokens / r.cpu for r in rs) for n, rs in results.items()}
     command = " ".join(["OMP_NUM_THREADS=1 python benchmarks/sft_throughput.py", *sys.argv[1:]])
     print(f"\nCommand: `{command}`\n")
-    print(f"torch {torch.__version__}, lightning {pl.__version__}, transformers {transformers.__version__}; "
-          f"torch.set_num_threads(1); {os.cpu_count()} cores shared with other jobs; {args.rounds} interleaved rounds, "
-          f"medians; {args.steps} timed steps after {args.warmup} warm-up steps; batch {args.batch_size}; "
-          f"{setup.real_tokens:,} real tokens timed (padding {1 - setup.real_tokens / setup.padded_tokens:.1%}).\n")
-    print("| runner | optimizer | real tokens/s, wall: median (best) | wall, per round | real tokens per CPU-second: "
-          "median (best) | CPU ms/step | ours / runner, wall | ours / runner, CPU |")
+    print(
+        f"torch {torch.__version__}, lightning {pl.__version__}, transformers {transformers.__version__}; "
+        f"torch.set_num_threads(1); {os.cpu_count()} cores shared with other jobs; {args.rounds} interleaved rounds, "
+        f"medians; {args.steps} timed steps after {args.warmup} warm-up steps; batch {args.batch_size}; "
+        f"{setup.real_tokens:,} real tokens timed (padding {1 - setup.real_tokens / setup.padded_tokens:.1%}).\n"
+    )
+    print(
+        "| runner | optimizer | real tokens/s, wall: median (best) | wall, per round | real tokens per CPU-second: "
+        "median (best) | CPU ms/step | ours / runner, wall | ours / runner, CPU |"
+    )
     print("|---|---|---:|---|---:|---:|---:|---:|")
     for name, rs in results.items():
         rounds = ", ".join(f"{setup.real_tokens / r.seconds:,.0f}" for r in rs)
@@ -417,8 +498,10 @@ def report(setup: Setup, results: dict[str, list[Result]]) -> None:
         ms = statistics.median(r.cpu for r in rs) / args.steps * 1e3
         vs_wall = f"{wall['ours'] / wall[name]:.3f}" if "ours" in wall else "-"
         vs_cpu = f"{cpu['ours'] / cpu[name]:.3f}" if "ours" in cpu else "-"
-        print(f"| {name} | {rs[0].optimizer} | {wall[name]:,.0f} ({best_wall:,.0f}) | {rounds} | {cpu[name]:,.0f} "
-              f"({best_cpu:,.0f}) | {ms:.1f} | {vs_wall} | {vs_cpu} |")
+        print(
+            f"| {name} | {rs[0].optimizer} | {wall[name]:,.0f} ({best_wall:,.0f}) | {rounds} | {cpu[name]:,.0f} "
+            f"({best_cpu:,.0f}) | {ms:.1f} | {vs_wall} | {vs_cpu} |"
+        )
     if setup.bars:
         print(f"\nprogress bar callbacks: {setup.bars}")
     sanity(results)
@@ -434,12 +517,16 @@ def sanity(results: dict[str, list[Result]]) -> None:
     for name, rs in results.items():
         if rs[0].losses and rs[0] is not reference:
             gap = max(abs(a - b) for a, b in zip(rs[0].losses, reference.losses))
-            print(f"sanity: max |loss({name}) - loss(torch loop, {reference.optimizer})| over {len(reference.losses)} "
-                  f"steps = {gap:.1e} (loss {reference.losses[0]:.3f} at step 1, {reference.losses[-1]:.3f} at the end)")
+            print(
+                f"sanity: max |loss({name}) - loss(torch loop, {reference.optimizer})| over {len(reference.losses)} "
+                f"steps = {gap:.1e} (loss {reference.losses[0]:.3f} at step 1, {reference.losses[-1]:.3f} at the end)"
+            )
     for name, rs in results.items():
         if rs[0].logged:
-            print(f"sanity: {name} logged train loss every {LOG_EVERY} steps: "
-                  + ", ".join(f"{x:.4f}" for x in rs[0].logged))
+            print(
+                f"sanity: {name} logged train loss every {LOG_EVERY} steps: "
+                + ", ".join(f"{x:.4f}" for x in rs[0].logged)
+            )
 
 
 def quiet() -> None:

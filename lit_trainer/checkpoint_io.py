@@ -67,11 +67,15 @@ class AtomicCheckpointIO(CheckpointIO):
         super().__init__()
         checkpoint_io = TorchCheckpointIO() if checkpoint_io is None else checkpoint_io
         if not callable(getattr(checkpoint_io, "save_checkpoint", None)):
-            raise TypeError(f"`AtomicCheckpointIO(checkpoint_io={checkpoint_io!r})` needs a CheckpointIO plugin "
-                            "(an object with save_checkpoint/load_checkpoint/remove_checkpoint).")
+            raise TypeError(
+                f"`AtomicCheckpointIO(checkpoint_io={checkpoint_io!r})` needs a CheckpointIO plugin "
+                "(an object with save_checkpoint/load_checkpoint/remove_checkpoint)."
+            )
         if is_async(checkpoint_io):
-            raise TypeError("`AtomicCheckpointIO(AsyncCheckpointIO(...))` cannot rename a file that is still being "
-                            "written in the background; wrap the synchronous plugin instead.")
+            raise TypeError(
+                "`AtomicCheckpointIO(AsyncCheckpointIO(...))` cannot rename a file that is still being "
+                "written in the background; wrap the synchronous plugin instead."
+            )
         self.checkpoint_io = checkpoint_io
         self.fsync = fsync
 
@@ -88,8 +92,9 @@ class AtomicCheckpointIO(CheckpointIO):
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         tmp = partial_path(path)
-        self.checkpoint_io.save_checkpoint(checkpoint, str(tmp) if isinstance(path, str) else tmp,
-                                           storage_options=storage_options)
+        self.checkpoint_io.save_checkpoint(
+            checkpoint, str(tmp) if isinstance(path, str) else tmp, storage_options=storage_options
+        )
         commit(tmp, path, fsync=self.fsync)
 
     @override

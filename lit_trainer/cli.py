@@ -65,8 +65,12 @@ def default_loggers() -> list[dict[str, Any]]:
     common = {"save_dir": DEFAULT_ROOT, "name": None, "version": None}
     loggers = [{"class_path": "lit_trainer.runs.RunCSVLogger", "init_args": dict(common)}]
     if importlib.util.find_spec("tensorboard") is not None:
-        loggers.append({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                        "init_args": {**common, "default_hp_metric": False}})
+        loggers.append(
+            {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {**common, "default_hp_metric": False},
+            }
+        )
     return loggers
 
 
@@ -81,10 +85,15 @@ def unbounded_run_error(max_steps: int | None, max_epochs: int | None, max_time:
     """
     if max_time is not None or max_steps not in (None, -1) or max_epochs not in (None, -1):
         return None
-    epochs = ("`trainer.max_epochs=-1` (no epoch limit) means the run would train forever" if max_epochs == -1 else
-              "`trainer.max_epochs` unset means Lightning would stop after an arbitrary 1000 epochs")
-    return (f"`trainer.max_steps=-1` (no step limit) with {epochs}. Set --trainer.max_steps (e.g. 1500) or "
-            "--trainer.max_epochs to a positive number (or --trainer.max_time).")
+    epochs = (
+        "`trainer.max_epochs=-1` (no epoch limit) means the run would train forever"
+        if max_epochs == -1
+        else "`trainer.max_epochs` unset means Lightning would stop after an arbitrary 1000 epochs"
+    )
+    return (
+        f"`trainer.max_steps=-1` (no step limit) with {epochs}. Set --trainer.max_steps (e.g. 1500) or "
+        "--trainer.max_epochs to a positive number (or --trainer.max_time)."
+    )
 
 
 def _import(path: str) -> type:
@@ -133,9 +142,13 @@ class LitTrainerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         """Link the model's name/path to the data module's tokenizer; add ``--run_name``."""
         parser.link_arguments("model.init_args.model", "data.init_args.tokenizer", apply_on="parse")
-        parser.add_argument("--run_name", type=str | None, default=None,
-                            help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
-                                 "from the model class; the class name in lower case for other modules).")
+        parser.add_argument(
+            "--run_name",
+            type=str | None,
+            default=None,
+            help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
+            "from the model class; the class name in lower case for other modules).",
+        )
 
     def _parse_ckpt_path(self) -> None:
         """``fit``: keep the configuration given (file and command line) on a resume.
@@ -192,23 +205,29 @@ class LitTrainerCLI(LightningCLI):
             dirs += sorted(str(p) for p in run_root.glob("*/checkpoints"))
             path = resolve_resume_checkpoint(dirs)
             if path is None:
-                rank_zero_info(f"[lit_trainer] --ckpt_path {requested}: no complete checkpoint of run "
-                               f"'{run_root.name}' in {run_root}, starting fresh")
+                rank_zero_info(
+                    f"[lit_trainer] --ckpt_path {requested}: no complete checkpoint of run "
+                    f"'{run_root.name}' in {run_root}, starting fresh"
+                )
                 return None, None
         else:
             path = resolve_resume(requested, [])
         record = read_record(path) or {}
         if record:
             data = config.get("data")
-            current = {"module": class_path(_import(config["model"]["class_path"])),
-                       "datamodule": class_path(_import(data["class_path"])) if data else None,
-                       "run_name": run_root.name}
+            current = {
+                "module": class_path(_import(config["model"]["class_path"])),
+                "datamodule": class_path(_import(data["class_path"])) if data else None,
+                "run_name": run_root.name,
+            }
             message = identity_mismatch(record, current, path)
             if message:
                 raise ValueError(message)
         version = version_of(path, run_root, record.get("run_dir"))
-        rank_zero_info(f"[lit_trainer] resuming from {path}" + (
-            f"; the run continues in {run_root / _folder_name(version)}" if version is not None else ""))
+        rank_zero_info(
+            f"[lit_trainer] resuming from {path}"
+            + (f"; the run continues in {run_root / _folder_name(version)}" if version is not None else "")
+        )
         return path, version
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Any:

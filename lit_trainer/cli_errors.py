@@ -69,7 +69,7 @@ def lead_message(message: str) -> str:
     if start is None:
         return message
     items: list[list[str]] = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.lstrip().startswith("Given value"):
             break
         if line.lstrip().startswith("- "):
@@ -96,8 +96,9 @@ def init_parameters(class_path: str) -> list[str]:
     names: list[str] = []
     for klass in inspect.getmro(cls):
         if "__init__" in vars(klass):
-            names += [p for p in inspect.signature(vars(klass)["__init__"]).parameters if p not in ("self", "args",
-                                                                                                     "kwargs")]
+            names += [
+                p for p in inspect.signature(vars(klass)["__init__"]).parameters if p not in ("self", "args", "kwargs")
+            ]
     return list(dict.fromkeys(names))
 
 
@@ -116,8 +117,9 @@ def suggest(message: str, options: Iterable[str] = ()) -> str:
     if "(did you mean" in message or "'=' form" in message:  # already annotated (errors are re-raised upwards)
         return message
     hint = ""
-    if (bad := _NOT_ACCEPTED.search(message)) and (owner := _CLASS_PROBLEM.search(message) or
-                                                   re.search(r"\(([\w.]+)\)", message)):
+    if (bad := _NOT_ACCEPTED.search(message)) and (
+        owner := _CLASS_PROBLEM.search(message) or re.search(r"\(([\w.]+)\)", message)
+    ):
         hint = _did_you_mean(bad.group(1), init_parameters(owner.group(1)))
     elif literal := _LITERAL.search(message):
         try:

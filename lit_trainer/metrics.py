@@ -45,8 +45,10 @@ class ValidationMetrics(torch.nn.Module):
         if not name:
             raise ValueError(f"`ValidationMetrics.add(name={name!r})` is invalid: a name must not be empty.")
         if not isinstance(metric, (Metric, MetricCollection)):
-            raise TypeError(f"`ValidationMetrics.add({name!r}, {type(metric).__name__})` is invalid: give a "
-                            "torchmetrics `Metric` or `MetricCollection`.")
+            raise TypeError(
+                f"`ValidationMetrics.add({name!r}, {type(metric).__name__})` is invalid: give a "
+                "torchmetrics `Metric` or `MetricCollection`."
+            )
         self.entries.append(metric)
         self.names.append(name)
         return metric
@@ -92,8 +94,9 @@ def token_loss_and_accuracy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Ten
     targets = labels[:, 1:]
     mask = targets != IGNORE_INDEX
     count = mask.sum()
-    loss_sum = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    loss_sum = F.cross_entropy(
+        shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     correct = ((shifted.argmax(-1) == targets) & mask).sum()
     return loss_sum / count, correct / count, count
 
@@ -113,9 +116,7 @@ def greedy_exact_match(generated: Tensor, targets: Tensor, eos_token_id: int | N
     results = []
     for gen, tgt in zip(generated.tolist(), targets.tolist()):
         tgt = [t for t in tgt if t != IGNORE_INDEX and t != eos_token_id]
-        if eos_token_id is not None and eos_token_id in gen:
-            gen = gen[: gen.index(eos_token_id)]
-        else:
-            gen = gen[: len(tgt) + 1]
+        stop = gen.index(eos_token_id) if eos_token_id is not None and eos_token_id in gen else len(tgt) + 1
+        gen = gen[:stop]
         results.append(gen == tgt)
     return torch.tensor(results, dtype=torch.bool)

@@ -36,8 +36,8 @@ PRESET_PREFIX = "tiny"
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
 BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has id b + 3
 NUM_EXTRA_IDS = 125  # ByT5's <extra_id_N> tokens (ids 259..383): unused, kept so the vocabulary stays 384
-# The presets' chat template: ``<|role|>`` headers; an assistant turn is its content then EOS (so generation stops there),
-# inside {% generation %} markers (for ``return_assistant_tokens_mask``); ``tools`` are written as JSON first.
+# The presets' chat template: ``<|role|>`` headers; an assistant turn is its content then EOS (so generation stops
+# there), inside {% generation %} markers (for ``return_assistant_tokens_mask``); ``tools`` are written as JSON first.
 CHAT_TEMPLATE = (
     "{%- if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
     "{%- for message in messages %}"
@@ -96,8 +96,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *extra)])
     pad, eos, unk = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk,
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk, chat_template=CHAT_TEMPLATE
+    )
 
 
 def build_preset_model(name: str, **config_overrides: Any) -> LlamaForCausalLM:
@@ -107,8 +108,10 @@ def build_preset_model(name: str, **config_overrides: Any) -> LlamaForCausalLM:
         ValueError: for an unknown preset, listing the valid ones.
     """
     if name not in PRESETS:
-        raise ValueError(f"Unknown model preset {name!r}. Valid presets: {sorted(PRESETS)}; or give a local "
-                         "directory or hub id of a causal LM.")
+        raise ValueError(
+            f"Unknown model preset {name!r}. Valid presets: {sorted(PRESETS)}; or give a local "
+            "directory or hub id of a causal LM."
+        )
     tokenizer = build_tokenizer()
     preset = PRESETS[name]
     config = LlamaConfig(

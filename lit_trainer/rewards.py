@@ -2,7 +2,8 @@
 
 A reward function is any callable ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``: one
 value per completion, ``None`` = "this function does not score this row" (it becomes NaN, see
-``lit_trainer.losses.grpo_advantages.grpo_advantages``). ``columns`` are the other dataset columns, one list entry per row.
+``lit_trainer.losses.grpo_advantages.grpo_advantages``). ``columns`` are the other dataset columns, one list entry per
+row.
 
 Example:
     >>> arithmetic_reward(["37+45="] * 2, ["82", " 81"], [[], []], answer=[82, 82])
@@ -128,7 +129,7 @@ def _call_one(func: RewardFunc, n: int, kwargs: dict[str, Any]) -> list[float]:
     name = reward_function_name(func)
     try:
         values = func(**kwargs)
-    except Exception as err:  # noqa: BLE001 - re-raised with the function's name, original chained
+    except Exception as err:
         raise RewardFunctionError(f"Reward function `{name}` raised {type(err).__name__}: {err}") from err
     try:
         length = len(values)

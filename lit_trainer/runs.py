@@ -83,9 +83,11 @@ def fresh_version(run_root: str | os.PathLike, pinned: int | str | None) -> tupl
     chosen = next_version(run_root)
     if pinned is None:
         return chosen, None
-    return chosen, (f"{Path(run_root) / _folder(pinned)} already holds an earlier run; this run writes to "
-                    f"{Path(run_root) / _folder(chosen)} instead, so nothing is overwritten (pass --ckpt_path to "
-                    "continue that run).")
+    return chosen, (
+        f"{Path(run_root) / _folder(pinned)} already holds an earlier run; this run writes to "
+        f"{Path(run_root) / _folder(chosen)} instead, so nothing is overwritten (pass --ckpt_path to "
+        "continue that run)."
+    )
 
 
 def version_of(

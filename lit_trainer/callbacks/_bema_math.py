@@ -23,8 +23,12 @@ def bema_coefficients(
 
 @torch.no_grad()
 def bema_update_(
-    ema: list[torch.Tensor], bema: list[torch.Tensor], theta0: list[torch.Tensor], params: list[torch.Tensor],
-    beta: float, alpha: float,
+    ema: list[torch.Tensor],
+    bema: list[torch.Tensor],
+    theta0: list[torch.Tensor],
+    params: list[torch.Tensor],
+    beta: float,
+    alpha: float,
 ) -> None:
     """In place: ``ema <- (1-beta)*ema + beta*params``; ``bema <- ema + alpha*(params - theta0)``.
 

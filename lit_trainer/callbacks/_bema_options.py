@@ -31,8 +31,10 @@ _RULES = {
     "min_ema_multiplier": (lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "ref_model_update_freq": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "ref_model_update_after": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    **{flag: (lambda v: isinstance(v, bool), "True or False")
-       for flag in ("update_ref_model", "evaluate_with_bema", "apply_at_end", "export_hf")},
+    **{
+        flag: (lambda v: isinstance(v, bool), "True or False")
+        for flag in ("update_ref_model", "evaluate_with_bema", "apply_at_end", "export_hf")
+    },
     "export_dir": (lambda v: v is None or (isinstance(v, (str, os.PathLike)) and str(v) != ""), "None or a path"),
 }
 
@@ -51,8 +53,10 @@ def check_device(device: Any) -> torch.device | None:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"`BEMA(device={device!r})` is invalid: use a torch device such as 'cpu' or 'cuda', "
-                         "or None to keep each buffer next to its parameter.") from err
+        raise ValueError(
+            f"`BEMA(device={device!r})` is invalid: use a torch device such as 'cpu' or 'cuda', "
+            "or None to keep each buffer next to its parameter."
+        ) from err
 
 
 def bema_state_keys(callback_states: dict[str, Any], qualname: str = "BEMA") -> list[str]:
@@ -70,8 +74,10 @@ def bema_state_from_checkpoint(path: str | os.PathLike, state_key: str | None, q
     states = torch.load(file, map_location="cpu", weights_only=True).get("callbacks", {})
     keys = [state_key] if state_key is not None else bema_state_keys(states, qualname)
     if len(keys) != 1 or keys[0] not in states:
-        raise ValueError(f"The checkpoint {str(path)!r} holds {len(keys)} BEMA states ({keys}): pass "
-                         "`state_key=` (the callback's `state_key`) to choose one.")
+        raise ValueError(
+            f"The checkpoint {str(path)!r} holds {len(keys)} BEMA states ({keys}): pass "
+            "`state_key=` (the callback's `state_key`) to choose one."
+        )
     state = states[keys[0]]
     if not state.get("initialized"):
         raise ValueError(f"The checkpoint {str(path)!r} holds no BEMA weights (saved before training started).")

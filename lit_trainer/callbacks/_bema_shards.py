@@ -27,8 +27,14 @@ def as_param_layout(buffer: Tensor, param: Tensor) -> Tensor:
         return buffer
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(buffer.to(param.device), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        buffer.to(param.device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 @torch.no_grad()

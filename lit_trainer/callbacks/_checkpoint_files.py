@@ -33,7 +33,7 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         return scored_state_dict(_load_distributed_checkpoint(Path(path)))
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # noqa: BLE001 - re-raised with the fix
+    except Exception as err:
         raise RuntimeError(
             f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
             "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."

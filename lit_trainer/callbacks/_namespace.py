@@ -14,8 +14,9 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 Package = Literal["lightning.pytorch", "pytorch_lightning"]
 
@@ -53,25 +54,34 @@ def namespace(package: Package) -> LightningNamespace:
         callbacks = importlib.import_module(f"{package}.callbacks")
     except ModuleNotFoundError as err:
         dist = "pytorch-lightning" if package == "pytorch_lightning" else "lightning"
-        raise ModuleNotFoundError(f"lit_trainer's callbacks for `{package}` need that package: "
-                                  f"`pip install {dist}`.") from err
+        raise ModuleNotFoundError(
+            f"lit_trainer's callbacks for `{package}` need that package: `pip install {dist}`."
+        ) from err
     trainer = importlib.import_module(package).Trainer
     strategies = importlib.import_module(f"{package}.strategies")
     utilities = importlib.import_module(f"{package}.utilities")
     return LightningNamespace(
-        package=package, Trainer=trainer, Callback=callbacks.Callback, Checkpoint=callbacks.Checkpoint,
-        ModelCheckpoint=callbacks.ModelCheckpoint, EarlyStopping=callbacks.EarlyStopping,
-        FSDPStrategy=strategies.FSDPStrategy, DeepSpeedStrategy=strategies.DeepSpeedStrategy,
+        package=package,
+        Trainer=trainer,
+        Callback=callbacks.Callback,
+        Checkpoint=callbacks.Checkpoint,
+        ModelCheckpoint=callbacks.ModelCheckpoint,
+        EarlyStopping=callbacks.EarlyStopping,
+        FSDPStrategy=strategies.FSDPStrategy,
+        DeepSpeedStrategy=strategies.DeepSpeedStrategy,
         ModelParallelStrategy=strategies.ModelParallelStrategy,
         AsyncCheckpointIO=importlib.import_module(f"{package}.plugins.io").AsyncCheckpointIO,
         is_overridden=importlib.import_module(f"{package}.utilities.model_helpers").is_overridden,
-        rank_zero_info=utilities.rank_zero_info, rank_zero_warn=utilities.rank_zero_warn,
+        rank_zero_info=utilities.rank_zero_info,
+        rank_zero_warn=utilities.rank_zero_warn,
     )
 
 
 LIGHTNING = namespace("lightning.pytorch")
-_IMPORT_FROM = {"lightning.pytorch": "lit_trainer.callbacks",
-                "pytorch_lightning": "lit_trainer.callbacks.pytorch_lightning"}
+_IMPORT_FROM = {
+    "lightning.pytorch": "lit_trainer.callbacks",
+    "pytorch_lightning": "lit_trainer.callbacks.pytorch_lightning",
+}
 
 
 class PackageBound:
@@ -90,8 +100,10 @@ class PackageBound:
         for package, module in _IMPORT_FROM.items():
             other = package != self._ns.package and sys.modules.get(package) is not None  # imported
             if other and isinstance(trainer, namespace(package).Trainer):  # type: ignore[arg-type]
-                raise TypeError(f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` "
-                                f"callback, but the trainer is a `{package}` one: import it from `{module}`.")
+                raise TypeError(
+                    f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` "
+                    f"callback, but the trainer is a `{package}` one: import it from `{module}`."
+                )
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]  (the Lightning base's setup)
 
 
@@ -111,10 +123,14 @@ def twin(cls: type, package: Package, module: str) -> type:
     """
     extra = set(cls.__dict__) - _PUBLIC_CLASS_KEYS
     if extra:
-        raise TypeError(f"{cls.__qualname__} defines {sorted(extra)} itself; move them to its implementation class "
-                        "so that every Lightning package gets them.")
+        raise TypeError(
+            f"{cls.__qualname__} defines {sorted(extra)} itself; move them to its implementation class "
+            "so that every Lightning package gets them."
+        )
     ns = namespace(package)
-    bases = tuple(getattr(ns, base.__name__) if base.__module__.startswith("lightning.pytorch") else base
-                  for base in cls.__bases__)
+    bases = tuple(
+        getattr(ns, base.__name__) if base.__module__.startswith("lightning.pytorch") else base
+        for base in cls.__bases__
+    )
     body = {"__module__": module, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "_ns": ns}
     return type(cls.__name__, bases, body)

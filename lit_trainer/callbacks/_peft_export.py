@@ -29,8 +29,9 @@ def save_adapter_model(model: Any, directory: str | os.PathLike, state_dict: dic
         merge: write the merged full model instead of the adapter.
     """
     if not merge:
-        model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict,
-                              selected_adapters=[model.active_adapter])
+        model.save_pretrained(
+            directory, safe_serialization=True, state_dict=state_dict, selected_adapters=[model.active_adapter]
+        )
         return
     merged = copy.deepcopy(model)
     if state_dict is not None:

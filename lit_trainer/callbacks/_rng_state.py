@@ -40,8 +40,12 @@ def rng_state_to_dict(raw: RawRngState) -> dict[str, Any]:
     _, keys, pos, has_gauss, cached = raw[1]
     state: dict[str, Any] = {
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": raw[2],
     }
     if raw[3] is not None:
@@ -52,9 +56,19 @@ def rng_state_to_dict(raw: RawRngState) -> dict[str, Any]:
 def rng_state_from_dict(state: Mapping[str, Any]) -> RawRngState:
     """The inverse of :func:`rng_state_to_dict`."""
     py, npy = state["python"], state["numpy"]
-    numpy_state = ("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                   npy["cached_gaussian"])
-    return (py["version"], tuple(py["state"].tolist()), py["gauss_next"]), numpy_state, state["torch"], state.get("cuda")
+    numpy_state = (
+        "MT19937",
+        npy["keys"].numpy().astype(np.uint32),
+        npy["pos"],
+        npy["has_gauss"],
+        npy["cached_gaussian"],
+    )
+    return (
+        (py["version"], tuple(py["state"].tolist()), py["gauss_next"]),
+        numpy_state,
+        state["torch"],
+        state.get("cuda"),
+    )
 
 
 def collect_rng_state(device: torch.device | None = None) -> dict[str, Any]:

@@ -34,8 +34,9 @@ def grads_are_local(trainer: pl.Trainer) -> bool:
     return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not strategy.handles_gradient_accumulation
 
 
-def mid_window_validation_error(strategy: str, local_grads: bool, accumulate: int, val_check_batch: Any,
-                                validating: bool) -> str | None:
+def mid_window_validation_error(
+    strategy: str, local_grads: bool, accumulate: int, val_check_batch: Any, validating: bool
+) -> str | None:
     """Why a run cannot resume exactly from its validation checkpoints, or None.
 
     Under a strategy whose gradients are sharded or held by the strategy (FSDP, DeepSpeed), the gradients of a window
@@ -46,10 +47,12 @@ def mid_window_validation_error(strategy: str, local_grads: bool, accumulate: in
         return None
     if val_check_batch % accumulate == 0:
         return None
-    return (f"ExactResume: validation every {val_check_batch} micro-batches falls inside the accumulation windows of "
-            f"{accumulate} micro-batches, and under {strategy} the gradients of a window in progress cannot be saved, "
-            "so a run resumed from a checkpoint written at such a validation would not be exact. Set "
-            f"`val_check_interval` to a multiple of `accumulate_grad_batches` ({accumulate}), or drop ExactResume.")
+    return (
+        f"ExactResume: validation every {val_check_batch} micro-batches falls inside the accumulation windows of "
+        f"{accumulate} micro-batches, and under {strategy} the gradients of a window in progress cannot be saved, "
+        "so a run resumed from a checkpoint written at such a validation would not be exact. Set "
+        f"`val_check_interval` to a multiple of `accumulate_grad_batches` ({accumulate}), or drop ExactResume."
+    )
 
 
 def collect_window_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -66,7 +69,9 @@ def restore_window_grads(module: torch.nn.Module, grads: dict[str, Any]) -> None
     params = dict(module.named_parameters())
     unknown = sorted(set(grads) - set(params))
     if unknown:
-        raise ValueError(f"ExactResume: the checkpoint holds window gradients for unknown parameters {unknown[:5]}: "
-                         "resume with the model the checkpoint was written for.")
+        raise ValueError(
+            f"ExactResume: the checkpoint holds window gradients for unknown parameters {unknown[:5]}: "
+            "resume with the model the checkpoint was written for."
+        )
     for name, grad in grads.items():
         params[name].grad = grad.to(params[name].device)

@@ -95,11 +95,22 @@ class _BEMA(PackageBound):
     """
 
     def __init__(
-        self, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2, lag: float = 10,
-        update_after: int = 0, multiplier: float = 1.0, min_ema_multiplier: float = 0.0,
-        device: str | torch.device | None = "cpu", update_ref_model: bool = False, ref_model_update_freq: int = 400,
-        ref_model_update_after: int = 0, evaluate_with_bema: bool = False, apply_at_end: bool = False,
-        export_dir: str | os.PathLike | None = None, export_hf: bool = True,
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: float = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str | torch.device | None = "cpu",
+        update_ref_model: bool = False,
+        ref_model_update_freq: int = 400,
+        ref_model_update_after: int = 0,
+        evaluate_with_bema: bool = False,
+        apply_at_end: bool = False,
+        export_dir: str | os.PathLike | None = None,
+        export_hf: bool = True,
     ) -> None:
         check_bema_args(dict(locals()))
         self.update_freq, self.ema_power, self.bias_power, self.lag = update_freq, ema_power, bias_power, lag
@@ -139,8 +150,9 @@ class _BEMA(PackageBound):
         return dict(zip(self._names, gather(self._bema, self._params)))
 
     @classmethod
-    def bema_weights_from_checkpoint(cls, path: str | os.PathLike, state_key: str | None = None
-                                     ) -> dict[str, torch.Tensor]:
+    def bema_weights_from_checkpoint(
+        cls, path: str | os.PathLike, state_key: str | None = None
+    ) -> dict[str, torch.Tensor]:
         """The BEMA weights stored in a Lightning checkpoint (whose ``state_dict`` holds the live weights).
 
         Args:
@@ -188,9 +200,11 @@ class _BEMA(PackageBound):
         super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         strategy = trainer.strategy
         if isinstance(strategy, self._ns.FSDPStrategy) or getattr(strategy, "zero_stage_3", False):
-            raise ValueError(f"BEMA does not support {type(strategy).__name__}'s sharded parameters: use "
-                             "ModelParallelStrategy (FSDP2), strategy='ddp' (or DeepSpeed stage 1/2), or remove the "
-                             "BEMA callback.")
+            raise ValueError(
+                f"BEMA does not support {type(strategy).__name__}'s sharded parameters: use "
+                "ModelParallelStrategy (FSDP2), strategy='ddp' (or DeepSpeed stage 1/2), or remove the "
+                "BEMA callback."
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -209,8 +223,11 @@ class _BEMA(PackageBound):
         if step <= self._step:  # no optimizer step in this micro-batch (gradient accumulation)
             return
         if step > self._step + 1:
-            self._ns.rank_zero_warn(f"BEMA: {step - self._step} optimizer steps in one batch; the schedule uses the "
-                                    "weights after the batch.", category=UserWarning)
+            self._ns.rank_zero_warn(
+                f"BEMA: {step - self._step} optimizer steps in one batch; the schedule uses the "
+                "weights after the batch.",
+                category=UserWarning,
+            )
         for t in range(self._step + 1, step + 1):
             self._on_optimizer_step(t)
 
@@ -244,8 +261,9 @@ class _BEMA(PackageBound):
                 torch._foreach_copy_(locals_of(self._params), self._bema)
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-                           ) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self._stash is None or "state_dict" not in checkpoint:
             return
         weights = checkpoint["state_dict"]  # saved mid-validation: put the live weights, not the BEMA ones
@@ -260,15 +278,21 @@ class _BEMA(PackageBound):
         if not self._names:
             return self._loaded if self._loaded is not None else {"format": _FORMAT, "initialized": False}
         return {
-            "format": _FORMAT, "initialized": True, "step": self._step, "num_updates": self._num_updates,
+            "format": _FORMAT,
+            "initialized": True,
+            "step": self._step,
+            "num_updates": self._num_updates,
             "hparams": self._hparams(),  # full tensors (gathered when sharded: rank 0's state is the one saved)
-            **{key: dict(zip(self._names, gather(buffers, self._params)))
-               for key, buffers in (("theta0", self._theta0), ("ema", self._ema), ("bema", self._bema))},
+            **{
+                key: dict(zip(self._names, gather(buffers, self._params)))
+                for key, buffers in (("theta0", self._theta0), ("ema", self._ema), ("bema", self._bema))
+            },
         }
 
     @override
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-                           ) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Adopt the checkpoint's only BEMA state when this (only) BEMA callback's settings changed since."""
         states = checkpoint.get("callbacks") or {}
         if self.state_key in states or self._legacy_state_key in states:
@@ -278,8 +302,11 @@ class _BEMA(PackageBound):
         if len(saved) == 1 and len(mine) == 1:
             self.load_state_dict(states[saved[0]])  # warns that the settings changed
         elif saved:
-            self._ns.rank_zero_warn(f"BEMA {self.state_key} finds no state of its own among {saved}: its average "
-                                    "restarts from the resumed weights.", category=UserWarning)
+            self._ns.rank_zero_warn(
+                f"BEMA {self.state_key} finds no state of its own among {saved}: its average "
+                "restarts from the resumed weights.",
+                category=UserWarning,
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -289,9 +316,11 @@ class _BEMA(PackageBound):
         self._names, self._module_id, self._scored_step = [], None, None  # re-attach in on_train_start
         self._loaded = state_dict if state_dict.get("initialized") else None
         if self._loaded is not None and self._loaded["hparams"] != self._hparams():
-            self._ns.rank_zero_warn(f"BEMA resumes a state made with {self._loaded['hparams']} under "
-                                    f"{self._hparams()}; the average continues with the new settings.",
-                                    category=UserWarning)
+            self._ns.rank_zero_warn(
+                f"BEMA resumes a state made with {self._loaded['hparams']} under "
+                f"{self._hparams()}; the average continues with the new settings.",
+                category=UserWarning,
+            )
 
     @staticmethod
     def _trainable(pl_module: pl.LightningModule) -> dict[str, torch.nn.Parameter]:
@@ -314,8 +343,10 @@ class _BEMA(PackageBound):
             self._theta0, self._ema, self._bema = (self._snapshot() for _ in range(3))
             self._step, self._num_updates = trainer.global_step, 0
         self._module_id, self._loaded = id(pl_module), None
-        self._ns.rank_zero_info(f"BEMA tracks {len(self._names)} parameter tensors "
-                       f"({sum(p.numel() for p in self._params):,} values) on {self.device or 'their own devices'}.")
+        self._ns.rank_zero_info(
+            f"BEMA tracks {len(self._names)} parameter tensors "
+            f"({sum(p.numel() for p in self._params):,} values) on {self.device or 'their own devices'}."
+        )
 
     def _buffer_device(self, param: torch.Tensor) -> torch.device:
         return self.device if self.device is not None else param.device
@@ -327,16 +358,22 @@ class _BEMA(PackageBound):
         saved = list(state["bema"])
         if sorted(saved) != sorted(self._names):
             missing, extra = sorted(set(self._names) - set(saved)), sorted(set(saved) - set(self._names))
-            raise ValueError(f"The BEMA checkpoint state does not match the module's trainable parameters "
-                             f"(missing from the checkpoint: {missing[:5]}, unknown: {extra[:5]}). Resume with the "
-                             "same trainable parameters, or drop the BEMA entry of `checkpoint['callbacks']`.")
+            raise ValueError(
+                f"The BEMA checkpoint state does not match the module's trainable parameters "
+                f"(missing from the checkpoint: {missing[:5]}, unknown: {extra[:5]}). Resume with the "
+                "same trainable parameters, or drop the BEMA entry of `checkpoint['callbacks']`."
+            )
         for name, p in zip(self._names, self._params):
             if state["bema"][name].shape != p.shape:
-                raise ValueError(f"BEMA checkpoint shape {tuple(state['bema'][name].shape)} for {name!r} does not "
-                                 f"match the parameter's {tuple(p.shape)}.")
+                raise ValueError(
+                    f"BEMA checkpoint shape {tuple(state['bema'][name].shape)} for {name!r} does not "
+                    f"match the parameter's {tuple(p.shape)}."
+                )
         self._theta0, self._ema, self._bema = (
-            [local_shard_like(state[key][n], p).to(self._buffer_device(p), p.dtype, copy=True)
-             for n, p in zip(self._names, self._params)]
+            [
+                local_shard_like(state[key][n], p).to(self._buffer_device(p), p.dtype, copy=True)
+                for n, p in zip(self._names, self._params)
+            ]
             for key in ("theta0", "ema", "bema")
         )
         self._step, self._num_updates = int(state["step"]), int(state["num_updates"])
@@ -349,8 +386,14 @@ class _BEMA(PackageBound):
                 torch._foreach_copy_(self._theta0, locals_of(self._params))
                 torch._foreach_copy_(self._ema, self._theta0)
         elif step > tau and (step - tau) % self.update_freq == 0:
-            beta, alpha = bema_coefficients(step, lag=self.lag, multiplier=self.multiplier, ema_power=self.ema_power,
-                                            bias_power=self.bias_power, min_ema_multiplier=self.min_ema_multiplier)
+            beta, alpha = bema_coefficients(
+                step,
+                lag=self.lag,
+                multiplier=self.multiplier,
+                ema_power=self.ema_power,
+                bias_power=self.bias_power,
+                min_ema_multiplier=self.min_ema_multiplier,
+            )
             bema_update_(self._ema, self._bema, self._theta0, locals_of(self._params), beta, alpha)
             self._num_updates += 1
         tau_ref = self.ref_model_update_after

@@ -46,7 +46,7 @@ def sentinel_target(dirpath: _PathLike) -> str | None:
         lines = sentinel.read_text().splitlines()
     except OSError:
         return None
-    return next((line[len(_TARGET_PREFIX):] for line in lines if line.startswith(_TARGET_PREFIX)), None)
+    return next((line[len(_TARGET_PREFIX) :] for line in lines if line.startswith(_TARGET_PREFIX)), None)
 
 
 def _incomplete_reason(path: Path, pending: str | None) -> str | None:
@@ -54,7 +54,9 @@ def _incomplete_reason(path: Path, pending: str | None) -> str | None:
     if path.name == pending:
         return f"its save was interrupted ({path.parent / SENTINEL_NAME} names it)"
     if path.is_dir():
-        return f"its save was interrupted ({path / SENTINEL_NAME} is present)" if (path / SENTINEL_NAME).exists() else None
+        return (
+            f"its save was interrupted ({path / SENTINEL_NAME} is present)" if (path / SENTINEL_NAME).exists() else None
+        )
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no central directory
         return "it is truncated or not a torch checkpoint"
     return None

@@ -190,8 +190,8 @@ class _BestCheckpoint(PackageBound):
         if self._unsupported(trainer.strategy):
             raise ValueError(
                 f"`BestCheckpoint(load_best_at_end={self.load_best_at_end}, export_hf={self.export_hf})` does not "
-                f"support {type(trainer.strategy).__name__}: use one device, DDP or ModelParallelStrategy (FSDP2), or set "
-                "both to False."
+                f"support {type(trainer.strategy).__name__}: use one device, DDP or ModelParallelStrategy (FSDP2), "
+                "or set both to False."
             )
         if self.export_hf and not callable(getattr(getattr(pl_module, "model", None), "save_pretrained", None)):
             raise ValueError(
@@ -212,17 +212,22 @@ class _BestCheckpoint(PackageBound):
         scorers = weight_scorers(trainer.callbacks)
         names = [type(cb).__name__ for cb in scorers]
         if len(scorers) > 1:
-            raise ValueError(f"BestCheckpoint: {names} all validate with other weights than the live ones, so the "
-                             "score belongs to no single set of weights; let only one of them evaluate its weights.")
+            raise ValueError(
+                f"BestCheckpoint: {names} all validate with other weights than the live ones, so the "
+                "score belongs to no single set of weights; let only one of them evaluate its weights."
+            )
         if scorers and self.save_weights_only:
-            raise ValueError(f"`BestCheckpoint(save_weights_only=True)` cannot keep the weights {names[0]} scored "
-                             "beside the live ones; use save_weights_only=False (the checkpoint then resumes "
-                             "training with the live weights, and load_best_at_end / export_hf use the scored ones).")
+            raise ValueError(
+                f"`BestCheckpoint(save_weights_only=True)` cannot keep the weights {names[0]} scored "
+                "beside the live ones; use save_weights_only=False (the checkpoint then resumes "
+                "training with the live weights, and load_best_at_end / export_hf use the scored ones)."
+            )
         self._scorer = scorers[0] if scorers else None
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-                           ) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """For this callback's own saves: mark a distributed checkpoint folder as incomplete until it is written,
         and put the weights the monitored score was measured on beside the live ``state_dict``."""
         if not self._improved:
@@ -239,7 +244,8 @@ class _BestCheckpoint(PackageBound):
             self._ns.rank_zero_warn(
                 f"BestCheckpoint: {type(self._scorer).__name__}'s scored weights are not available at step "
                 f"{trainer.global_step} (changed since the validation); this checkpoint keeps only "
-                "the live weights. Save at validation (no every_n_train_steps with a validation metric).")
+                "the live weights. Save at validation (no every_n_train_steps with a validation metric)."
+            )
             return
         live, copies = checkpoint["state_dict"], {}
         for key, value in weights.items():
@@ -266,15 +272,16 @@ class _BestCheckpoint(PackageBound):
         best = self.best_model_score
         self._improved = not math.isnan(value) and (best is None or _IMPROVES[self.mode](value, float(best)))
         if not self._improved and self._verbose:
-            self._ns.rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={value:.6g} did not "
-                                    f"improve on the best {best}; nothing saved.")
+            self._ns.rank_zero_info(
+                f"BestCheckpoint: step {trainer.global_step}: {self.monitor}={value:.6g} did not "
+                f"improve on the best {best}; nothing saved."
+            )
         return self._improved
 
     # ModelCheckpoint saves from these three hooks; what follows a new best (rank agreement on the path, the HF
     # export, the rotation) runs right after the hook that saved it, on every rank
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
-                           ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
         with self._after_new_best(trainer):
             super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
 
@@ -307,8 +314,10 @@ class _BestCheckpoint(PackageBound):
             self._sentinel.unlink(missing_ok=True)
             self._sentinel = None
         if self._verbose:
-            self._ns.rank_zero_info(f"BestCheckpoint: step {trainer.global_step}: new best "
-                                    f"{self.monitor}={self._decided_score:.6g}, saved {path!r}")
+            self._ns.rank_zero_info(
+                f"BestCheckpoint: step {trainer.global_step}: new best "
+                f"{self.monitor}={self._decided_score:.6g}, saved {path!r}"
+            )
         if self.export_hf:
             self._export_hf(trainer, path)
         self._rotate(trainer)
@@ -333,8 +342,13 @@ class _BestCheckpoint(PackageBound):
             prefix = "model."
             state = load_checkpoint_state_dict(checkpoint_path)
             weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            export_hf(module.model, getattr(module, "tokenizer", None), self.hf_export_dir, state_dict=weights,
-                      merge_adapters=self.merge_adapters)
+            export_hf(
+                module.model,
+                getattr(module, "tokenizer", None),
+                self.hf_export_dir,
+                state_dict=weights,
+                merge_adapters=self.merge_adapters,
+            )
         trainer.strategy.barrier("BestCheckpoint._export_hf")
 
     @override
@@ -365,8 +379,9 @@ class _BestCheckpoint(PackageBound):
         # a module that saves partial checkpoints (peft: trainable weights only) sets strict_loading = False
         # full tensors on every rank; under FSDP2 each rank keeps its own shards of them
         load_full_state_dict(pl_module, load_checkpoint_state_dict(path), strict=pl_module.strict_loading)
-        self._ns.rank_zero_info(f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) "
-                                f"from {path}")
+        self._ns.rank_zero_info(
+            f"BestCheckpoint: loaded the best weights ({self.monitor}={self.best_model_score}) from {path}"
+        )
         return True
 
 

@@ -42,10 +42,12 @@ def oversubscription_warning(
     """
     if torch_threads <= 1 or load_1min <= cpu_count + margin:
         return None
-    return (f"Training is likely slowed down by CPU oversubscription: torch uses {torch_threads} threads on "
-            f"{cpu_count} cores while the load average is {load_1min:.1f} ({seconds_per_step:.3f} s per step so "
-            "far). Its OpenMP threads stall when other processes share the cores; run with OMP_NUM_THREADS=1 (or "
-            "call torch.set_num_threads(1) before training), or give the job cores of its own.")
+    return (
+        f"Training is likely slowed down by CPU oversubscription: torch uses {torch_threads} threads on "
+        f"{cpu_count} cores while the load average is {load_1min:.1f} ({seconds_per_step:.3f} s per step so "
+        "far). Its OpenMP threads stall when other processes share the cores; run with OMP_NUM_THREADS=1 (or "
+        "call torch.set_num_threads(1) before training), or give the job cores of its own."
+    )
 
 
 def _cores() -> int:

@@ -102,8 +102,9 @@ class _EvalOnStart(PackageBound):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path is not None and not self.on_resume:
-            self._ns.rank_zero_info("EvalOnStart: resuming from a checkpoint, skipping the start evaluation "
-                                    "(on_resume=False).")
+            self._ns.rank_zero_info(
+                "EvalOnStart: resuming from a checkpoint, skipping the start evaluation (on_resume=False)."
+            )
             return
         check_lightning_internals(trainer)
         self._check_validation_data(trainer, pl_module)

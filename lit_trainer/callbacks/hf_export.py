@@ -16,8 +16,9 @@ from lit_trainer.callbacks._peft_export import is_adapter_model, save_adapter_mo
 from lit_trainer.modules._sharding import full_state_dict, is_sharded
 
 
-def export_hf(model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None,
-              merge_adapters: bool = False) -> Path:
+def export_hf(
+    model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None, merge_adapters: bool = False
+) -> Path:
     """``save_pretrained`` the model (safetensors) and tokenizer into ``target`` atomically.
 
     Everything is written into a temporary sibling directory that replaces ``target`` only once complete
@@ -89,9 +90,11 @@ class _HFExport(PackageBound):
         if callable(getattr(model, "save_pretrained", None)):
             return
         found = f"{name} has no `.model`" if model is None else f"`{name}.model` is a {type(model).__name__}"
-        raise TypeError(f"HFExport needs `{name}.model` to be a transformers model with `save_pretrained`, but "
-                        f"{found}. Expose the model as `self.model` (e.g. an `AutoModelForCausalLM`), or remove "
-                        "HFExport for other modules.")
+        raise TypeError(
+            f"HFExport needs `{name}.model` to be a transformers model with `save_pretrained`, but "
+            f"{found}. Expose the model as `self.model` (e.g. an `AutoModelForCausalLM`), or remove "
+            "HFExport for other modules."
+        )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -104,8 +107,13 @@ class _HFExport(PackageBound):
         # sharded (FSDP2): the full weights, gathered on rank 0 (a collective every rank joins)
         state = full_state_dict(model) if is_sharded(model) else None
         if trainer.is_global_zero:
-            export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=state,
-                      merge_adapters=self.merge_adapters)
+            export_hf(
+                model,
+                getattr(pl_module, "tokenizer", None),
+                target,
+                state_dict=state,
+                merge_adapters=self.merge_adapters,
+            )
             self._ns.rank_zero_info(f"[lit_trainer] exported the model in HF format to {target}")
         self.last_export = str(target)
         trainer.strategy.barrier("hf_export")

@@ -194,8 +194,10 @@ class _JITCheckpoint(PackageBound):
         self._requested_at, self._done, self._at_boundary = None, False, False
         self.dirpath = self._dirpath_arg or run_checkpoint_dir(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
-            rank_zero_warn("JITCheckpoint(exit_code=None) stops through `trainer.should_stop`, which Lightning ignores "
-                           "until `min_steps`/`min_epochs` are reached; set an exit_code to stop right after the save.")
+            rank_zero_warn(
+                "JITCheckpoint(exit_code=None) stops through `trainer.should_stop`, which Lightning ignores "
+                "until `min_steps`/`min_epochs` are reached; set an exit_code to stop right after the save."
+            )
         # behind every other non-Checkpoint callback (rebinding, not mutating: the running hook loop is unaffected)
         others = [cb for cb in trainer.callbacks if cb is not self]
         at = next((i for i, cb in enumerate(others) if isinstance(cb, self._ns.Checkpoint)), len(others))

@@ -51,9 +51,7 @@ def draw_seed(seed: int, rank: int, index: int) -> int:
     return derive_seed(seed, rank, index)
 
 
-def neftune_noise(
-    embeds: Tensor, noise_alpha: float, generator: torch.Generator, mask: Tensor | None = None
-) -> Tensor:
+def neftune_noise(embeds: Tensor, noise_alpha: float, generator: torch.Generator, mask: Tensor | None = None) -> Tensor:
     """The NEFTune noise for one embedding output.
 
     Without ``mask``: ``U(-m, m)`` i.i.d. per element, ``m = noise_alpha / sqrt(L * d)``, ``(L, d) = embeds.shape[1:]``.

@@ -111,8 +111,9 @@ class LineProgressBar(ProgressBar):
 
     @override
     @rank_zero_only
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._flush(trainer, pl_module)
 
     @override

@@ -29,5 +29,13 @@ HFExport = twin(hf_export.HFExport, "pytorch_lightning", __name__)
 JITCheckpoint = twin(jit_checkpoint.JITCheckpoint, "pytorch_lightning", __name__)
 NEFTune = twin(neftune.NEFTune, "pytorch_lightning", __name__)
 
-__all__ = ["BEMA", "BestCheckpoint", "EvalOnStart", "ExactResume", "HFExport", "JITCheckpoint", "JITCheckpointExit",
-           "NEFTune"]
+__all__ = [
+    "BEMA",
+    "BestCheckpoint",
+    "EvalOnStart",
+    "ExactResume",
+    "HFExport",
+    "JITCheckpoint",
+    "JITCheckpointExit",
+    "NEFTune",
+]

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lit_trainer._dist import gather_from_all_ranks, gather_to_rank_zero
+from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks._replay_loader import REPLAY_MARKER, ReplayLoader, can_skip_by_index, loader_generators
 from lit_trainer.callbacks._rng_state import RawRngState, apply_rng_state, capture_rng, restore_rng, rng_state_to_dict
 from lit_trainer.callbacks._window_grads import (
@@ -31,7 +32,6 @@ from lit_trainer.callbacks._window_grads import (
     restore_window_grads,
     window_in_progress,
 )
-from lit_trainer.callbacks._namespace import PackageBound
 
 
 def _flat_loaders(loaders: Any) -> list[Any]:
@@ -129,14 +129,20 @@ class _ExactResume(PackageBound):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refusal = mid_window_validation_error(
-            type(trainer.strategy).__name__, grads_are_local(trainer), trainer.accumulate_grad_batches,
-            trainer.val_check_batch, trainer.enable_validation and any(isinstance(cb, self._ns.Checkpoint) for cb in trainer.callbacks),
+            type(trainer.strategy).__name__,
+            grads_are_local(trainer),
+            trainer.accumulate_grad_batches,
+            trainer.val_check_batch,
+            trainer.enable_validation and any(isinstance(cb, self._ns.Checkpoint) for cb in trainer.callbacks),
         )
         if refusal:
             raise ValueError(refusal)
         self._install_replay(trainer, rebuild_iterator=True)
-        unresumable = [type(x).__name__ for x in _flat_loaders(trainer.train_dataloader)
-                       if not _is_stateful(x) and not isinstance(x, DataLoader)]
+        unresumable = [
+            type(x).__name__
+            for x in _flat_loaders(trainer.train_dataloader)
+            if not _is_stateful(x) and not isinstance(x, DataLoader)
+        ]
         if unresumable:
             rank_zero_warn(
                 f"ExactResume: the training loader ({', '.join(unresumable)}) is neither a `DataLoader` nor has "
@@ -162,8 +168,10 @@ class _ExactResume(PackageBound):
         if combined is None:
             return
         flat = combined.flattened
-        wrapped = [ReplayLoader(x, self, i) if isinstance(x, DataLoader) and not _is_stateful(x) else x
-                   for i, x in enumerate(flat)]
+        wrapped = [
+            ReplayLoader(x, self, i) if isinstance(x, DataLoader) and not _is_stateful(x) else x
+            for i, x in enumerate(flat)
+        ]
         if all(a is b for a, b in zip(wrapped, flat, strict=True)):
             return
         combined.flattened = wrapped
@@ -177,8 +185,10 @@ class _ExactResume(PackageBound):
 
     def _capture_loader_states(self, loader: DataLoader) -> dict[str, Any]:
         """The global generators and ``loader``'s own generators, now."""
-        return {"rng": rng_state_to_dict(capture_rng(self._device)),
-                "generators": [g.get_state() for g in loader_generators(loader)]}
+        return {
+            "rng": rng_state_to_dict(capture_rng(self._device)),
+            "generators": [g.get_state() for g in loader_generators(loader)],
+        }
 
     def _restore_loader_states(self, loader: DataLoader, state: Mapping[str, Any]) -> None:
         apply_rng_state(state["rng"], self._device)
@@ -207,25 +217,33 @@ class _ExactResume(PackageBound):
             return 0
         name = f"training loader {replay.index} ({type(replay.loader).__name__})"
         if saved is None or saved["epoch"] != trainer.current_epoch:
-            rank_zero_warn(f"ExactResume: the checkpoint does not hold the RNG states that built epoch "
-                           f"{trainer.current_epoch} of the {name} (it was written without ExactResume's replay), so "
-                           "the resumed epoch's order differs from the first run's: not exact.")
+            rank_zero_warn(
+                f"ExactResume: the checkpoint does not hold the RNG states that built epoch "
+                f"{trainer.current_epoch} of the {name} (it was written without ExactResume's replay), so "
+                "the resumed epoch's order differs from the first run's: not exact."
+            )
         else:
             self._restore_loader_states(replay.loader, saved["start"])
         if not can_skip_by_index(replay.loader):
-            rank_zero_warn(f"ExactResume: the {name} iterates an IterableDataset, which has no index to skip by: "
-                           f"the {consumed} batches already trained are read again and dropped. The resumed run is "
-                           "exact only if the dataset's stream depends on nothing but the restored RNG states.")
+            rank_zero_warn(
+                f"ExactResume: the {name} iterates an IterableDataset, which has no index to skip by: "
+                f"the {consumed} batches already trained are read again and dropped. The resumed run is "
+                "exact only if the dataset's stream depends on nothing but the restored RNG states."
+            )
         if replay.loader.num_workers > 0:
-            rank_zero_warn(f"ExactResume: the {name} loads in {replay.loader.num_workers} worker processes, which "
-                           "restart with the epoch's seeds after the skipped batches: randomness drawn inside the "
-                           "dataset or `collate_fn` (random augmentation) differs from the first run for the rest of "
-                           "this epoch. Draw it in the training step, or load in the main process, to stay exact.")
+            rank_zero_warn(
+                f"ExactResume: the {name} loads in {replay.loader.num_workers} worker processes, which "
+                "restart with the epoch's seeds after the skipped batches: randomness drawn inside the "
+                "dataset or `collate_fn` (random augmentation) differs from the first run for the rest of "
+                "this epoch. Draw it in the training step, or load in the main process, to stay exact."
+            )
         return consumed
 
     # ------------------------------------------------------------------------------------------- restore, save
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._loaded is None:
             return
         own, loaded = self._own_state(), self._loaded
@@ -234,8 +252,9 @@ class _ExactResume(PackageBound):
         states = loaded["ranks"]
         if len(states) != trainer.world_size:
             rank_zero_warn(
-                f"ExactResume: the checkpoint was saved by {len(states)} rank(s) and this run has {trainer.world_size}; "
-                "ranks without a saved state keep their seeded generators, so the resumed run is not exact."
+                f"ExactResume: the checkpoint was saved by {len(states)} rank(s) and this run has "
+                f"{trainer.world_size}; ranks without a saved state keep their seeded generators, so the resumed run "
+                "is not exact."
             )
         if own is not None and not applied:
             apply_rng_state(own, self._device)
@@ -245,8 +264,13 @@ class _ExactResume(PackageBound):
 
     def _in_fit_validation(self) -> bool:
         trainer = self._trainer
-        return (trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.validating
-                and not trainer.sanity_checking and self._before_validation is not None)
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.validating
+            and not trainer.sanity_checking
+            and self._before_validation is not None
+        )
 
     def _window_grads(self) -> dict[str, torch.Tensor] | None:
         """This rank's gradients when the checkpoint is written inside an accumulation window, else None."""
@@ -254,11 +278,13 @@ class _ExactResume(PackageBound):
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or not window_in_progress(trainer):
             return None
         if not grads_are_local(trainer):
-            rank_zero_warn(f"ExactResume: a checkpoint is written inside an accumulation window under "
-                           f"{type(trainer.strategy).__name__}, whose gradients are sharded or held by the strategy: "
-                           "they are not saved, so a run resumed from it loses the window's first micro-batches. "
-                           "Validate and checkpoint at optimizer-step boundaries (`val_check_interval` a multiple of "
-                           "`accumulate_grad_batches`).")
+            rank_zero_warn(
+                f"ExactResume: a checkpoint is written inside an accumulation window under "
+                f"{type(trainer.strategy).__name__}, whose gradients are sharded or held by the strategy: "
+                "they are not saved, so a run resumed from it loses the window's first micro-batches. "
+                "Validate and checkpoint at optimizer-step boundaries (`val_check_interval` a multiple of "
+                "`accumulate_grad_batches`)."
+            )
             return None
         return collect_window_grads(trainer.lightning_module)
 
@@ -267,9 +293,13 @@ class _ExactResume(PackageBound):
         raw = self._before_validation if self._in_fit_validation() else capture_rng(self._device)
         local = rng_state_to_dict(raw)
         local["loaders"] = {
-            str(r.index): {"epoch": r.epoch, "start": r.epoch_start,
-                           "generators": [g.get_state() for g in loader_generators(r.loader)]}
-            for r in self._replays if r.epoch_start is not None
+            str(r.index): {
+                "epoch": r.epoch,
+                "start": r.epoch_start,
+                "generators": [g.get_state() for g in loader_generators(r.loader)],
+            }
+            for r in self._replays
+            if r.epoch_start is not None
         }
         ranks = gather_from_all_ranks(local)
         state: dict[str, Any] = {"world_size": len(ranks), "ranks": ranks}

@@ -50,9 +50,11 @@ def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any], checkpo
     if not differ:
         return None
     details = "; ".join(f"{key}: checkpoint {recorded.get(key)!r}, this run {current.get(key)!r}" for key in differ)
-    return (f"Refusing to resume from {checkpoint}: it was written by another run ({details}). Resume it with the "
-            "same module, data module and run name, or start a fresh run without --ckpt_path (from Python: "
-            "ckpt_path=None).")
+    return (
+        f"Refusing to resume from {checkpoint}: it was written by another run ({details}). Resume it with the "
+        "same module, data module and run name, or start a fresh run without --ckpt_path (from Python: "
+        "ckpt_path=None)."
+    )
 
 
 def read_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
@@ -107,8 +109,10 @@ class RunIdentity(Callback):
         recorded = checkpoint.get(RECORD_KEY)
         where = trainer.ckpt_path or "the checkpoint"
         if recorded is None:
-            rank_zero_warn(f"{where} has no lit_trainer run record (it was not written with RunIdentity), so "
-                           "whether it belongs to this run could not be checked.")
+            rank_zero_warn(
+                f"{where} has no lit_trainer run record (it was not written with RunIdentity), so "
+                "whether it belongs to this run could not be checked."
+            )
             return
         message = identity_mismatch(recorded, self.current(trainer, pl_module), where)
         if message is not None:

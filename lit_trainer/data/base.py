@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +24,9 @@ from lit_trainer.data.sampling import Sampling, check_sampling, make_batch_sampl
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
+
+# ``builtin:<name>`` data sources of a data module: name -> rows of a split
+BuiltinSources = dict[str, Callable[[str], Dataset]]
 
 
 class BaseDataModule(pl.LightningDataModule):
@@ -56,7 +59,7 @@ class BaseDataModule(pl.LightningDataModule):
             (same rules as ``TrainingArguments``).
     """
 
-    builtin: dict[str, Callable[[str], Dataset]] = {}
+    builtin: ClassVar[BuiltinSources] = {}
 
     def __init__(
         self,
@@ -182,8 +185,15 @@ class BaseDataModule(pl.LightningDataModule):
         world, rank, accumulate = self._replicas()
         hp = self.hparams
         return make_batch_sampler(
-            hp.sampling, num_samples=len(self.train_dataset), lengths=self.lengths, batch_size=hp.batch_size,
-            seed=hp.seed, num_replicas=world, rank=rank, accumulate_grad_batches=accumulate, drop_last=hp.drop_last,
+            hp.sampling,
+            num_samples=len(self.train_dataset),
+            lengths=self.lengths,
+            batch_size=hp.batch_size,
+            seed=hp.seed,
+            num_replicas=world,
+            rank=rank,
+            accumulate_grad_batches=accumulate,
+            drop_last=hp.drop_last,
             cost_model=self.rebalance_cost_model(),
         )
 
@@ -194,9 +204,14 @@ class BaseDataModule(pl.LightningDataModule):
         _, _, accumulate = self._replicas()
         hp = self.hparams
         return TrainLoader(
-            self.train_dataset, self.train_batch_sampler(), lambda rows: self._collate(rows, True),
+            self.train_dataset,
+            self.train_batch_sampler(),
+            lambda rows: self._collate(rows, True),
             count_items=self.count_items,
-            accumulate_grad_batches=accumulate, windows=self._step_windows(), seed=hp.seed, **self._loader_options(),
+            accumulate_grad_batches=accumulate,
+            windows=self._step_windows(),
+            seed=hp.seed,
+            **self._loader_options(),
         )
 
     @override
@@ -208,8 +223,12 @@ class BaseDataModule(pl.LightningDataModule):
         world, rank, _ = self._replicas()
         hp = self.hparams
         return EvalLoader(
-            self.val_dataset, hp.eval_batch_size or hp.batch_size, lambda rows: self._collate(rows, False),
-            num_replicas=world, rank=rank, **self._loader_options(),
+            self.val_dataset,
+            hp.eval_batch_size or hp.batch_size,
+            lambda rows: self._collate(rows, False),
+            num_replicas=world,
+            rank=rank,
+            **self._loader_options(),
         )
 
     @property

@@ -188,6 +188,7 @@ def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, i
         rank = torch.distributed.get_rank() if initialised else 0
     if num_replicas < 1 or not 0 <= rank < num_replicas:
         raise ValueError(
-            f"`num_replicas={num_replicas}, rank={rank}` is invalid: need num_replicas >= 1 and 0 <= rank < num_replicas."
+            f"`num_replicas={num_replicas}, rank={rank}` is invalid: need num_replicas >= 1 and "
+            "0 <= rank < num_replicas."
         )
     return num_replicas, rank

@@ -24,7 +24,9 @@ CHAT_SYSTEM = "Add the numbers."
 _SEED = 1234
 
 
-def addition_problems(split: Split, *, num_validation: int = 500, low: int = 10, high: int = 99) -> list[tuple[int, int]]:
+def addition_problems(
+    split: Split, *, num_validation: int = 500, low: int = 10, high: int = 99
+) -> list[tuple[int, int]]:
     """The ``(a, b)`` operand pairs of one split, in a fixed shuffled order.
 
     Raises:
@@ -54,11 +56,13 @@ def near_miss(a: int, b: int) -> int:
 def sft_rows(split: Split, num_validation: int = 500) -> Dataset:
     """Prompt/completion rows (loss on the completion only)."""
     problems = addition_problems(split, num_validation=num_validation)
-    return Dataset.from_dict({
-        "prompt": [f"{a}+{b}=" for a, b in problems],
-        "completion": [str(a + b) for a, b in problems],
-        "answer": [str(a + b) for a, b in problems],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [f"{a}+{b}=" for a, b in problems],
+            "completion": [str(a + b) for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+        }
+    )
 
 
 def _turn(a: int, b: int) -> list[dict[str, str]]:
@@ -79,18 +83,22 @@ def sft_chat_rows(split: Split, num_validation: int = 500) -> Dataset:
 def preference_rows(split: Split, num_validation: int = 500) -> Dataset:
     """Prompt/chosen/rejected rows: chosen is the correct sum, rejected a near miss."""
     problems = addition_problems(split, num_validation=num_validation)
-    return Dataset.from_dict({
-        "prompt": [f"{a}+{b}=" for a, b in problems],
-        "chosen": [str(a + b) for a, b in problems],
-        "rejected": [str(near_miss(a, b)) for a, b in problems],
-        "answer": [str(a + b) for a, b in problems],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [f"{a}+{b}=" for a, b in problems],
+            "chosen": [str(a + b) for a, b in problems],
+            "rejected": [str(near_miss(a, b)) for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+        }
+    )
 
 
 def prompt_rows(split: Split, num_validation: int = 500) -> Dataset:
     """Prompt rows with the correct ``answer`` column, for reward functions."""
     problems = addition_problems(split, num_validation=num_validation)
-    return Dataset.from_dict({
-        "prompt": [f"{a}+{b}=" for a, b in problems],
-        "answer": [str(a + b) for a, b in problems],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [f"{a}+{b}=" for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+        }
+    )

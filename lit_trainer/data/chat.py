@@ -29,8 +29,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 def is_conversation(value: Any) -> bool:
     """True for a list of message dicts (a conversation), False for a string or anything else."""
-    return (isinstance(value, Sequence) and not isinstance(value, str)
-            and all(isinstance(m, Mapping) for m in value))
+    return isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(m, Mapping) for m in value)
 
 
 def conversation_problem(value: Any) -> str | None:
@@ -67,8 +66,10 @@ def require_chat_template(tokenizer: Any, what: str) -> None:
         ValueError: naming the fix.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{what} holds conversations (lists of messages) but the tokenizer has no chat template: "
-                         "set `tokenizer.chat_template`, or give plain-string rows.")
+        raise ValueError(
+            f"{what} holds conversations (lists of messages) but the tokenizer has no chat template: "
+            "set `tokenizer.chat_template`, or give plain-string rows."
+        )
 
 
 def template_options(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,12 +85,14 @@ def template_options(row: Mapping[str, Any]) -> dict[str, Any]:
     return options
 
 
-def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
-           **options: Any) -> list[int]:
+def render(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False, **options: Any
+) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template (``options``: tools, template
     variables)."""
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        return_dict=True, **options)
+    out = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True, **options
+    )
     return list(out["input_ids"])
 
 
@@ -99,19 +102,24 @@ def has_generation_markers(tokenizer: Any) -> bool:
     return isinstance(template, str) and _GENERATION_TAG.search(template) is not None
 
 
-def _tokens_from_markers(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                         options: dict[str, Any]) -> tuple[list[int], list[int]]:
-    out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True, **options)
+def _tokens_from_markers(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], options: dict[str, Any]
+) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **options
+    )
     mask = [int(bool(m)) for m in out["assistant_masks"]]
     if any(m.get("role") == "assistant" for m in messages) and not any(mask):
-        raise ValueError("The chat template has {% generation %} markers but they enclose no token of this "
-                         "conversation's assistant turns: put them around the assistant content.")
+        raise ValueError(
+            "The chat template has {% generation %} markers but they enclose no token of this "
+            "conversation's assistant turns: put them around the assistant content."
+        )
     return list(out["input_ids"]), mask
 
 
-def _tokens_from_prefixes(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                          options: dict[str, Any]) -> tuple[list[int], list[int]]:
+def _tokens_from_prefixes(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], options: dict[str, Any]
+) -> tuple[list[int], list[int]]:
     ids = render(tokenizer, messages, **options)
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
@@ -130,8 +138,9 @@ def _tokens_from_prefixes(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     return ids, mask
 
 
-def assistant_tokens(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                     options: dict[str, Any]) -> tuple[list[int], list[int]]:
+def assistant_tokens(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], options: dict[str, Any]
+) -> tuple[list[int], list[int]]:
     """``(ids, mask)``: the rendered conversation (as :func:`render`) and a 1/0 mask of the assistant's tokens.
 
     Raises:

@@ -58,7 +58,9 @@ class SFTCollator:
             ``completion_ids`` (``-100`` padded) for rows with a prompt: used by the exact-match validation metric.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, generation_inputs: bool = False) -> None:
+    def __init__(
+        self, pad_token_id: int, pad_to_multiple_of: int | None = None, generation_inputs: bool = False
+    ) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.generation_inputs = generation_inputs
@@ -83,7 +85,7 @@ class SFTCollator:
             prompts = [s[: int(p)] for s, p in zip(ids, prompt_lengths)]
             batch["prompt_input_ids"] = pad_left(prompts, self.pad_token_id)
             batch["prompt_attention_mask"] = pad_left([[1] * len(p) for p in prompts], 0)
-            batch["completion_ids"] = pad_right([s[int(p):] for s, p in zip(ids, prompt_lengths)], IGNORE_INDEX)
+            batch["completion_ids"] = pad_right([s[int(p) :] for s, p in zip(ids, prompt_lengths)], IGNORE_INDEX)
         return batch
 
 

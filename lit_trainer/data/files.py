@@ -100,8 +100,10 @@ def first_json_error(path: Path) -> tuple[int, str] | None:
         for column, value in row.items():
             kind, first = _json_kind(value), kinds.get(column)
             if kind is not None and first is not None and first[0] != kind:
-                return number, (f"column {column!r} holds a {kind} here but a {first[0]} on line {first[1]} (a column "
-                                "has one type: quote the numbers of a text column)")
+                return number, (
+                    f"column {column!r} holds a {kind} here but a {first[0]} on line {first[1]} (a column "
+                    "has one type: quote the numbers of a text column)"
+                )
             if kind is not None and first is None:
                 kinds[column] = (kind, number)
     return None
@@ -120,7 +122,7 @@ def read_file(path: Path, builder: str) -> Dataset:
         options = _read_options(path, builder)
         with _quiet(_JSON_LOADER_LOGGER):
             return load_dataset(builder, data_files=[str(path)], split="train", **options)
-    except Exception as error:  # noqa: BLE001 - datasets wraps every parser error; we name the file and line instead
+    except Exception as error:
         found = first_json_error(path) if builder == "json" else None
         if found is not None:
             line, problem = found

@@ -183,10 +183,13 @@ def inner_loader(
     """
     unknown = sorted(set(options) - set(LoaderOptions.__annotations__))
     if unknown:
-        raise TypeError(f"unknown loader option(s) {', '.join(unknown)}: the options are "
-                        f"{', '.join(LoaderOptions.__annotations__)}.")
-    validate_loader_options(options.get("num_workers", 0), options.get("persistent_workers", False),
-                            options.get("prefetch_factor"))
+        raise TypeError(
+            f"unknown loader option(s) {', '.join(unknown)}: the options are "
+            f"{', '.join(LoaderOptions.__annotations__)}."
+        )
+    validate_loader_options(
+        options.get("num_workers", 0), options.get("persistent_workers", False), options.get("prefetch_factor")
+    )
     return DataLoader(dataset, collate_fn=collate_fn, **options, **sampling)
 
 

@@ -63,8 +63,10 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     for item in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         size = int(lengths[item])
         if size > capacity:
-            raise ValueError(f"Item {item} has {size} tokens, more than the bin capacity {capacity}: "
-                             "truncate rows to the capacity first or raise it.")
+            raise ValueError(
+                f"Item {item} has {size} tokens, more than the bin capacity {capacity}: "
+                "truncate rows to the capacity first or raise it."
+            )
         at = bisect.bisect_left(free, (size, -1))
         if at < len(free):
             room, index = free.pop(at)
@@ -78,7 +80,8 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 
 
 def flatten_sequences(
-    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
     loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Concatenate sequences into one packed row: ``(input_ids, position_ids, labels)`` as flat lists.
@@ -157,15 +160,21 @@ def check_packing_options(packing: str, max_tokens_per_batch: int | None, hparam
         raise ValueError(f"`packing={packing!r}` is invalid: choose one of {PACKING_CHOICES}.")
     if max_tokens_per_batch is not None:
         if packing != "bfd":
-            raise ValueError(f"`max_tokens_per_batch={max_tokens_per_batch}` sizes the bins of `packing='bfd'`; "
-                             f"with `packing={packing!r}` set packing='bfd' or leave max_tokens_per_batch unset.")
+            raise ValueError(
+                f"`max_tokens_per_batch={max_tokens_per_batch}` sizes the bins of `packing='bfd'`; "
+                f"with `packing={packing!r}` set packing='bfd' or leave max_tokens_per_batch unset."
+            )
         if max_tokens_per_batch < hparams.max_length:
-            raise ValueError(f"`max_tokens_per_batch={max_tokens_per_batch}` is below `max_length="
-                             f"{hparams.max_length}`: a bin must hold the longest row; raise it or lower max_length.")
+            raise ValueError(
+                f"`max_tokens_per_batch={max_tokens_per_batch}` is below `max_length="
+                f"{hparams.max_length}`: a bin must hold the longest row; raise it or lower max_length."
+            )
         if hparams.batch_size != 1:
-            raise ValueError(f"`max_tokens_per_batch={max_tokens_per_batch}` makes each micro-batch one bin of that "
-                             f"many tokens: set `batch_size=1` (not {hparams.batch_size}), or leave "
-                             "max_tokens_per_batch unset to get `batch_size` bins of `max_length` tokens.")
+            raise ValueError(
+                f"`max_tokens_per_batch={max_tokens_per_batch}` makes each micro-batch one bin of that "
+                f"many tokens: set `batch_size=1` (not {hparams.batch_size}), or leave "
+                "max_tokens_per_batch unset to get `batch_size` bins of `max_length` tokens."
+            )
 
 
 def unpack_rows(flat: torch.Tensor, seq_lengths: torch.Tensor, shifted: bool = False) -> torch.Tensor:

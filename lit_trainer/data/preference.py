@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data import builtin
-from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import render, require_chat_template, template_options
 from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
@@ -65,8 +65,9 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
     return chosen[:i], chosen[i:], rejected[i:]
 
 
-def same_model_inputs(prompt: list[int], chosen: list[int], rejected: list[int], max_length: int,
-                      truncation_mode: TruncationMode) -> bool:
+def same_model_inputs(
+    prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, truncation_mode: TruncationMode
+) -> bool:
     """Whether a pair's chosen and rejected rows are the same model inputs once truncated as the collator does.
 
     Such a pair has a zero DPO gradient: both log-probabilities, and both reference log-probabilities, are equal.
@@ -78,8 +79,9 @@ def same_model_inputs(prompt: list[int], chosen: list[int], rejected: list[int],
         True
     """
     cut = _TRUNCATE[truncation_mode]
-    chosen_row, rejected_row = ((cut(prompt + c, max_length), cut([0] * len(prompt) + [1] * len(c), max_length))
-                                for c in (chosen, rejected))
+    chosen_row, rejected_row = (
+        (cut(prompt + c, max_length), cut([0] * len(prompt) + [1] * len(c), max_length)) for c in (chosen, rejected)
+    )
     return chosen_row == rejected_row
 
 
@@ -106,8 +108,14 @@ class PreferenceCollator:
         packed: flatten the 2B rows into ONE padding-free row instead (:func:`packed_pairs`).
     """
 
-    def __init__(self, pad_token_id: int, max_length: int, truncation_mode: TruncationMode = "keep_start",
-                 pad_to_multiple_of: int | None = None, packed: bool = False) -> None:
+    def __init__(
+        self,
+        pad_token_id: int,
+        max_length: int,
+        truncation_mode: TruncationMode = "keep_start",
+        pad_to_multiple_of: int | None = None,
+        packed: bool = False,
+    ) -> None:
         self.pad_token_id, self.max_length, self.packed = pad_token_id, max_length, packed
         self.truncate, self.pad_to_multiple_of = _TRUNCATE[truncation_mode], pad_to_multiple_of
 
@@ -118,11 +126,15 @@ class PreferenceCollator:
                 prompt, completion = row["prompt_ids"], row[key]
                 ids.append(self.truncate(prompt + completion, self.max_length))
                 masks.append(self.truncate([0] * len(prompt) + [1] * len(completion), self.max_length))
-        batch = packed_pairs(ids, masks) if self.packed else {
-            "input_ids": pad_right(ids, self.pad_token_id, self.pad_to_multiple_of),
-            "attention_mask": pad_right([[1] * len(s) for s in ids], 0, self.pad_to_multiple_of),
-            "completion_mask": pad_right(masks, 0, self.pad_to_multiple_of),
-        }
+        batch = (
+            packed_pairs(ids, masks)
+            if self.packed
+            else {
+                "input_ids": pad_right(ids, self.pad_token_id, self.pad_to_multiple_of),
+                "attention_mask": pad_right([[1] * len(s) for s in ids], 0, self.pad_to_multiple_of),
+                "completion_mask": pad_right(masks, 0, self.pad_to_multiple_of),
+            }
+        )
         if all(REF_CHOSEN_KEY in row for row in rows):
             batch[REF_CHOSEN_KEY] = torch.tensor([row[REF_CHOSEN_KEY] for row in rows], dtype=torch.float32)
             batch[REF_REJECTED_KEY] = torch.tensor([row[REF_REJECTED_KEY] for row in rows], dtype=torch.float32)
@@ -132,56 +144,66 @@ class PreferenceCollator:
 class PreferenceDataModule(BaseDataModule):
     """Preference pairs for :class:`~lit_trainer.modules.dpo.DPOModule` (TRL 1.16 preprocessing and collation).
 
-    Rows are ``{"prompt", "chosen", "rejected"}`` (explicit prompt) or ``{"chosen", "rejected"}`` (implicit prompt,
-    split off as the common prefix); each is standard (strings) or conversational (lists of ``{"role", "content"}``
-    messages, rendered with ``tokenizer.chat_template``; optional ``tools`` and ``chat_template_kwargs`` columns are
-    forwarded). ``count_items`` gives two counts: PAIRS (the pair losses are per-pair means) and chosen completion
-tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length`` column holds
-    the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
-    Counters in ``self.stats``: ``<split>_rows_truncated``, ``<split>_rows_dropped_prompt_too_long`` and
-    ``<split>_rows_identical_pairs``.
+        Rows are ``{"prompt", "chosen", "rejected"}`` (explicit prompt) or ``{"chosen", "rejected"}`` (implicit prompt,
+        split off as the common prefix); each is standard (strings) or conversational (lists of ``{"role", "content"}``
+        messages, rendered with ``tokenizer.chat_template``; optional ``tools`` and ``chat_template_kwargs`` columns are
+        forwarded). ``count_items`` gives two counts: PAIRS (the pair losses are per-pair means) and chosen completion
+    tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length`` column holds
+        the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
+        Counters in ``self.stats``: ``<split>_rows_truncated``, ``<split>_rows_dropped_prompt_too_long`` and
+        ``<split>_rows_identical_pairs``.
 
-    Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
-    instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
-    inside the tokenizer or training on empty completions.
+        Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
+        instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
+        inside the tokenizer or training on empty completions.
 
-    Args:
-        truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
-            or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
-        pad_to_multiple_of: round padded lengths up to a multiple.
-        packing: ``"none"`` (right-padded) or ``"padding_free"``: each training micro-batch's 2B rows flattened into
-            one row, ``position_ids`` restarting per row, no padding (TRL's ``padding_free``); validation and the
-            reference log-prob pass stay padded. See :mod:`lit_trainer.data.packing`.
-        drop_identical_pairs: drop the pairs whose chosen and rejected rows are the same tokens once truncated
-            (e.g. ``"4"`` and ``"4</s>"``): their DPO gradient is zero. They are counted
-            (``<split>_rows_identical_pairs``) and reported in one warning either way. Keep them (False) when a
-            chosen-only term (``loss_type`` with ``"sft"``, ``rpo_alpha``) should still learn from them.
-        **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
-            ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
+        Args:
+            truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
+                or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
+            pad_to_multiple_of: round padded lengths up to a multiple.
+            packing: ``"none"`` (right-padded) or ``"padding_free"``: each training micro-batch's 2B rows flattened into
+                one row, ``position_ids`` restarting per row, no padding (TRL's ``padding_free``); validation and the
+                reference log-prob pass stay padded. See :mod:`lit_trainer.data.packing`.
+            drop_identical_pairs: drop the pairs whose chosen and rejected rows are the same tokens once truncated
+                (e.g. ``"4"`` and ``"4</s>"``): their DPO gradient is zero. They are counted
+                (``<split>_rows_identical_pairs``) and reported in one warning either way. Keep them (False) when a
+                chosen-only term (``loss_type`` with ``"sft"``, ``rpo_alpha``) should still learn from them.
+            **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
+                ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
 
-    Raises:
-        ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its file and line,
-            or index, and its column are named), conversational rows without a chat template, or no row left after
-            filtering.
+        Raises:
+            ValueError: an unknown ``truncation_mode``; at setup, missing columns, a malformed row (its file and line,
+                or index, and its column are named), conversational rows without a chat template, or no row left after
+                filtering.
 
-    Example::
+        Example::
 
-        dm = PreferenceDataModule(tokenizer="tiny", dataset="builtin:addition", batch_size=32, max_length=32)
-        trainer.fit(DPOModule("tiny", loss_type=["sigmoid", "sft"]), datamodule=dm)
+            dm = PreferenceDataModule(tokenizer="tiny", dataset="builtin:addition", batch_size=32, max_length=32)
+            trainer.fit(DPOModule("tiny", loss_type=["sigmoid", "sft"]), datamodule=dm)
     """
 
-    builtin = {"builtin:addition": builtin.preference_rows}
+    builtin: ClassVar[BuiltinSources] = {"builtin:addition": builtin.preference_rows}
 
-    def __init__(self, *args: Any, truncation_mode: TruncationMode = "keep_start",
-                 pad_to_multiple_of: int | None = None, drop_identical_pairs: bool = True,
-                 packing: PreferencePacking = "none", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        truncation_mode: TruncationMode = "keep_start",
+        pad_to_multiple_of: int | None = None,
+        drop_identical_pairs: bool = True,
+        packing: PreferencePacking = "none",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if packing == "bfd":
-            raise ValueError(f"`packing='bfd'` is for SFT rows; preference pairs support packing='padding_free' "
-                             f"(choices: {get_args(PreferencePacking)}).")
+            raise ValueError(
+                f"`packing='bfd'` is for SFT rows; preference pairs support packing='padding_free' "
+                f"(choices: {get_args(PreferencePacking)})."
+            )
         check_packing_options(packing, None, self.hparams)
         if truncation_mode not in get_args(TruncationMode):
-            raise ValueError(f"`truncation_mode={truncation_mode!r}` is invalid: use one of {get_args(TruncationMode)}.")
+            raise ValueError(
+                f"`truncation_mode={truncation_mode!r}` is invalid: use one of {get_args(TruncationMode)}."
+            )
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of={pad_to_multiple_of}` is invalid: use an integer >= 1 or None.")
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
@@ -208,9 +230,11 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
             except RowProblem as bad:
                 check = functools.partial(value_problem, column=bad.column)
                 place, problem = locate_problem(where, index, bad.column, check, bad.problem)
-                message = (f"Malformed preference row at {place}, column {bad.column!r}: {problem}. Fix "
-                           "or drop that row (chosen and rejected must be non-empty strings, or lists of "
-                           "{'role': str, 'content': str} messages).")
+                message = (
+                    f"Malformed preference row at {place}, column {bad.column!r}: {problem}. Fix "
+                    "or drop that row (chosen and rejected must be non-empty strings, or lists of "
+                    "{'role': str, 'content': str} messages)."
+                )
                 raise ValueError(message) from None
 
     def _encode_text(self, prompt: str, chosen: str, rejected: str) -> list[list[int]]:
@@ -222,8 +246,11 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
     def _encode_chat(self, row: dict[str, Any], prompt: list, chosen: list, rejected: list) -> list[list[int]]:
         tok, options = self.tokenizer, template_options(row)
         require_chat_template(tok, "The preference data")
-        return [render(tok, prompt, add_generation_prompt=True, **options), render(tok, prompt + chosen, **options),
-                render(tok, prompt + rejected, **options)]
+        return [
+            render(tok, prompt, add_generation_prompt=True, **options),
+            render(tok, prompt + chosen, **options),
+            render(tok, prompt + rejected, **options),
+        ]
 
     def _tokenize(self, batch: dict[str, list], explicit: bool) -> dict[str, list]:
         out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated", "identical")}
@@ -231,8 +258,11 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         for i in range(len(batch["chosen"])):
             row = {key: values[i] for key, values in batch.items()}
             prompt, chosen, rejected, is_chat = self._normalise(row, explicit)
-            encode = self._encode_chat(row, prompt, chosen, rejected) if is_chat else self._encode_text(
-                prompt, chosen, rejected)
+            encode = (
+                self._encode_chat(row, prompt, chosen, rejected)
+                if is_chat
+                else self._encode_text(prompt, chosen, rejected)
+            )
             prompt_ids, pc, pr = encode
             cut = min(common_prefix_len(prompt_ids, pc), common_prefix_len(prompt_ids, pr))
             longest = cut + max(len(pc) - cut, len(pr) - cut)
@@ -247,17 +277,23 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         missing = [c for c in ("chosen", "rejected") if c not in rows.column_names]
         if missing:
-            raise ValueError(f"The {split} data has no {' and no '.join(map(repr, missing))} column (it has "
-                             f"{describe_columns(rows)}); preference data needs 'chosen' and 'rejected' columns "
-                             "and optionally 'prompt'. Rename your columns.")
+            raise ValueError(
+                f"The {split} data has no {' and no '.join(map(repr, missing))} column (it has "
+                f"{describe_columns(rows)}); preference data needs 'chosen' and 'rejected' columns "
+                "and optionally 'prompt'. Rename your columns."
+            )
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
         explicit = "prompt" in rows.column_names
         keep = ["answer"] if "answer" in rows.column_names else []
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
-            data = rows.map(lambda b: self._tokenize(b, explicit), batched=True,
-                            remove_columns=[c for c in rows.column_names if c not in keep], desc=f"Tokenizing {split}")
+            data = rows.map(
+                lambda b: self._tokenize(b, explicit),
+                batched=True,
+                remove_columns=[c for c in rows.column_names if c not in keep],
+                desc=f"Tokenizing {split}",
+            )
         usable = data
         if self.hparams.truncation_mode == "keep_start":
             limit = self.hparams.max_length
@@ -268,15 +304,19 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         self.stats[f"{split}_rows_truncated"] = truncated
         self.stats[f"{split}_rows_dropped_prompt_too_long"] = dropped
         if truncated or dropped:
-            rank_zero_warn(f"[lit_trainer] {split}: {truncated} preference rows longer than "
-                           f"max_length={self.hparams.max_length} are truncated "
-                           f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length "
-                           "were dropped.")
+            rank_zero_warn(
+                f"[lit_trainer] {split}: {truncated} preference rows longer than "
+                f"max_length={self.hparams.max_length} are truncated "
+                f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length "
+                "were dropped."
+            )
         if len(usable) == 0:
-            raise ValueError(f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "
-                             f"max_length={self.hparams.max_length} tokens (raise max_length, shorten the prompts or "
-                             f"use truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
-                             "drop_identical_pairs=False keeps them).")
+            raise ValueError(
+                f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "
+                f"max_length={self.hparams.max_length} tokens (raise max_length, shorten the prompts or "
+                f"use truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
+                "drop_identical_pairs=False keeps them)."
+            )
         return usable.remove_columns(["truncated", "identical"])
 
     def _identical_pairs(self, data: Dataset, split: str) -> tuple[Dataset, int]:
@@ -286,18 +326,28 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         if not count:
             return data, 0
         drop = self.hparams.drop_identical_pairs
-        rank_zero_warn(f"[lit_trainer] {split}: {count} preference rows have identical chosen and rejected tokens "
-                       f"(after truncation to max_length={self.hparams.max_length}), so their DPO gradient is zero; "
-                       + ("they were dropped (drop_identical_pairs=False keeps them)." if drop else
-                          "they are kept (drop_identical_pairs=False)."))
+        rank_zero_warn(
+            f"[lit_trainer] {split}: {count} preference rows have identical chosen and rejected tokens "
+            f"(after truncation to max_length={self.hparams.max_length}), so their DPO gradient is zero; "
+            + (
+                "they were dropped (drop_identical_pairs=False keeps them)."
+                if drop
+                else "they are kept (drop_identical_pairs=False)."
+            )
+        )
         return (data.filter(lambda b: [not x for x in b["identical"]], batched=True) if drop else data), count
 
     # ------------------------------------------------------------------------------------------------- batches
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
         hp = self.hparams
-        return PreferenceCollator(self.pad_token_id, hp.max_length, hp.truncation_mode, hp.pad_to_multiple_of,
-                                  packed=train and hp.packing == "padding_free")(rows)
+        return PreferenceCollator(
+            self.pad_token_id,
+            hp.max_length,
+            hp.truncation_mode,
+            hp.pad_to_multiple_of,
+            packed=train and hp.packing == "padding_free",
+        )(rows)
 
     @override
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -327,7 +377,7 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
             digest = hashlib.sha256(f"{self.hparams.max_length}|{self.hparams.truncation_mode}".encode())
             arrow = self.split_dataset(split).with_format("arrow")
             for start in range(0, len(arrow), 8192):
-                table = arrow[start:start + 8192]
+                table = arrow[start : start + 8192]
                 for name in TOKEN_COLUMNS:
                     column = table.column(name).combine_chunks()
                     digest.update(np.asarray(column.value_lengths(), dtype=np.int64).tobytes())
@@ -335,13 +385,13 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
             self._fingerprints[split] = digest.hexdigest()
         return self._fingerprints[split]
 
-    def reference_loader(self, split: str, batch_size: int | None = None, *, num_replicas: int = 1,
-                         rank: int = 0) -> EvalLoader:
+    def reference_loader(
+        self, split: str, batch_size: int | None = None, *, num_replicas: int = 1, rank: int = 0
+    ) -> EvalLoader:
         """Sequential batches of rows ``rank::num_replicas`` of a split (for computing reference log-probs)."""
         dataset = self.split_dataset(split)
         size = batch_size or self.hparams.eval_batch_size or self.hparams.batch_size
-        return EvalLoader(dataset, size, lambda rows: self._collate(rows, False), num_replicas=num_replicas,
-                          rank=rank)
+        return EvalLoader(dataset, size, lambda rows: self._collate(rows, False), num_replicas=num_replicas, rank=rank)
 
     def reference_logps_key(self, split: str) -> str | None:
         """The key given with the split's current reference log-probs (None when it has none)."""
@@ -355,8 +405,10 @@ tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length
         """
         dataset = self.split_dataset(split)
         if chosen.shape != (len(dataset),) or rejected.shape != (len(dataset),):
-            raise ValueError(f"Reference log-probs of shape {tuple(chosen.shape)}/{tuple(rejected.shape)} do not "
-                             f"match the {len(dataset)} rows of the {split} data.")
+            raise ValueError(
+                f"Reference log-probs of shape {tuple(chosen.shape)}/{tuple(rejected.shape)} do not "
+                f"match the {len(dataset)} rows of the {split} data."
+            )
         dataset = dataset.remove_columns([c for c in (REF_CHOSEN_KEY, REF_REJECTED_KEY) if c in dataset.column_names])
         dataset = dataset.add_column(REF_CHOSEN_KEY, chosen.float().tolist())
         dataset = dataset.add_column(REF_REJECTED_KEY, rejected.float().tolist())

@@ -17,14 +17,14 @@ in the reference's ``GRPOConfig``): :meth:`PromptDataModule.train_dataloader` re
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, ClassVar, Literal, NamedTuple, get_args
 
 from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data import builtin
-from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.batch_sampler import EpochPosition
 from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
@@ -111,7 +111,7 @@ class PromptDataModule(BaseDataModule):
         trainer.fit(GRPOModule("tiny", reward_funcs=["lit_trainer.rewards.arithmetic_reward"]), datamodule=dm)
     """
 
-    builtin = {"builtin:addition": builtin.prompt_rows}
+    builtin: ClassVar[BuiltinSources] = {"builtin:addition": builtin.prompt_rows}
 
     def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -147,8 +147,10 @@ class PromptDataModule(BaseDataModule):
     def _check_format(self, rows: Dataset, split: str) -> None:
         column = self.hparams.prompt_column
         if column not in rows.column_names:
-            raise ValueError(f"The {split} data has no {column!r} column (it has {describe_columns(rows)}). Rename "
-                             "your prompt column or set `prompt_column`.")
+            raise ValueError(
+                f"The {split} data has no {column!r} column (it has {describe_columns(rows)}). Rename "
+                "your prompt column or set `prompt_column`."
+            )
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
         self.conversational = is_conversation(rows[0][column])
@@ -169,9 +171,11 @@ class PromptDataModule(BaseDataModule):
         self.stats[f"{split}_prompts_too_long"] = sum(n > limit for n in lengths)
         self.stats[f"{split}_prompts_empty"] = sum(n == 0 for n in lengths)
         if any(n > limit or n == 0 for n in lengths):
-            rank_zero_warn(f"[lit_trainer] {split}: dropped {self.stats[f'{split}_prompts_too_long']} prompts longer "
-                           f"than max_length={limit} tokens (prompts are never truncated) and "
-                           f"{self.stats[f'{split}_prompts_empty']} empty prompts.")
+            rank_zero_warn(
+                f"[lit_trainer] {split}: dropped {self.stats[f'{split}_prompts_too_long']} prompts longer "
+                f"than max_length={limit} tokens (prompts are never truncated) and "
+                f"{self.stats[f'{split}_prompts_empty']} empty prompts."
+            )
             data = data.filter(lambda b: [0 < n <= limit for n in b["length"]], batched=True)
         if len(data) == 0:
             raise ValueError(f"No {split} prompt fits within max_length={limit} tokens: raise max_length.")
@@ -230,8 +234,13 @@ class PromptDataModule(BaseDataModule):
         )  # fmt: skip
         batches = GenerationBatchSampler(sampler, geometry.generation_batch_size // num_replicas)
         return TrainLoader(
-            self.train_dataset, batches, lambda rows: self._collate(rows, True), count_items=None,
-            accumulate_grad_batches=accumulate_grad_batches, windows=self._step_windows(), seed=hp.seed,
+            self.train_dataset,
+            batches,
+            lambda rows: self._collate(rows, True),
+            count_items=None,
+            accumulate_grad_batches=accumulate_grad_batches,
+            windows=self._step_windows(),
+            seed=hp.seed,
             **self._loader_options(),
         )
 
@@ -245,5 +254,6 @@ class PromptDataModule(BaseDataModule):
                 "GRPOModule, after setup). Outside a Trainer, call `generation_loader(RolloutGeometry(...))`."
             )
         world, rank, accumulate = self._replicas()
-        return self.generation_loader(RolloutGeometry(*geometry), num_replicas=world, rank=rank,
-                                      accumulate_grad_batches=accumulate)
+        return self.generation_loader(
+            RolloutGeometry(*geometry), num_replicas=world, rank=rank, accumulate_grad_batches=accumulate
+        )

@@ -14,6 +14,7 @@ count (:func:`packed_microbatch_cost`) and :func:`balance_packed_step` splits th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -155,7 +156,10 @@ def _slot_bounds(w: Sequence[int], slots: int, width: int, upper: int) -> list[i
 
 
 def _least_padding_under_caps(
-    lengths: Sequence[int], w: Sequence[int], caps: Sequence[int], budget: int = _DP_CELL_BUDGET,
+    lengths: Sequence[int],
+    w: Sequence[int],
+    caps: Sequence[int],
+    budget: int = _DP_CELL_BUDGET,
     max_size: int | None = None,
 ) -> list[int] | None:
     """Split the sorted samples into ``len(caps)`` contiguous groups, group ``k`` costing at most ``caps[k]``, with
@@ -212,7 +216,7 @@ def _rank_caps(costs: Sequence[int], width: int) -> list[int]:
 def _polish(lengths: Sequence[int], w: Sequence[int], width: int, bounds: Sequence[int]) -> list[int]:
     """Per slot ``[a, b)``: the exact minimax cap of its samples, then the least-padding split under that cap."""
     counts: list[int] = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         split = _minimax_counts(w[a:b], 1, width)
         cap = max(_group_costs(w[a:b], split))
         counts += _least_padding_under_caps(lengths[a:b], w[a:b], [cap] * width) or split
@@ -291,8 +295,10 @@ def balance_step(lengths: Sequence[int], num_replicas: int, num_slots: int) -> l
 def _sorted_order(lengths: Sequence[int], total: int) -> list[int]:
     """Positions of ``lengths``, longest first (stable); refuses fewer samples than ``total`` micro-batches."""
     if len(lengths) < total:
-        raise ValueError(f"{len(lengths)} samples cannot fill {total} micro-batches (num_replicas x num_slots): "
-                         f"need at least {total}.")
+        raise ValueError(
+            f"{len(lengths)} samples cannot fill {total} micro-batches (num_replicas x num_slots): "
+            f"need at least {total}."
+        )
     return sorted(range(len(lengths)), key=lambda p: -lengths[p])
 
 

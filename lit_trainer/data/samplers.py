@@ -32,8 +32,10 @@ _MEGA_BATCH_STEPS = 50  # group_by_length: at most this many optimizer steps per
 
 def _check_lengths(lengths: Any, owner: str) -> list[int]:
     """Lengths as a list of non-negative ints, or a ValueError that names the fix."""
-    fix = ("give one non-negative int per row (the data modules read the `length` column named by "
-           "`length_column_name`, computed once at preprocessing), or use `sampling: random`.")
+    fix = (
+        "give one non-negative int per row (the data modules read the `length` column named by "
+        "`length_column_name`, computed once at preprocessing), or use `sampling: random`."
+    )
     if lengths is None:
         raise ValueError(f"`{owner}(lengths=None)` is invalid: {fix}")
     if isinstance(lengths, torch.Tensor):
@@ -72,14 +74,17 @@ class LengthGroupedSampler(EpochPosition, torch.utils.data.Sampler[int]):
         True
     """
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, *, seed: int = 0,
-                 mega_batch_mult: int | None = None) -> None:
+    def __init__(
+        self, lengths: Sequence[int], batch_size: int, *, seed: int = 0, mega_batch_mult: int | None = None
+    ) -> None:
         self.lengths = _check_lengths(lengths, "LengthGroupedSampler")
         if batch_size < 1:
             raise ValueError(f"`LengthGroupedSampler(batch_size={batch_size})` is invalid: batch_size must be >= 1.")
         if mega_batch_mult is not None and mega_batch_mult < 1:
-            raise ValueError(f"`LengthGroupedSampler(mega_batch_mult={mega_batch_mult})` is invalid: it must be >= 1 "
-                             "(or None for the reference default).")
+            raise ValueError(
+                f"`LengthGroupedSampler(mega_batch_mult={mega_batch_mult})` is invalid: it must be >= 1 "
+                "(or None for the reference default)."
+            )
         n = len(self.lengths)
         self.batch_size = batch_size
         self.seed = seed
@@ -111,10 +116,24 @@ class LengthGroupedBatchSampler(ShardedBatchSampler):
     rank yields the same number of micro-batches. Built by :func:`make_length_grouped_batch_sampler`.
     """
 
-    def __init__(self, index_sampler: LengthGroupedSampler, batch_size: int, *, num_replicas: int | None = None,
-                 rank: int | None = None, drop_last: bool = False) -> None:
-        super().__init__(len(index_sampler), batch_size, shuffle=False, seed=index_sampler.seed,
-                         num_replicas=num_replicas, rank=rank, drop_last=drop_last)
+    def __init__(
+        self,
+        index_sampler: LengthGroupedSampler,
+        batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            len(index_sampler),
+            batch_size,
+            shuffle=False,
+            seed=index_sampler.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=drop_last,
+        )
         self.index_sampler = index_sampler
 
     def _global_batches(self) -> list[list[int]]:
@@ -123,8 +142,14 @@ class LengthGroupedBatchSampler(ShardedBatchSampler):
 
 
 def make_length_grouped_batch_sampler(
-    lengths: Sequence[int], *, batch_size: int, seed: int, num_replicas: int | None = None, rank: int | None = None,
-    accumulate_grad_batches: int = 1, drop_last: bool = False,
+    lengths: Sequence[int],
+    *,
+    batch_size: int,
+    seed: int,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    accumulate_grad_batches: int = 1,
+    drop_last: bool = False,
 ) -> LengthGroupedBatchSampler:
     """The ``group_by_length`` training batch sampler (a :class:`~lit_trainer.data.batch_sampler.BatchSampler`).
 
@@ -155,8 +180,9 @@ def make_length_grouped_batch_sampler(
     step_batches = accumulate_grad_batches * num_replicas
     mult = max(1, min(len(lengths) // (4 * batch_size), _MEGA_BATCH_STEPS * step_batches))
     index_sampler = LengthGroupedSampler(lengths, batch_size, seed=seed, mega_batch_mult=mult)
-    return LengthGroupedBatchSampler(index_sampler, batch_size, num_replicas=num_replicas, rank=rank,
-                                     drop_last=drop_last)
+    return LengthGroupedBatchSampler(
+        index_sampler, batch_size, num_replicas=num_replicas, rank=rank, drop_last=drop_last
+    )
 
 
 class BatchRebalanceSampler(EpochPosition):
@@ -204,26 +230,44 @@ class BatchRebalanceSampler(EpochPosition):
         (3, 3)
     """
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, *, num_replicas: int | None = None,
-                 rank: int | None = None, accumulate_grad_batches: int = 1, seed: int = 0,
-                 drop_last: bool = False, cost_model: CostModel = "padded") -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        accumulate_grad_batches: int = 1,
+        seed: int = 0,
+        drop_last: bool = False,
+        cost_model: CostModel = "padded",
+    ) -> None:
         if cost_model not in COST_MODELS:
-            raise ValueError(f"`BatchRebalanceSampler(cost_model={cost_model!r})` is invalid: choose one of "
-                             f"{COST_MODELS} ('packed' for padding-free micro-batches).")
+            raise ValueError(
+                f"`BatchRebalanceSampler(cost_model={cost_model!r})` is invalid: choose one of "
+                f"{COST_MODELS} ('packed' for padding-free micro-batches)."
+            )
         self.cost_model = cost_model
         self.lengths = _check_lengths(lengths, "BatchRebalanceSampler")
         if batch_size < 1:
             raise ValueError(f"`BatchRebalanceSampler(batch_size={batch_size})` is invalid: batch_size must be >= 1.")
         if accumulate_grad_batches < 1:
-            raise ValueError(f"`BatchRebalanceSampler(accumulate_grad_batches={accumulate_grad_batches})` is invalid: "
-                             "it must be >= 1.")
+            raise ValueError(
+                f"`BatchRebalanceSampler(accumulate_grad_batches={accumulate_grad_batches})` is invalid: "
+                "it must be >= 1."
+            )
         self.num_replicas, self.rank = resolve_replicas(num_replicas, rank)
         self.batch_size = batch_size
         self.accumulate_grad_batches = accumulate_grad_batches
         self.seed = seed
         self.drop_last = drop_last
-        self.steps = _plan_steps(len(self.lengths), batch_size * accumulate_grad_batches * self.num_replicas,
-                                 self.num_replicas, accumulate_grad_batches, drop_last)
+        self.steps = _plan_steps(
+            len(self.lengths),
+            batch_size * accumulate_grad_batches * self.num_replicas,
+            self.num_replicas,
+            accumulate_grad_batches,
+            drop_last,
+        )
         self._cached: tuple[int | None, list[int]] = (None, [])
 
     def step_plan(self, epoch: int, step: int) -> list[list[list[int]]]:
@@ -258,17 +302,21 @@ def _plan_steps(n: int, step_size: int, replicas: int, slots: int, drop_last: bo
     full, rest = divmod(n, step_size)
     steps = [(s * step_size, (s + 1) * step_size, slots) for s in range(full)]
     if drop_last and not steps:
-        raise ValueError(f"`drop_last=True` would drop every sample: the dataset has {n} rows but one optimizer step "
-                         f"takes batch_size x accumulate_grad_batches x num_replicas = {step_size}. Lower batch_size "
-                         "or accumulate_grad_batches, or set drop_last=False.")
+        raise ValueError(
+            f"`drop_last=True` would drop every sample: the dataset has {n} rows but one optimizer step "
+            f"takes batch_size x accumulate_grad_batches x num_replicas = {step_size}. Lower batch_size "
+            "or accumulate_grad_batches, or set drop_last=False."
+        )
     if rest and not drop_last:
         if rest >= replicas:
             steps.append((full * step_size, n, min(slots, rest // replicas)))
         elif steps:
             steps[-1] = (steps[-1][0], n, slots)  # too few to give every rank a micro-batch: join the last step
         else:
-            raise ValueError(f"The dataset has {n} rows but there are {replicas} ranks: every rank needs at least one "
-                             "sample per step. Use more data or fewer devices.")
+            raise ValueError(
+                f"The dataset has {n} rows but there are {replicas} ranks: every rank needs at least one "
+                "sample per step. Use more data or fewer devices."
+            )
     return steps
 
 
@@ -311,17 +359,24 @@ def require_lengths(
         [3, 5]
     """
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(f"`sampling: {sampling}` needs a map-style dataset with per-row lengths, but the training "
-                         f"dataset is iterable ({type(dataset).__name__}): there is no epoch order to rearrange. Use "
-                         "`sampling: random` (or `sequential`), or load the data as a map-style `datasets.Dataset`.")
+        raise ValueError(
+            f"`sampling: {sampling}` needs a map-style dataset with per-row lengths, but the training "
+            f"dataset is iterable ({type(dataset).__name__}): there is no epoch order to rearrange. Use "
+            "`sampling: random` (or `sequential`), or load the data as a map-style `datasets.Dataset`."
+        )
     columns = getattr(dataset, "column_names", None)
     if columns is None or length_column_name not in columns:
-        raise ValueError(f"`sampling: {sampling}` needs per-row lengths, but the training dataset has no column "
-                         f"`length_column_name={length_column_name!r}` (columns: {columns}). Add it at preprocessing, "
-                         f"e.g. `dataset.map(lambda row: {{{length_column_name!r}: len(row['input_ids'])}})`, point "
-                         "`length_column_name` at an existing length column, or use `sampling: random`.")
-    column = dataset.select_columns([length_column_name]).with_format("arrow")[:] if hasattr(
-        dataset, "select_columns") else None
+        raise ValueError(
+            f"`sampling: {sampling}` needs per-row lengths, but the training dataset has no column "
+            f"`length_column_name={length_column_name!r}` (columns: {columns}). Add it at preprocessing, "
+            f"e.g. `dataset.map(lambda row: {{{length_column_name!r}: len(row['input_ids'])}})`, point "
+            "`length_column_name` at an existing length column, or use `sampling: random`."
+        )
+    column = (
+        dataset.select_columns([length_column_name]).with_format("arrow")[:]
+        if hasattr(dataset, "select_columns")
+        else None
+    )
     values = column.column(length_column_name).to_pylist() if column is not None else list(dataset[length_column_name])
     try:
         return _check_lengths(values, f"sampling: {sampling}")
@@ -346,12 +401,19 @@ def padding_stats(lengths: torch.Tensor, padded_length: int | torch.Tensor | Non
         [8.0, 12.0, 0.3333, 12.048]
     """
     lengths = lengths.reshape(-1).to(torch.float32)
-    width = lengths.max() if padded_length is None else torch.as_tensor(padded_length, dtype=torch.float32,
-                                                                        device=lengths.device)
+    width = (
+        lengths.max()
+        if padded_length is None
+        else torch.as_tensor(padded_length, dtype=torch.float32, device=lengths.device)
+    )
     rows = lengths.numel()
     tokens, padded = lengths.sum(), rows * width
-    return {"tokens": tokens, "padded_tokens": padded, "padding_fraction": 1 - tokens / padded.clamp_min(1),
-            "cost": padded + QUADRATIC_COST_COEF * rows * width * width}
+    return {
+        "tokens": tokens,
+        "padded_tokens": padded,
+        "padding_fraction": 1 - tokens / padded.clamp_min(1),
+        "cost": padded + QUADRATIC_COST_COEF * rows * width * width,
+    }
 
 
 def cost_spread(costs: torch.Tensor) -> torch.Tensor:

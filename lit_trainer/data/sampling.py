@@ -37,8 +37,15 @@ SamplerFactory = Callable[[SamplerRequest], BatchSampler]
 
 def _sharded(shuffle: bool) -> SamplerFactory:
     def build(r: SamplerRequest) -> BatchSampler:
-        return ShardedBatchSampler(r.num_samples, r.batch_size, shuffle=shuffle, seed=r.seed,
-                                   num_replicas=r.num_replicas, rank=r.rank, drop_last=r.drop_last)
+        return ShardedBatchSampler(
+            r.num_samples,
+            r.batch_size,
+            shuffle=shuffle,
+            seed=r.seed,
+            num_replicas=r.num_replicas,
+            rank=r.rank,
+            drop_last=r.drop_last,
+        )
 
     return build
 
@@ -47,12 +54,22 @@ SAMPLERS: dict[str, SamplerFactory] = {
     "random": _sharded(shuffle=True),
     "sequential": _sharded(shuffle=False),
     "group_by_length": lambda r: make_length_grouped_batch_sampler(
-        r.lengths(), batch_size=r.batch_size, seed=r.seed, num_replicas=r.num_replicas, rank=r.rank,
-        accumulate_grad_batches=r.accumulate_grad_batches, drop_last=r.drop_last,
+        r.lengths(),
+        batch_size=r.batch_size,
+        seed=r.seed,
+        num_replicas=r.num_replicas,
+        rank=r.rank,
+        accumulate_grad_batches=r.accumulate_grad_batches,
+        drop_last=r.drop_last,
     ),
     "batch_rebalance": lambda r: BatchRebalanceSampler(
-        r.lengths(), r.batch_size, num_replicas=r.num_replicas, rank=r.rank,
-        accumulate_grad_batches=r.accumulate_grad_batches, seed=r.seed, drop_last=r.drop_last,
+        r.lengths(),
+        r.batch_size,
+        num_replicas=r.num_replicas,
+        rank=r.rank,
+        accumulate_grad_batches=r.accumulate_grad_batches,
+        seed=r.seed,
+        drop_last=r.drop_last,
         cost_model=r.cost_model,
     ),
 }
@@ -99,5 +116,8 @@ def make_batch_sampler(
         ValueError: for an unknown ``sampling``.
     """
     check_sampling(sampling)
-    return SAMPLERS[sampling](SamplerRequest(num_samples, lengths, batch_size, seed, num_replicas, rank,
-                                             accumulate_grad_batches, drop_last, cost_model))
+    return SAMPLERS[sampling](
+        SamplerRequest(
+            num_samples, lengths, batch_size, seed, num_replicas, rank, accumulate_grad_batches, drop_last, cost_model
+        )
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from datasets import Dataset
@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data import builtin
-from lit_trainer.data.base import BaseDataModule
+from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import (
     assistant_tokens,
     conversation_problem,
@@ -77,7 +77,10 @@ class SFTDataModule(BaseDataModule):
         chat = SFTDataModule(dataset="builtin:addition_chat", assistant_only_loss=True, max_length=128)
     """
 
-    builtin = {"builtin:addition": builtin.sft_rows, "builtin:addition_chat": builtin.sft_chat_rows}
+    builtin: ClassVar[BuiltinSources] = {
+        "builtin:addition": builtin.sft_rows,
+        "builtin:addition_chat": builtin.sft_chat_rows,
+    }
 
     def __init__(
         self,
@@ -112,9 +115,11 @@ class SFTDataModule(BaseDataModule):
                 "your columns or set `text_column` / `messages_column` / `prompt_column` / `completion_column`."
             )
         if hp.assistant_only_loss and fmt not in CHAT_FORMATS:
-            raise ValueError(f"`assistant_only_loss=True` needs conversations, but the {split} rows are plain "
-                             f"{fmt.replace('_', '/')} strings: give a {hp.messages_column!r} column (or message "
-                             "lists as prompt/completion), or set `assistant_only_loss=False`.")
+            raise ValueError(
+                f"`assistant_only_loss=True` needs conversations, but the {split} rows are plain "
+                f"{fmt.replace('_', '/')} strings: give a {hp.messages_column!r} column (or message "
+                "lists as prompt/completion), or set `assistant_only_loss=False`."
+            )
         return fmt
 
     @override
@@ -122,7 +127,8 @@ class SFTDataModule(BaseDataModule):
         hp = self.hparams
         fmt = self._row_format(rows, split)
         columns = {"text": (hp.text_column,), "messages": (hp.messages_column,)}.get(
-            fmt, (hp.prompt_column, hp.completion_column))
+            fmt, (hp.prompt_column, hp.completion_column)
+        )
         if fmt in CHAT_FORMATS:
             check_cells(rows, columns, where, conversation_problem, "chat row")
             require_chat_template(self.tokenizer, f"The SFT {split} data")
@@ -140,8 +146,11 @@ class SFTDataModule(BaseDataModule):
         else:  # conversational prompt/completion: the completion's tokens only, as for string rows
             messages = list(row[hp.prompt_column]) + list(row[hp.completion_column])
             prompt = render(tok, row[hp.prompt_column], add_generation_prompt=True, **options)
-        ids, mask = assistant_tokens(tok, messages, options) if hp.assistant_only_loss else (
-            render(tok, messages, **options), None)
+        ids, mask = (
+            assistant_tokens(tok, messages, options)
+            if hp.assistant_only_loss
+            else (render(tok, messages, **options), None)
+        )
         plen = common_prefix_len(prompt, ids)
         mask = [1] * len(ids) if mask is None else mask
         if fmt == "chat_prompt_completion":
@@ -187,23 +196,32 @@ class SFTDataModule(BaseDataModule):
         if len(rows) == 0:
             raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
         keep = ["answer"] if "answer" in rows.column_names else []
-        data = rows.map(lambda b: self._tokenize(b, fmt), batched=True,
-                        remove_columns=[c for c in rows.column_names if c not in keep], desc=f"Tokenizing {split}")
+        data = rows.map(
+            lambda b: self._tokenize(b, fmt),
+            batched=True,
+            remove_columns=[c for c in rows.column_names if c not in keep],
+            desc=f"Tokenizing {split}",
+        )
         truncated = sum(data["truncated"])
         usable = data.filter(lambda b: [n > 0 for n in b["targets"]], batched=True)
         dropped = len(data) - len(usable)
         self.stats[f"{split}_rows_truncated"] = truncated
         self.stats[f"{split}_rows_dropped_without_target"] = dropped
         if truncated or dropped:
-            rank_zero_warn(f"[lit_trainer] {split}: {truncated} rows longer than max_length={self.hparams.max_length} "
-                           f"were truncated; {dropped} rows had no completion token left and were dropped.")
+            rank_zero_warn(
+                f"[lit_trainer] {split}: {truncated} rows longer than max_length={self.hparams.max_length} "
+                f"were truncated; {dropped} rows had no completion token left and were dropped."
+            )
         if len(usable) == 0:
-            raise ValueError(f"No {split} row has a completion token within max_length={self.hparams.max_length}: "
-                             "raise max_length or shorten the prompts.")
+            raise ValueError(
+                f"No {split} row has a completion token within max_length={self.hparams.max_length}: "
+                "raise max_length or shorten the prompts."
+            )
         usable = usable.remove_columns(["truncated", "targets"])
         if split == "train" and self.hparams.packing == "bfd":
-            usable = pack_dataset(usable, self.hparams.max_tokens_per_batch or self.hparams.max_length,
-                                  self.hparams.length_column_name)
+            usable = pack_dataset(
+                usable, self.hparams.max_tokens_per_batch or self.hparams.max_length, self.hparams.length_column_name
+            )
             self.stats["train_packed_bins"] = len(usable)
         return usable
 

@@ -15,8 +15,7 @@ from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 
 from lit_trainer.data.files import FilePart, RowLocator, read_file
 
-_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
-               ".text": "text"}
+_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 VALIDATION_SPLITS = ("validation", "valid", "val", "test", "eval")
 Locator = Callable[[int], str]
 
@@ -92,8 +91,10 @@ def load_located_rows(
     if path.exists():
         return _pick_splits(_load_local(path), split)
     if source.startswith(("/", ".", "~")) or path.suffix in _EXTENSIONS or source.count("/") > 1:
-        raise FileNotFoundError(f"Data path {source!r} does not exist: give an existing file or directory, a hub "
-                                f"dataset name, or one of {sorted(builtin)}.")
+        raise FileNotFoundError(
+            f"Data path {source!r} does not exist: give an existing file or directory, a hub "
+            f"dataset name, or one of {sorted(builtin)}."
+        )
     return _pick_splits({name: Located(rows, None) for name, rows in load_dataset(source).items()}, split)
 
 
@@ -126,10 +127,12 @@ def split_validation(train: Dataset, val_size: float | int, seed: int) -> tuple[
         raise ValueError(f"`val_size={val_size}` is invalid: use 0 (no validation), a fraction in (0, 1) or a count.")
     if val_size == 0:
         return train, None
-    count = int(round(val_size * len(train))) if isinstance(val_size, float) and val_size < 1 else int(val_size)
+    count = round(val_size * len(train)) if isinstance(val_size, float) and val_size < 1 else int(val_size)
     if not 0 < count < len(train):
-        raise ValueError(f"`val_size={val_size}` leaves {len(train) - count} of {len(train)} rows for training; "
-                         "lower it or add data.")
+        raise ValueError(
+            f"`val_size={val_size}` leaves {len(train) - count} of {len(train)} rows for training; "
+            "lower it or add data."
+        )
     parts = train.train_test_split(test_size=count, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 

@@ -317,9 +317,7 @@ def dpo_rewards_metrics(
         }
 
 
-def sequence_logps(
-    per_token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None = None
-) -> torch.Tensor:
+def sequence_logps(per_token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None = None) -> torch.Tensor:
     """Per-row sum of completion-token log-probs, optionally with LD-DPO's length-desensitised weighting.
 
     Rows ``0..B-1`` are the chosen and rows ``B..2B-1`` the rejected completions of the same pairs (one forward

@@ -59,8 +59,9 @@ def resolve_loss_options(function: str, options: Mapping[str, Any]) -> GRPOLossO
     """
     unknown = sorted(set(options) - set(GRPO_LOSS_DEFAULTS))
     if unknown:
-        raise TypeError(f"{function}() got unknown option(s) {', '.join(unknown)}: the options are "
-                        f"{', '.join(GRPO_LOSS_DEFAULTS)}.")
+        raise TypeError(
+            f"{function}() got unknown option(s) {', '.join(unknown)}: the options are {', '.join(GRPO_LOSS_DEFAULTS)}."
+        )
     resolved: GRPOLossOptions = {**GRPO_LOSS_DEFAULTS, **options}  # type: ignore[typeddict-item]
     if resolved["epsilon_high"] is None:
         resolved["epsilon_high"] = resolved["epsilon"]
@@ -91,8 +92,9 @@ def check_loss_inputs(c: GRPOLossOptions, logps: Tensor, old: Tensor | None, adv
     if adv.numel() != logps.shape[0]:
         raise ValueError(f"`advantages` has {adv.numel()} values for {logps.shape[0]} rows: give one per row.")
     if c["epsilon"] < 0 or c["epsilon_high"] < 0:
-        raise ValueError(f"`epsilon={c['epsilon']}`, `epsilon_high={c['epsilon_high']}` are invalid: both must be "
-                         ">= 0.")
+        raise ValueError(
+            f"`epsilon={c['epsilon']}`, `epsilon_high={c['epsilon_high']}` are invalid: both must be >= 0."
+        )
     if delta is not None and delta <= 1.0:
         raise ValueError(f"`delta={delta}` is invalid: it must be > 1 (recommended > 1 + epsilon_high), or None.")
     if beta < 0:
@@ -100,12 +102,18 @@ def check_loss_inputs(c: GRPOLossOptions, logps: Tensor, old: Tensor | None, adv
     if beta != 0 and ref is None:
         raise ValueError(f"`beta={beta}` needs `ref_logps` (reference-model log-probs): pass them or set beta=0.")
     if c["loss_type"] == "dr_grpo" and (mcl is None or mcl < 1):
-        raise ValueError(f"`loss_type='dr_grpo'` needs `max_completion_length` >= 1 (got {mcl}): pass the "
-                         "generation's max_completion_length.")
+        raise ValueError(
+            f"`loss_type='dr_grpo'` needs `max_completion_length` >= 1 (got {mcl}): pass the "
+            "generation's max_completion_length."
+        )
     if c["loss_type"] == "vespo" and c["importance_sampling_level"] != "token":
-        raise ValueError(f"`importance_sampling_level={c['importance_sampling_level']!r}` does not apply to "
-                         "`loss_type='vespo'`, which weights each sequence by its own summed log-ratio: use "
-                         "importance_sampling_level='token'.")
+        raise ValueError(
+            f"`importance_sampling_level={c['importance_sampling_level']!r}` does not apply to "
+            "`loss_type='vespo'`, which weights each sequence by its own summed log-ratio: use "
+            "importance_sampling_level='token'."
+        )
     if c["loss_type"] == "sapo" and (c["sapo_temperature_pos"] <= 0 or c["sapo_temperature_neg"] <= 0):
-        raise ValueError(f"`sapo_temperature_pos={c['sapo_temperature_pos']}`, `sapo_temperature_neg="
-                         f"{c['sapo_temperature_neg']}` are invalid: both must be > 0.")
+        raise ValueError(
+            f"`sapo_temperature_pos={c['sapo_temperature_pos']}`, `sapo_temperature_neg="
+            f"{c['sapo_temperature_neg']}` are invalid: both must be > 0."
+        )

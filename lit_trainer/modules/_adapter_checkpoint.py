@@ -68,15 +68,19 @@ def check_frozen(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
     state = checkpoint.get("state_dict", {})
     missing = [n for n in trainable_names(module) if n not in state]
     if missing:
-        raise ValueError(f"The checkpoint has no values for trainable parameters {missing[:3]} (of {len(missing)}): "
-                         "it was written by a module with other adapters. Resume with the same peft_config / "
-                         "adapter_path as the run that wrote it.")
+        raise ValueError(
+            f"The checkpoint has no values for trainable parameters {missing[:3]} (of {len(missing)}): "
+            "it was written by a module with other adapters. Resume with the same peft_config / "
+            "adapter_path as the run that wrote it."
+        )
     if saved is None:
         return  # a full checkpoint: every weight is in the file
     live = fingerprint(module)
     same = saved["layout"] == live["layout"] and math.isclose(saved["checksum"], live["checksum"], rel_tol=1e-6)
     if not same:
-        raise ValueError("The checkpoint holds only the trainable (adapter) weights, and the frozen base weights of "
-                         "this module differ from those it was trained on (layout or checksum of the "
-                         f"{live['count']} frozen tensors, saved {saved['count']}). Build the module on the same base "
-                         "model as the run that wrote the checkpoint.")
+        raise ValueError(
+            "The checkpoint holds only the trainable (adapter) weights, and the frozen base weights of "
+            "this module differ from those it was trained on (layout or checksum of the "
+            f"{live['count']} frozen tensors, saved {saved['count']}). Build the module on the same base "
+            "model as the run that wrote the checkpoint."
+        )

@@ -43,9 +43,11 @@ class DPOScoringMixin:
         if REF_CHOSEN_KEY in batch:
             return torch.cat([batch[REF_CHOSEN_KEY], batch[REF_REJECTED_KEY]]).to(self.device, torch.float32)
         if self.ref_model is None:
-            raise ValueError("This batch carries no `ref_chosen_logps`/`ref_rejected_logps` and the reference model "
-                             "has been released (precompute_ref_log_probs=True): feed batches from the "
-                             "PreferenceDataModule the log-probs were precomputed for.")
+            raise ValueError(
+                "This batch carries no `ref_chosen_logps`/`ref_rejected_logps` and the reference model "
+                "has been released (precompute_ref_log_probs=True): feed batches from the "
+                "PreferenceDataModule the log-probs were precomputed for."
+            )
         with torch.no_grad():
             return self.score(self.ref_model, batch).seq
 
@@ -56,8 +58,16 @@ class DPOScoringMixin:
         total = pi.new_zeros(pairs)
         for name, weight in zip(self.loss_types, self.loss_weights):
             if name != "sft":
-                term = dpo_loss(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], loss_type=name,
-                                chosen_lengths=lengths[:pairs], rejected_lengths=lengths[pairs:], **self._loss_options)
+                term = dpo_loss(
+                    pi[:pairs],
+                    pi[pairs:],
+                    ref[:pairs],
+                    ref[pairs:],
+                    loss_type=name,
+                    chosen_lengths=lengths[:pairs],
+                    rejected_lengths=lengths[pairs:],
+                    **self._loss_options,
+                )
                 total = total + weight * term
         return total
 
@@ -73,9 +83,11 @@ class DPOScoringMixin:
         pairs = losses.numel() if counts is None else counts.reshape(-1)[0]
         if counts is not None and self.sft_weight:
             if counts.numel() < 2:
-                raise ValueError("DPOModule(loss_type=[..., 'sft']) needs two counts per micro-batch (pairs, chosen "
-                                 "completion tokens) in `num_items_in_batch`: train with a PreferenceDataModule, or "
-                                 "make your loader's `count_items` return both.")
+                raise ValueError(
+                    "DPOModule(loss_type=[..., 'sft']) needs two counts per micro-batch (pairs, chosen "
+                    "completion tokens) in `num_items_in_batch`: train with a PreferenceDataModule, or "
+                    "make your loader's `count_items` return both."
+                )
             tokens = counts.reshape(-1)[1]
         return losses.sum() / pairs + self.sft_weight * nll / tokens.clamp(min=1)
 

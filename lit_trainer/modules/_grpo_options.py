@@ -28,8 +28,12 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vespo_lambda_pos": (lambda v: v >= 0, "it must be >= 0 (reference default 3.0)"),
     "vespo_lambda_neg": (lambda v: v >= 0, "it must be >= 0 (reference default 2.0)"),
 }
-_CHOICES = {"loss_type": LossType, "importance_sampling_level": ImportanceSamplingLevel,
-            "scale_rewards": ScaleRewards, "multi_objective_aggregation": Aggregation}
+_CHOICES = {
+    "loss_type": LossType,
+    "importance_sampling_level": ImportanceSamplingLevel,
+    "scale_rewards": ScaleRewards,
+    "multi_objective_aggregation": Aggregation,
+}
 OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES)
 """The ``GRPOModule`` arguments :func:`check_grpo_options` expects."""
 
@@ -48,8 +52,12 @@ def check_grpo_options(options: dict[str, Any]) -> None:
         if options[name] not in get_args(literal):
             raise ValueError(f"`GRPOModule({name}={options[name]!r})` is invalid: choose one of {get_args(literal)}.")
     if options["loss_type"] == "vespo" and options["importance_sampling_level"] != "token":
-        raise ValueError("`GRPOModule(loss_type='vespo')` weights each sequence by its own summed log-ratio: "
-                         "`importance_sampling_level` must be 'token'.")
+        raise ValueError(
+            "`GRPOModule(loss_type='vespo')` weights each sequence by its own summed log-ratio: "
+            "`importance_sampling_level` must be 'token'."
+        )
     if options["steps_per_generation"] is not None and options["generation_batch_size"] is not None:
-        raise ValueError("`steps_per_generation` and `generation_batch_size` are mutually exclusive: set only one "
-                         "(generation_batch_size = batch_size x world_size x steps_per_generation).")
+        raise ValueError(
+            "`steps_per_generation` and `generation_batch_size` are mutually exclusive: set only one "
+            "(generation_batch_size = batch_size x world_size x steps_per_generation)."
+        )

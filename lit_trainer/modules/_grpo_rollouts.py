@@ -45,17 +45,24 @@ class GRPORolloutMixin:
             repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
         )  # fmt: skip
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
-            completions = rollout.generate_completions(self.model, prompt_ids, prompt_mask, config, eos,
-                                                       _sharding.is_sharded(self.model))
+            completions = rollout.generate_completions(
+                self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
+            )
         advantages, metrics = self._score(batch, completions)
         mask = completions.mask
         if hp.mask_truncated_completions:
             mask = mask * (~completions.truncated).unsqueeze(1).long()
-        rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids,
-                "completion_mask": mask, "advantages": advantages}
+        rows = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completions.ids,
+            "completion_mask": mask,
+            "advantages": advantages,
+        }
         # read per round: a GradientAccumulationScheduler may change accumulate_grad_batches at an epoch start
-        if needs_old_logps(self.trainer.accumulate_grad_batches, self.rollout_geometry.steps_per_generation,
-                           hp.num_iterations):
+        if needs_old_logps(
+            self.trainer.accumulate_grad_batches, self.rollout_geometry.steps_per_generation, hp.num_iterations
+        ):
             rows["old_logps"] = self._chunked_logps(self.model, rows)
         if self.ref_model is not None:
             rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
@@ -76,14 +83,25 @@ class GRPORolloutMixin:
         table = self._gather_rows(local)
         all_rewards, all_lengths, all_truncated = table[:, :-2], table[:, -2], table[:, -1].bool()
         if torch.isnan(all_rewards).all(dim=1).any():
-            rank_zero_warn("[lit_trainer] Every reward function returned None for some completions: their advantage "
-                           "is 0.")
+            rank_zero_warn(
+                "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
+            )
         weights = hp.reward_weights
-        advantages = grpo_advantages(all_rewards, hp.num_generations, reward_weights=weights,
-                                     scale_rewards=hp.scale_rewards, aggregation=hp.multi_objective_aggregation)
+        advantages = grpo_advantages(
+            all_rewards,
+            hp.num_generations,
+            reward_weights=weights,
+            scale_rewards=hp.scale_rewards,
+            aggregation=hp.multi_objective_aggregation,
+        )
         rows = rewards.shape[0]
-        metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_weights=weights,
-                                      scale_rewards=hp.scale_rewards, reward_names=self.reward_names)
+        metrics = grpo_reward_metrics(
+            all_rewards,
+            hp.num_generations,
+            reward_weights=weights,
+            scale_rewards=hp.scale_rewards,
+            reward_names=self.reward_names,
+        )
         metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
         metrics.update(logged)
         return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
@@ -99,8 +117,10 @@ class GRPORolloutMixin:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
         size = rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        chunks = [self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
-                  for i in range(0, rows["prompt_ids"].shape[0], size)]
+        chunks = [
+            self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
+            for i in range(0, rows["prompt_ids"].shape[0], size)
+        ]
         return torch.cat(chunks)
 
 

@@ -32,8 +32,10 @@ def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
     except ImportError:  # pragma: no cover - private helper moved
         devices = {"cpu", "cuda"}
     return bool(params) and all(
-        (type(p) is torch.nn.Parameter or _sharding.is_dtensor(p)) and p.device.type in devices
-        and torch.is_floating_point(p) for p in params
+        (type(p) is torch.nn.Parameter or _sharding.is_dtensor(p))
+        and p.device.type in devices
+        and torch.is_floating_point(p)
+        for p in params
     )
 
 
@@ -55,8 +57,13 @@ class OptimizationMixin:
             scheduler = self._scheduler_fn(optimizer)
         else:
             hp = self.hparams
-            scheduler = build_schedule(optimizer, hp.scheduler, hp.warmup_steps,
-                                       max(1, int(self.trainer.estimated_stepping_batches)), hp.scheduler_kwargs)
+            scheduler = build_schedule(
+                optimizer,
+                hp.scheduler,
+                hp.warmup_steps,
+                max(1, int(self.trainer.estimated_stepping_batches)),
+                hp.scheduler_kwargs,
+            )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def create_optimizer(self, named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
@@ -68,10 +75,15 @@ class OptimizationMixin:
             return self._optimizer_fn([p for _, p in named])
         decay = [p for n, p in named if not any(k in n.lower() for k in _NO_DECAY) and p.ndim > 1]
         no_decay = [p for n, p in named if any(k in n.lower() for k in _NO_DECAY) or p.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.learning_rate,
-                                 fused=fused_adamw_supported([p for _, p in named]) or None)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=self.hparams.learning_rate,
+            fused=fused_adamw_supported([p for _, p in named]) or None,
+        )
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
@@ -81,7 +93,9 @@ class OptimizationMixin:
 
     @override
     def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         local_grads = _sharding.strategy_is(self.trainer.strategy, _sharding.LOCAL_GRAD_STRATEGIES)

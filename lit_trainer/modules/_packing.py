@@ -18,8 +18,11 @@ from lit_trainer.data.packing import unpack_rows
 
 def _logits(model: torch.nn.Module, ids: list[int], positions: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                use_cache=False)
+    out = model(
+        input_ids=torch.tensor([ids], device=device),
+        position_ids=torch.tensor([positions], device=device),
+        use_cache=False,
+    )
     return out.logits[0].float()
 
 
@@ -38,8 +41,8 @@ def packing_leak(model: torch.nn.Module) -> float:
     try:
         with torch.no_grad():
             alone = _logits(model, b, list(range(len(b))))
-            after_a = _logits(model, a + b, list(range(len(a))) + list(range(len(b))))[len(a):]
-            after_a2 = _logits(model, a2 + b, list(range(len(a2))) + list(range(len(b))))[len(a2):]
+            after_a = _logits(model, a + b, list(range(len(a))) + list(range(len(b))))[len(a) :]
+            after_a2 = _logits(model, a2 + b, list(range(len(a2))) + list(range(len(b))))[len(a2) :]
     finally:
         model.train(was_training)
     diff = max((after_a - alone).abs().max(), (after_a2 - alone).abs().max())

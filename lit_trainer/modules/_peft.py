@@ -62,12 +62,16 @@ def as_peft_config(spec: Any) -> Any:
         try:
             return peft.get_peft_config(mapping) if "peft_type" in mapping else peft.LoraConfig(**mapping)
         except TypeError as err:
-            raise ValueError(f"`peft_config={dict(spec)!r}` is invalid ({err}): give the keyword arguments of "
-                             "peft.LoraConfig (r, lora_alpha, target_modules, ...), or a `peft_type` key for "
-                             "another peft method.") from None
+            raise ValueError(
+                f"`peft_config={dict(spec)!r}` is invalid ({err}): give the keyword arguments of "
+                "peft.LoraConfig (r, lora_alpha, target_modules, ...), or a `peft_type` key for "
+                "another peft method."
+            ) from None
     if not isinstance(spec, peft.PeftConfig):
-        raise TypeError(f"`peft_config` must be a peft.PeftConfig (e.g. LoraConfig) or a mapping of its arguments, "
-                        f"not {type(spec).__name__}.")
+        raise TypeError(
+            f"`peft_config` must be a peft.PeftConfig (e.g. LoraConfig) or a mapping of its arguments, "
+            f"not {type(spec).__name__}."
+        )
     config = copy.deepcopy(spec)  # peft fills fields of the config it is given: keep the caller's intact
     if config.task_type is None:
         config.task_type = "CAUSAL_LM"
@@ -78,7 +82,7 @@ def config_hparam(spec: Any) -> dict[str, Any] | None:
     """A plain (JSON) mapping of ``peft_config`` for ``hparams``: checkpoints stay loadable with ``weights_only``."""
     if spec is None or isinstance(spec, Mapping):
         return None if spec is None else dict(spec)
-    as_list = lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)  # noqa: E731
+    as_list = lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)
     plain = json.dumps(as_peft_config(spec).to_dict(), default=as_list)
     return json.loads(plain)
 
@@ -97,8 +101,10 @@ def wrap_model(model: Any, peft_config: Any, adapter_path: str | None, with_refe
     """
     peft = _peft()
     if peft_config is not None and adapter_path is not None:
-        raise ValueError("`peft_config` and `adapter_path` are exclusive: a saved adapter carries its own config. "
-                         "Give `adapter_path` alone to continue training it, or `peft_config` alone for a new one.")
+        raise ValueError(
+            "`peft_config` and `adapter_path` are exclusive: a saved adapter carries its own config. "
+            "Give `adapter_path` alone to continue training it, or `peft_config` alone for a new one."
+        )
     if adapter_path is None:
         return peft.get_peft_model(model, as_peft_config(peft_config), adapter_name=TRAINABLE_ADAPTER)
     wrapped = peft.PeftModel.from_pretrained(model, adapter_path, adapter_name=TRAINABLE_ADAPTER, is_trainable=True)
@@ -116,8 +122,10 @@ def enable_gradient_checkpointing(model: Any) -> None:
     """
     kwargs = {"use_reentrant": False}
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"`gradient_checkpointing=True`: {type(model).__name__} does not support gradient "
-                         "checkpointing (transformers' `supports_gradient_checkpointing` is False); set it to False.")
+        raise ValueError(
+            f"`gradient_checkpointing=True`: {type(model).__name__} does not support gradient "
+            "checkpointing (transformers' `supports_gradient_checkpointing` is False); set it to False."
+        )
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the old name is deprecated)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # pragma: no cover - older transformers
@@ -133,8 +141,9 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 def log_parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """Log (rank 0) and return :func:`parameter_counts` of the policy."""
     trainable, total = parameter_counts(model)
-    rank_zero_info(f"[lit_trainer] trainable parameters: {trainable:,} of {total:,} "
-                   f"({100.0 * trainable / max(1, total):.2f}%)")
+    rank_zero_info(
+        f"[lit_trainer] trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / max(1, total):.2f}%)"
+    )
     return trainable, total
 
 
@@ -223,6 +232,8 @@ def check_strategy(strategy: Any) -> None:
     """
     name = type(strategy).__name__
     if name not in ("SingleDeviceStrategy", "DDPStrategy"):
-        raise ValueError(f"`peft_config`/`adapter_path` run on one device or under DDP; {name} is not supported "
-                         "(adapter-only checkpoints and the adapter-disabled reference assume unsharded weights). "
-                         "Use strategy='ddp'.")
+        raise ValueError(
+            f"`peft_config`/`adapter_path` run on one device or under DDP; {name} is not supported "
+            "(adapter-only checkpoints and the adapter-disabled reference assume unsharded weights). "
+            "Use strategy='ddp'."
+        )

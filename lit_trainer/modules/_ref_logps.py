@@ -9,8 +9,8 @@ tokenized pairs and the truncation settings (``PreferenceDataModule.fingerprint`
 (:func:`reference_sha256`) hashes the reference's weights (names, dtypes, shapes, bytes) AND everything else that
 decides its forward: the model class, its config (rope, sliding window, ... and the attention implementation), the
 trainer's precision (autocast) and the torch/transformers versions. So a changed model (weights, config or dtype),
-precision, dataset, ``max_length``, ``truncation_mode`` or ``ld_alpha`` recomputes. Results are kept (a) on the data module, with their key, so
-a second ``fit`` with the same data and reference skips the pass; (b) on disk as
+precision, dataset, ``max_length``, ``truncation_mode`` or ``ld_alpha`` recomputes. Results are kept (a) on the data
+module, with their key, so a second ``fit`` with the same data and reference skips the pass; (b) on disk as
 ``<dir>/ref_logps-<key>.safetensors`` when a directory is known (``ref_logps_cache_dir``, else next to the dataset's
 own ``datasets`` cache files, which exist for data loaded from files or the hub); (c) in every checkpoint, so a
 resumed run reuses them even though the policy they came from has been trained since.
@@ -60,8 +60,13 @@ def forward_sha256(model: torch.nn.Module, precision: str) -> str:
     for key in ("_name_or_path", "transformers_version"):
         settings.pop(key, None)
     settings["_attn_implementation"] = getattr(config, "_attn_implementation", None)
-    described = {"class": f"{type(model).__module__}.{type(model).__qualname__}", "config": settings,
-                 "precision": str(precision), "torch": torch.__version__, "transformers": transformers.__version__}
+    described = {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": settings,
+        "precision": str(precision),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -94,14 +99,16 @@ def save_cached(directory: str | os.PathLike, key: str, chosen: Tensor, rejected
     file under the cache name)."""
     target = cache_path(directory, key)
     with atomic_write(target) as tmp:
-        save_file({"chosen": chosen.float().contiguous().cpu(), "rejected": rejected.float().contiguous().cpu()},
-                  str(tmp))
+        save_file(
+            {"chosen": chosen.float().contiguous().cpu(), "rejected": rejected.float().contiguous().cpu()}, str(tmp)
+        )
     return target
 
 
 @torch.no_grad()
-def score_pairs(logps_fn: Callable[[dict[str, Tensor]], Tensor], batches: Iterable[dict[str, Tensor]],
-                device: torch.device) -> Tensor:
+def score_pairs(
+    logps_fn: Callable[[dict[str, Tensor]], Tensor], batches: Iterable[dict[str, Tensor]], device: torch.device
+) -> Tensor:
     """``(n, 2)`` float32 ``[chosen, rejected]`` per-pair log-probs over collated 2B-row batches.
 
     Args:
@@ -184,9 +191,11 @@ class PrecomputedReference:
         if module.ref_model is not None:
             return module.ref_model
         if self.released or module.trainer.global_step > 0:
-            raise ValueError("Cannot precompute reference log-probs for new data: the reference model was released "
-                             "(or the policy, which served as reference, has been trained). Pass `ref_model=` "
-                             "explicitly, or precompute every dataset in the first fit.")
+            raise ValueError(
+                "Cannot precompute reference log-probs for new data: the reference model was released "
+                "(or the policy, which served as reference, has been trained). Pass `ref_model=` "
+                "explicitly, or precompute every dataset in the first fit."
+            )
         return module.model
 
     def _reference_sha256(self, module: Any) -> str:
@@ -210,8 +219,9 @@ class PrecomputedReference:
             rank_zero_info(f"[lit_trainer] DPO: reference log-probs of the {split} data loaded from {directory}.")
             return cached
         model = self._source(module)
-        loader = datamodule.reference_loader(split, self.batch_size, num_replicas=trainer.world_size,
-                                             rank=trainer.global_rank)
+        loader = datamodule.reference_loader(
+            split, self.batch_size, num_replicas=trainer.world_size, rank=trainer.global_rank
+        )
         was_training = model.training
         model.eval()
         with trainer.precision_plugin.forward_context():
@@ -225,8 +235,10 @@ class PrecomputedReference:
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """``{split: {"key", "data", "chosen", "rejected"}}``: strings and tensors (``weights_only`` loadable)."""
-        return {split: {"key": key, "data": data, "chosen": chosen, "rejected": rejected}
-                for split, (key, data, chosen, rejected) in self.entries.items()}
+        return {
+            split: {"key": key, "data": data, "chosen": chosen, "rejected": rejected}
+            for split, (key, data, chosen, rejected) in self.entries.items()
+        }
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
         """Keep a checkpoint's entries; they are used for splits whose data fingerprint still matches."""

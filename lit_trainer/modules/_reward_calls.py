@@ -94,8 +94,9 @@ def mean_over_ranks(values: dict[str, list[float]], trainer: Any, device: torch.
     return {name: means[i] for i, name in enumerate(names)}
 
 
-def score_completions(module: Any, batch: dict[str, Any], completions: list, completion_ids: list
-                      ) -> tuple[Tensor, dict[str, Tensor]]:
+def score_completions(
+    module: Any, batch: dict[str, Any], completions: list, completion_ids: list
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Call ``module.reward_funcs`` on this rank's rows with TRL's keywords.
 
     Returns:
@@ -103,9 +104,13 @@ def score_completions(module: Any, batch: dict[str, Any], completions: list, com
         the logged scalars averaged over ranks; sets ``module.reward_extra`` to the ``log_extra`` columns.
     """
     log = RewardLog()
-    keywords = {"trainer_state": trainer_state(module.trainer), "log_metric": log.log_metric,
-                "log_extra": log.log_extra}
-    rewards = call_reward_functions(module.reward_funcs, batch[PROMPTS], completions, completion_ids,
-                                    batch[REWARD_COLUMNS], extra_kwargs=keywords)
+    keywords = {
+        "trainer_state": trainer_state(module.trainer),
+        "log_metric": log.log_metric,
+        "log_extra": log.log_extra,
+    }
+    rewards = call_reward_functions(
+        module.reward_funcs, batch[PROMPTS], completions, completion_ids, batch[REWARD_COLUMNS], extra_kwargs=keywords
+    )
     module.reward_extra = log.extra
     return rewards, mean_over_ranks(log.scalars(), module.trainer, module.device)

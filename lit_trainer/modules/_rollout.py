@@ -62,8 +62,10 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
             if eos is not None and int(eos) not in ids:
                 ids.append(int(eos))
     if not ids:
-        raise ValueError("Neither the tokenizer nor the model's generation_config has an EOS token id: GRPO needs one "
-                         "to end completions. Set `tokenizer.eos_token` or `model.generation_config.eos_token_id`.")
+        raise ValueError(
+            "Neither the tokenizer nor the model's generation_config has an EOS token id: GRPO needs one "
+            "to end completions. Set `tokenizer.eos_token` or `model.generation_config.eos_token_id`."
+        )
     return ids
 
 
@@ -111,7 +113,11 @@ def cut_after_eos(ids: Tensor, eos_ids: Sequence[int], pad_token_id: int) -> Com
 
 @torch.no_grad()
 def generate_completions(
-    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig, eos_ids: Sequence[int],
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    config: GenerationConfig,
+    eos_ids: Sequence[int],
     synced: bool = False,
 ) -> Completions:
     """One batched ``generate`` call (KV cache, left-padded prompts) and the EOS cut.
@@ -120,8 +126,7 @@ def generate_completions(
     (sharded weights: every forward is a collective) makes a rank whose rows have all stopped keep running forwards
     until every rank has stopped (transformers' ``synced_gpus``), so ranks generating different lengths stay in step.
     """
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                         synced_gpus=synced)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, synced_gpus=synced)
     completion = out[:, prompt_ids.shape[1] :]
     if completion.shape[1] == 0:  # every row stopped at once (cannot happen with max_new_tokens >= 1)
         completion = torch.full_like(prompt_ids[:, :1], config.pad_token_id)
@@ -181,8 +186,10 @@ def resolve_reward_funcs(funcs: Sequence[str | Callable[..., Any]] | str | Calla
     """
     items = as_list(funcs)
     if not items:
-        raise ValueError("`reward_funcs` is empty: give at least one reward function, e.g. "
-                         "['lit_trainer.rewards.arithmetic_reward'].")
+        raise ValueError(
+            "`reward_funcs` is empty: give at least one reward function, e.g. "
+            "['lit_trainer.rewards.arithmetic_reward']."
+        )
     resolved = []
     for item in items:
         if isinstance(item, str):
@@ -190,8 +197,10 @@ def resolve_reward_funcs(funcs: Sequence[str | Callable[..., Any]] | str | Calla
             try:
                 item = getattr(importlib.import_module(module_name), attr)
             except (ImportError, AttributeError, ValueError) as err:
-                raise ValueError(f"Reward function {item!r} cannot be imported ({err}): give 'package.module.function'"
-                                 " of an importable function.") from err
+                raise ValueError(
+                    f"Reward function {item!r} cannot be imported ({err}): give 'package.module.function'"
+                    " of an importable function."
+                ) from err
         if not callable(item):
             raise ValueError(f"Reward function {item!r} is not callable: give a function or its import path.")
         resolved.append(item)

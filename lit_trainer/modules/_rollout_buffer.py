@@ -99,8 +99,10 @@ class RolloutBuffer:
         """Permute the rows with ``generator`` and cut them into ``spg`` equal, trimmed slices."""
         count = next(iter(rows.values())).shape[0]
         if count % self.steps_per_generation:
-            raise ValueError(f"{count} rollout rows do not split into steps_per_generation="
-                             f"{self.steps_per_generation} equal micro-batches.")
+            raise ValueError(
+                f"{count} rollout rows do not split into steps_per_generation="
+                f"{self.steps_per_generation} equal micro-batches."
+            )
         order = torch.randperm(count, generator=generator).to(next(iter(rows.values())).device)
         chunks = order.chunk(self.steps_per_generation)
         return [trim_padding({k: v[idx] for k, v in rows.items()}) for idx in chunks]

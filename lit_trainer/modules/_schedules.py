@@ -23,8 +23,16 @@ from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 from transformers.trainer_utils import SchedulerType
 
 SchedulerName = Literal[
-    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
-    "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
 ]
 SCHEDULER_NAMES: tuple[str, ...] = get_args(SchedulerName)
 _METRIC_DRIVEN = ("reduce_lr_on_plateau", "greedy")
@@ -52,26 +60,33 @@ def check_schedule(name: str, warmup_steps: float, scheduler_kwargs: dict[str, A
             required one.
     """
     if name in _METRIC_DRIVEN:
-        raise ValueError(f"`scheduler={name!r}` steps on a validation metric, not once per optimizer step: pass it "
-                         "through `lr_scheduler` with Lightning's `monitor`, or choose one of "
-                         f"{SCHEDULER_NAMES}.")
+        raise ValueError(
+            f"`scheduler={name!r}` steps on a validation metric, not once per optimizer step: pass it "
+            "through `lr_scheduler` with Lightning's `monitor`, or choose one of "
+            f"{SCHEDULER_NAMES}."
+        )
     if name not in SCHEDULER_NAMES:
-        raise ValueError(f"`scheduler={name!r}` is invalid: choose one of {SCHEDULER_NAMES} (the names of "
-                         "transformers' `lr_scheduler_type`).")
+        raise ValueError(
+            f"`scheduler={name!r}` is invalid: choose one of {SCHEDULER_NAMES} (the names of "
+            "transformers' `lr_scheduler_type`)."
+        )
     if warmup_steps < 0:
         raise ValueError(f"`warmup_steps={warmup_steps}` is invalid: use steps >= 0 or a fraction in [0, 1).")
     if name == "constant" and warmup_steps:
-        raise ValueError(f"`scheduler='constant'` has no warmup, so `warmup_steps={warmup_steps}` would be ignored: "
-                         "use `scheduler='constant_with_warmup'`, or `warmup_steps=0`.")
+        raise ValueError(
+            f"`scheduler='constant'` has no warmup, so `warmup_steps={warmup_steps}` would be ignored: "
+            "use `scheduler='constant_with_warmup'`, or `warmup_steps=0`."
+        )
     kwargs = scheduler_kwargs or {}
     unknown = sorted(set(kwargs) - _accepted_kwargs(name))
     if unknown:
-        raise ValueError(f"`scheduler_kwargs` has {unknown}, which `scheduler={name!r}` does not take: use only "
-                         f"{sorted(_accepted_kwargs(name)) or 'none'}.")
+        raise ValueError(
+            f"`scheduler_kwargs` has {unknown}, which `scheduler={name!r}` does not take: use only "
+            f"{sorted(_accepted_kwargs(name)) or 'none'}."
+        )
     required, example = _REQUIRED_KWARGS.get(name, ((), ""))
     if required and not any(key in kwargs for key in required):
-        raise ValueError(f"`scheduler={name!r}` needs `scheduler_kwargs` with one of {list(required)}, e.g. "
-                         f"{example}.")
+        raise ValueError(f"`scheduler={name!r}` needs `scheduler_kwargs` with one of {list(required)}, e.g. {example}.")
 
 
 def resolve_warmup(warmup_steps: float, total_steps: int) -> int:
@@ -85,9 +100,17 @@ def resolve_warmup(warmup_steps: float, total_steps: int) -> int:
 
 
 def build_schedule(
-    optimizer: torch.optim.Optimizer, name: str, warmup_steps: float, total_steps: int,
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    warmup_steps: float,
+    total_steps: int,
     scheduler_kwargs: dict[str, Any] | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """``transformers.get_scheduler`` for ``total_steps`` optimizer steps; step it once per optimizer step."""
-    return get_scheduler(name, optimizer, num_warmup_steps=resolve_warmup(warmup_steps, total_steps),
-                         num_training_steps=total_steps, scheduler_specific_kwargs=dict(scheduler_kwargs or {}))
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=resolve_warmup(warmup_steps, total_steps),
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=dict(scheduler_kwargs or {}),
+    )

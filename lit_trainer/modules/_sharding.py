@@ -36,9 +36,11 @@ def data_parallel_mesh(mesh: Any) -> Any:
     """
     names = tuple(mesh.mesh_dim_names or ())
     if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-        raise ValueError(f"ModelParallelStrategy(tensor_parallel_size={mesh['tensor_parallel'].size()}) is not "
-                         "supported: lit_trainer modules shard over the data-parallel dimension only (FSDP2). Use "
-                         "`tensor_parallel_size=1` and `data_parallel_size=<number of devices>`.")
+        raise ValueError(
+            f"ModelParallelStrategy(tensor_parallel_size={mesh['tensor_parallel'].size()}) is not "
+            "supported: lit_trainer modules shard over the data-parallel dimension only (FSDP2). Use "
+            "`tensor_parallel_size=1` and `data_parallel_size=<number of devices>`."
+        )
     return mesh["data_parallel"] if "data_parallel" in names else mesh
 
 
@@ -52,11 +54,15 @@ def block_class_names(model: torch.nn.Module, override: Iterable[str] | None = N
     names = set(override) if override is not None else set(getattr(model, "_no_split_modules", None) or ())
     present = {type(m).__name__ for m in model.modules()}
     if not names:
-        raise ValueError(f"{type(model).__name__} names no transformer block class (`_no_split_modules` is empty): "
-                         "pass `shard_blocks=[<decoder layer class name>]` to the module.")
+        raise ValueError(
+            f"{type(model).__name__} names no transformer block class (`_no_split_modules` is empty): "
+            "pass `shard_blocks=[<decoder layer class name>]` to the module."
+        )
     if not names & present:
-        raise ValueError(f"`shard_blocks={sorted(names)}`: no module of {type(model).__name__} has one of these "
-                         f"classes; e.g. one of {sorted(n for n in present if 'Layer' in n or 'Block' in n)}.")
+        raise ValueError(
+            f"`shard_blocks={sorted(names)}`: no module of {type(model).__name__} has one of these "
+            f"classes; e.g. one of {sorted(n for n in present if 'Layer' in n or 'Block' in n)}."
+        )
     return names & present
 
 
@@ -68,7 +74,9 @@ def fsdp_policies(param_dtype: ParamDtype | None, cpu_offload: bool) -> dict[str
     kwargs: dict[str, Any] = {}
     if param_dtype is not None:
         if param_dtype not in _DTYPES:
-            raise ValueError(f"`shard_param_dtype={param_dtype!r}` is invalid: use one of {get_args(ParamDtype)} or None.")
+            raise ValueError(
+                f"`shard_param_dtype={param_dtype!r}` is invalid: use one of {get_args(ParamDtype)} or None."
+            )
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -143,8 +151,9 @@ def load_full_state_dict(module: torch.nn.Module, state: dict[str, Tensor], stri
     """Load full (unsharded) tensors into ``module``, whose parameters may be FSDP2 shards: every rank cuts its own
     shards out of ``state`` (which every rank holds); plain entries load as they are."""
     current = module.state_dict()
-    module.load_state_dict({k: shard_like(v, current[k]) if k in current else v for k, v in state.items()},
-                           strict=strict)
+    module.load_state_dict(
+        {k: shard_like(v, current[k]) if k in current else v for k, v in state.items()}, strict=strict
+    )
 
 
 def strategy_is(strategy: Any, names: Iterable[str]) -> bool:
@@ -166,10 +175,14 @@ def check_strategy(trainer: Any, max_grad_norm: float | None) -> None:
     strategy = trainer.strategy
     name = type(strategy).__name__
     if strategy_is(strategy, ("FSDPStrategy",)):
-        raise ValueError(f"{name} (FSDP1) is not supported by lit_trainer modules: use "
-                         "`lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "
-                         "tensor_parallel_size=1)`, under which the modules shard themselves with FSDP2.")
+        raise ValueError(
+            f"{name} (FSDP1) is not supported by lit_trainer modules: use "
+            "`lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "
+            "tensor_parallel_size=1)`, under which the modules shard themselves with FSDP2."
+        )
     if max_grad_norm and not strategy_is(strategy, LOCAL_GRAD_STRATEGIES) and not trainer.gradient_clip_val:
-        raise ValueError(f"`max_grad_norm={max_grad_norm}` cannot be applied by the module under {name} (the strategy "
-                         "clips gradients itself, only with the Trainer's value): set "
-                         f"`Trainer(gradient_clip_val={max_grad_norm})`, or `max_grad_norm=None` to train unclipped.")
+        raise ValueError(
+            f"`max_grad_norm={max_grad_norm}` cannot be applied by the module under {name} (the strategy "
+            "clips gradients itself, only with the Trainer's value): set "
+            f"`Trainer(gradient_clip_val={max_grad_norm})`, or `max_grad_norm=None` to train unclipped."
+        )

@@ -82,13 +82,17 @@ class StepLoggingMixin:
         world = self.trainer.world_size
         device = self.device
         names = sorted(self._log_metrics)
-        local = torch.stack([
-            torch.as_tensor(self._log_loss, dtype=torch.float32, device=device),
-            torch.as_tensor(self._log_real, dtype=torch.float32, device=device),
-            torch.as_tensor(float(self._log_padded), device=device),
-            *[torch.as_tensor(self._log_metrics[n], dtype=torch.float32, device=device) / self._log_micro_steps
-              for n in names],
-        ])
+        local = torch.stack(
+            [
+                torch.as_tensor(self._log_loss, dtype=torch.float32, device=device),
+                torch.as_tensor(self._log_real, dtype=torch.float32, device=device),
+                torch.as_tensor(float(self._log_padded), device=device),
+                *[
+                    torch.as_tensor(self._log_metrics[n], dtype=torch.float32, device=device) / self._log_micro_steps
+                    for n in names
+                ],
+            ]
+        )
         total = self.trainer.strategy.reduce(local, reduce_op="sum") if world > 1 else local
         values: dict[str, Tensor | float] = {
             "train_loss": total[0] / self._log_steps,
@@ -107,10 +111,18 @@ class StepLoggingMixin:
     def _write_logs(self) -> None:
         values = self._window_values()
         self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        self.log("loss", values["train_loss"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
-                 rank_zero_only=True)
-        self.log("tok/s", values["tokens_per_sec"], on_step=True, on_epoch=False, prog_bar=True, logger=False,
-                 rank_zero_only=True)
+        self.log(
+            "loss", values["train_loss"], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True
+        )
+        self.log(
+            "tok/s",
+            values["tokens_per_sec"],
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            logger=False,
+            rank_zero_only=True,
+        )
         self._reset_log_window()
 
     @override

@@ -204,7 +204,9 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             _adapter_checkpoint.check_frozen(self, checkpoint)
 
     # --------------------------------------------------------------------------------------------- subclass API
-    def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute_loss(
+        self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Return ``(loss, metrics)`` for one micro-batch.
 
         ``loss`` must be ``sum of item losses / num_items_in_batch`` when the count is given (the global count of the
@@ -245,15 +247,19 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     def _global_num_items(self, local: Tensor | None, new_window: bool) -> Tensor | None:
         if local is None:
             if not self._warned_no_items and self.trainer.accumulate_grad_batches * self.trainer.world_size > 1:
-                rank_zero_warn("[lit_trainer] The training batches carry no `num_items_in_batch`: each micro-batch is "
-                               "normalised by its own size, which is NOT token-exact under gradient accumulation or "
-                               "DDP. Train with a lit_trainer data module, or wrap your dataset in "
-                               "`lit_trainer.data.loader.TrainLoader(..., count_items=...)`.")
+                rank_zero_warn(
+                    "[lit_trainer] The training batches carry no `num_items_in_batch`: each micro-batch is "
+                    "normalised by its own size, which is NOT token-exact under gradient accumulation or "
+                    "DDP. Train with a lit_trainer data module, or wrap your dataset in "
+                    "`lit_trainer.data.loader.TrainLoader(..., count_items=...)`."
+                )
                 self._warned_no_items = True
             return None
         if new_window or self._window_items is None:
             count = local.to(self.device, torch.float32)
-            self._window_items = self.trainer.strategy.reduce(count, reduce_op="sum") if self.trainer.world_size > 1 else count
+            self._window_items = (
+                self.trainer.strategy.reduce(count, reduce_op="sum") if self.trainer.world_size > 1 else count
+            )
         return self._window_items
 
     @override
@@ -277,8 +283,10 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         """
         strategy = type(self.trainer.strategy).__name__
         if not _sharding.strategy_is(self.trainer.strategy, GRAD_RESCALE_STRATEGIES):
-            raise ValueError(f"A step normaliser known only at the step's end needs the gradients in `param.grad`; "
-                             f"{strategy} keeps them elsewhere. Use one of {GRAD_RESCALE_STRATEGIES}.")
+            raise ValueError(
+                f"A step normaliser known only at the step's end needs the gradients in `param.grad`; "
+                f"{strategy} keeps them elsewhere. Use one of {GRAD_RESCALE_STRATEGIES}."
+            )
         self._pending_rescale = factor.detach()
         self._log_loss = self._log_loss + (factor.detach() - 1.0) * self._step_loss
 

@@ -68,8 +68,17 @@ class CausalLMModule(BaseModule):
         super().__init__(model, **kwargs)
         if eval_max_new_tokens < 1:
             raise ValueError(f"`eval_max_new_tokens={eval_max_new_tokens}` is invalid: it must be >= 1.")
-        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler", "compute_loss_func",
-                                          "preprocess_logits_for_metrics", "eval_metrics"])
+        self.save_hyperparameters(
+            ignore=[
+                "model",
+                "tokenizer",
+                "optimizer",
+                "lr_scheduler",
+                "compute_loss_func",
+                "preprocess_logits_for_metrics",
+                "eval_metrics",
+            ]
+        )
         self.compute_loss_func = compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         for name in ("loss", "token_accuracy", "exact_match"):
@@ -81,8 +90,9 @@ class CausalLMModule(BaseModule):
             self._user_metrics = type(eval_metrics).__name__.lower()  # a collection is logged per key
             self.val_metrics.add(self._user_metrics, eval_metrics)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-                ) -> Any:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Any:
         """Run the wrapped model (logits only; the loss is computed by the module).
 
         ``position_ids`` (packed batches: restarting at 0 per row, no ``attention_mask``) are passed on only when
@@ -99,7 +109,9 @@ class CausalLMModule(BaseModule):
             check_trainer_packing(self.trainer, self.model)
 
     @override
-    def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute_loss(
+        self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         labels = batch["labels"]
         if self.compute_loss_func is not None:
@@ -133,10 +145,14 @@ class CausalLMModule(BaseModule):
         pad_id = self.model.generation_config.pad_token_id
         eos_id = self.model.generation_config.eos_token_id
         generated = self.model.generate(
-            input_ids=prompts[has_prompt], attention_mask=mask[has_prompt], do_sample=False,
-            max_new_tokens=self.hparams.eval_max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
+            input_ids=prompts[has_prompt],
+            attention_mask=mask[has_prompt],
+            do_sample=False,
+            max_new_tokens=self.hparams.eval_max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
             synced_gpus=_sharding.is_sharded(self.model),  # sharded: ranks stop together
-        )[:, prompts.size(1):]
+        )[:, prompts.size(1) :]
         eos = eos_id[0] if isinstance(eos_id, list) else eos_id
         return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)
 

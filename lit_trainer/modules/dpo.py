@@ -20,7 +20,11 @@ from typing_extensions import override
 
 from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.losses.dpo import (
-    F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, DPOLossType, FDivergenceType, dpo_loss,
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCE_TYPES,
+    DPOLossType,
+    FDivergenceType,
+    dpo_loss,
 )  # fmt: skip
 from lit_trainer.models import load_model
 from lit_trainer.modules import _ref_logps, _sharding
@@ -31,8 +35,16 @@ from lit_trainer.modules.base import BaseModule
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)  # nested Literals flatten: the DPO loss types, then "sft"
 _SFT_NLL = "sft_nll"
-METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected", "logits/chosen", "logits/rejected")
+METRIC_NAMES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
 
 
 def disable_dropout_in_model(model: torch.nn.Module) -> None:
@@ -55,15 +67,19 @@ def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: 
         raise ValueError(f"`DPOModule(loss_type={loss_type!r})` is invalid: give one or more of {LOSS_NAMES}.")
     weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in loss_weights]
     if len(weights) != len(types):
-        raise ValueError(f"`DPOModule(loss_weights={loss_weights!r})` has {len(weights)} entries for {len(types)} "
-                         f"loss types {types}: give one weight per type, or none (all 1.0).")
+        raise ValueError(
+            f"`DPOModule(loss_weights={loss_weights!r})` has {len(weights)} entries for {len(types)} "
+            f"loss types {types}: give one weight per type, or none (all 1.0)."
+        )
     divergence = options["f_divergence_type"]
     if divergence not in F_DIVERGENCE_TYPES:
         raise ValueError(f"`DPOModule(f_divergence_type={divergence!r})` is invalid: use one of {F_DIVERGENCE_TYPES}.")
     unsupported = [t for t in types if t not in F_DIVERGENCE_LOSS_TYPES]
     if divergence != "reverse_kl" and unsupported:
-        raise ValueError(f"`DPOModule(f_divergence_type={divergence!r})` is not supported by the loss types "
-                         f"{unsupported}: use 'reverse_kl' or only types from {F_DIVERGENCE_LOSS_TYPES}.")
+        raise ValueError(
+            f"`DPOModule(f_divergence_type={divergence!r})` is not supported by the loss types "
+            f"{unsupported}: use 'reverse_kl' or only types from {F_DIVERGENCE_LOSS_TYPES}."
+        )
     one = torch.zeros(1)
     for name in set(types) - {"sft"}:  # the loss function's own checks, at construction instead of at step 1
         try:
@@ -168,28 +184,40 @@ class DPOModule(DPOScoringMixin, BaseModule):
         # the base records this frame's arguments as hparams: keep a model object out (Lightning would deep-copy it)
         reference, ref_model = ref_model, ref_model if ref_model is None or isinstance(ref_model, str) else None
         super().__init__(model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs)
-        self._loss_options = {"beta": beta, "label_smoothing": label_smoothing, "discopop_tau": discopop_tau,
-                              "f_divergence_type": f_divergence_type,
-                              "f_alpha_divergence_coef": f_alpha_divergence_coef}
+        self._loss_options = {
+            "beta": beta,
+            "label_smoothing": label_smoothing,
+            "discopop_tau": discopop_tau,
+            "f_divergence_type": f_divergence_type,
+            "f_alpha_divergence_coef": f_alpha_divergence_coef,
+        }
         self.loss_types, self.loss_weights = _validate_losses(loss_type, loss_weights, self._loss_options)
         self.sft_weight = sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
         if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
             raise ValueError(f"`DPOModule(ld_alpha={ld_alpha})` is invalid: use a weight in [0, 1] or None.")
         if not 0.0 <= ref_model_mixup_alpha <= 1.0 or ref_model_sync_steps < 1:
-            raise ValueError(f"`DPOModule(ref_model_mixup_alpha={ref_model_mixup_alpha}, ref_model_sync_steps="
-                             f"{ref_model_sync_steps})` is invalid: alpha must be in [0, 1] and the period >= 1.")
+            raise ValueError(
+                f"`DPOModule(ref_model_mixup_alpha={ref_model_mixup_alpha}, ref_model_sync_steps="
+                f"{ref_model_sync_steps})` is invalid: alpha must be in [0, 1] and the period >= 1."
+            )
         if sync_ref_model and precompute_ref_log_probs:
-            raise ValueError("`DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference "
-                             "that keeps changing cannot be precomputed. Turn one of them off.")
+            raise ValueError(
+                "`DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference "
+                "that keeps changing cannot be precomputed. Turn one of them off."
+            )
         if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
             raise ValueError(f"`precompute_ref_batch_size={precompute_ref_batch_size}` is invalid: use >= 1 or None.")
         if sync_ref_model and self.is_peft:
-            raise ValueError("`DPOModule(sync_ref_model=True)` with `peft_config`/`adapter_path` is invalid: the "
-                             "reference is the policy network with its adapters disabled, which TR-DPO cannot mix "
-                             "into. Turn sync_ref_model off, or fine-tune all weights.")
+            raise ValueError(
+                "`DPOModule(sync_ref_model=True)` with `peft_config`/`adapter_path` is invalid: the "
+                "reference is the policy network with its adapters disabled, which TR-DPO cannot mix "
+                "into. Turn sync_ref_model off, or fine-tune all weights."
+            )
         if reference is self.model:
-            raise ValueError("`DPOModule(ref_model=...)` is the policy object itself: pass a separate model, or None "
-                             "for a frozen copy.")
+            raise ValueError(
+                "`DPOModule(ref_model=...)` is the policy object itself: pass a separate model, or None "
+                "for a frozen copy."
+            )
         if disable_dropout:
             disable_dropout_in_model(self.model)
         self.ref_model = self._build_reference(reference, precompute_ref_log_probs, trust_remote_code)
@@ -214,8 +242,9 @@ class DPOModule(DPOScoringMixin, BaseModule):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
 
     @override
-    def compute_loss(self, batch: dict[str, Any], num_items_in_batch: Tensor | None
-                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute_loss(
+        self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         scores = self.score(self.model, batch, stats=True)
         ref = self._reference_logps(batch)
         return self._total_loss(scores, ref, batch, num_items_in_batch), self._metrics(scores, ref)
@@ -268,8 +297,10 @@ class DPOModule(DPOScoringMixin, BaseModule):
         if self._sync_params is None:
             policy, ref = dict(self.model.named_parameters()), dict(self.ref_model.named_parameters())
             if policy.keys() != ref.keys():
-                raise ValueError(f"The reference model's parameters do not mirror the policy's (e.g. "
-                                 f"{sorted(policy.keys() ^ ref.keys())[:3]}): TR-DPO mixes them by name.")
+                raise ValueError(
+                    f"The reference model's parameters do not mirror the policy's (e.g. "
+                    f"{sorted(policy.keys() ^ ref.keys())[:3]}): TR-DPO mixes them by name."
+                )
             self._sync_params = ([ref[n] for n in policy], [policy[n].detach() for n in policy])
         alpha = self.hparams.ref_model_mixup_alpha if alpha is None else alpha
         ref_params, policy_params = self._sync_params
@@ -280,15 +311,20 @@ class DPOModule(DPOScoringMixin, BaseModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if not _sharding.strategy_is(self.trainer.strategy, _sharding.LOCAL_GRAD_STRATEGIES):
-            raise ValueError(f"DPOModule runs on one device, under DDP or ModelParallelStrategy (FSDP2); "
-                             f"{type(self.trainer.strategy).__name__} is not supported: the frozen reference, TR-DPO "
-                             "and the precompute pass are not sharded by it.")
-        if self.hparams.precompute_ref_log_probs and _sharding.strategy_is(self.trainer.strategy,
-                                                                           ("ModelParallelStrategy",)):
-            raise ValueError("`DPOModule(precompute_ref_log_probs=True)` is not supported under ModelParallelStrategy: "
-                             "the precompute pass gives the ranks uneven numbers of batches, and every forward of a "
-                             "sharded model is a collective. Keep the reference model (it is sharded like the policy; "
-                             "set precompute_ref_log_probs=False), or precompute under DDP.")
+            raise ValueError(
+                f"DPOModule runs on one device, under DDP or ModelParallelStrategy (FSDP2); "
+                f"{type(self.trainer.strategy).__name__} is not supported: the frozen reference, TR-DPO "
+                "and the precompute pass are not sharded by it."
+            )
+        if self.hparams.precompute_ref_log_probs and _sharding.strategy_is(
+            self.trainer.strategy, ("ModelParallelStrategy",)
+        ):
+            raise ValueError(
+                "`DPOModule(precompute_ref_log_probs=True)` is not supported under ModelParallelStrategy: "
+                "the precompute pass gives the ranks uneven numbers of batches, and every forward of a "
+                "sharded model is a collective. Keep the reference model (it is sharded like the policy; "
+                "set precompute_ref_log_probs=False), or precompute under DDP."
+            )
         if stage == "fit":
             check_trainer_packing(self.trainer, self.model, self.ref_model)
 
@@ -318,8 +354,10 @@ class DPOModule(DPOScoringMixin, BaseModule):
         """
         datamodule = getattr(self.trainer, "datamodule", None)
         if not hasattr(datamodule, "set_reference_logps"):
-            raise ValueError("`DPOModule(precompute_ref_log_probs=True)` stores the reference log-probs with the "
-                             "dataset: train with `datamodule=PreferenceDataModule(...)`.")
+            raise ValueError(
+                "`DPOModule(precompute_ref_log_probs=True)` stores the reference log-probs with the "
+                "dataset: train with `datamodule=PreferenceDataModule(...)`."
+            )
         self._precomputed.ensure(self, datamodule, splits)
         if release:
             self._release_reference()

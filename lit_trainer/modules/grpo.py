@@ -9,8 +9,8 @@ a seeded generator and cuts them into ``steps_per_generation`` micro-batches; th
 served from that buffer.
 
 Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
-``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all ranks,
-after truncation masking, so the step gradient equals the full-batch token-mean gradient on its rollouts for any
+``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all
+ranks, after truncation masking, so the step gradient equals the full-batch token-mean gradient on its rollouts for any
 ``steps_per_generation`` and ``accumulate_grad_batches``: when the step's micro-batches are all in the buffer the
 count is exact from the start; when the step reaches into the next generation round, a provisional count is
 corrected at the step's last micro-batch (:mod:`lit_trainer.modules._grpo_normaliser`; the reference keeps its
@@ -162,11 +162,14 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
         self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
-                             "functions: give one weight per function (or none for all 1.0).")
+            raise ValueError(
+                f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
+                "functions: give one weight per function (or none for all 1.0)."
+            )
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs"])
-        self.hparams["reward_funcs"] = [f if isinstance(f, str) else reward_function_name(f)
-                                        for f in rollout.as_list(reward_funcs)]  # names only: checkpoint-safe
+        self.hparams["reward_funcs"] = [
+            f if isinstance(f, str) else reward_function_name(f) for f in rollout.as_list(reward_funcs)
+        ]  # names only: checkpoint-safe
         self.ref_model = self.default_reference() if beta != 0 else None  # under peft: adapters disabled, no copy
         self.rollout_geometry: RolloutGeometry | None = None
         self._buffer: RolloutBuffer | None = None
@@ -174,8 +177,10 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         self._normaliser: StepNormaliser | None = None
         self._seed = generation_seed
         self.val_metrics.add("reward", MeanMetric(nan_strategy="ignore"))
-        self._val_reward_means = [self.val_metrics.add(f"rewards/{name}/mean", MeanMetric(nan_strategy="ignore"))
-                                  for name in self.reward_names]  # one per function, even when two share a name
+        self._val_reward_means = [
+            self.val_metrics.add(f"rewards/{name}/mean", MeanMetric(nan_strategy="ignore"))
+            for name in self.reward_names
+        ]  # one per function, even when two share a name
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -186,21 +191,33 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         batch_size = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
         if batch_size is None:
-            raise ValueError("GRPOModule needs a PromptDataModule passed as `trainer.fit(module, datamodule=...)`: its "
-                             "`batch_size` is the per-device train batch size.")
+            raise ValueError(
+                "GRPOModule needs a PromptDataModule passed as `trainer.fit(module, datamodule=...)`: its "
+                "`batch_size` is the per-device train batch size."
+            )
         hp = self.hparams
-        spg, gbs = resolve_generation_geometry(batch_size, hp.num_generations, self.trainer.world_size,
-                                               self.trainer.accumulate_grad_batches, hp.steps_per_generation,
-                                               hp.generation_batch_size)
+        spg, gbs = resolve_generation_geometry(
+            batch_size,
+            hp.num_generations,
+            self.trainer.world_size,
+            self.trainer.accumulate_grad_batches,
+            hp.steps_per_generation,
+            hp.generation_batch_size,
+        )
         self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
         strategy = type(self.trainer.strategy).__name__
-        if hp.loss_type in _TOKEN_NORMALISED and spg % self.trainer.accumulate_grad_batches and (
-                strategy not in GRAD_RESCALE_STRATEGIES):
-            raise ValueError(f"GRPOModule(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
-                             f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} corrects the step's "
-                             f"gradient in `param.grad`, which {strategy} does not use: use strategy 'ddp', or make "
-                             "steps_per_generation a multiple of accumulate_grad_batches.")
+        if (
+            hp.loss_type in _TOKEN_NORMALISED
+            and spg % self.trainer.accumulate_grad_batches
+            and (strategy not in GRAD_RESCALE_STRATEGIES)
+        ):
+            raise ValueError(
+                f"GRPOModule(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
+                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} corrects the step's "
+                f"gradient in `param.grad`, which {strategy} does not use: use strategy 'ddp', or make "
+                "steps_per_generation a multiple of accumulate_grad_batches."
+            )
 
     @override
     def on_fit_start(self) -> None:
@@ -280,8 +297,9 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         mask = batch["completion_mask"]
         options = {k: hp[k] for k in GRPO_LOSS_DEFAULTS.keys() & hp.keys()}  # the loss options GRPOModule takes
         old, advantages, ref = batch.get("old_logps"), batch["advantages"], batch.get("ref_logps")
-        loss = grpo_policy_loss(logps, old, advantages, mask, ref_logps=ref, num_items_in_batch=num_items_in_batch,
-                                **options)
+        loss = grpo_policy_loss(
+            logps, old, advantages, mask, ref_logps=ref, num_items_in_batch=num_items_in_batch, **options
+        )
         metrics = grpo_loss_metrics(logps, old, advantages, mask, ref_logps=ref, **options)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, metrics
@@ -298,8 +316,13 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         ids = torch.cat([rows["prompt_ids"], completion], dim=1)
         attention = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
-                       logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+        logits = model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=completion.shape[1] + 1,
+        ).logits[:, :-1]
         temperature = self.hparams.temperature
         logps = selective_log_softmax(logits, completion, temperature)
         if not with_entropy:
@@ -314,10 +337,16 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Greedy completion of each held-out prompt, scored by the reward functions (``val_reward``)."""
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        config = GenerationConfig(max_new_tokens=self.hparams.max_completion_length, do_sample=False,
-                                  pad_token_id=self._pad_token_id(eos), eos_token_id=eos, use_cache=True)
-        completions = rollout.generate_completions(self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos,
-                                                   _sharding.is_sharded(self.model))
+        config = GenerationConfig(
+            max_new_tokens=self.hparams.max_completion_length,
+            do_sample=False,
+            pad_token_id=self._pad_token_id(eos),
+            eos_token_id=eos,
+            use_cache=True,
+        )
+        completions = rollout.generate_completions(
+            self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos, _sharding.is_sharded(self.model)
+        )
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
         rewards, logged = score_completions(self, batch, texts, kept)
         for name, value in logged.items():
