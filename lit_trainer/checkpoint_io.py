@@ -19,7 +19,8 @@ glob and ``lit_trainer._atomic.remove_partials`` cleans it up. Paths with a prot
 the wrapped plugin unchanged (object stores publish an upload only once it is complete).
 
 Use it directly (``Trainer(plugins=[AtomicCheckpointIO()])``, or around your own plugin:
-``AtomicCheckpointIO(MyCheckpointIO())``), or let ``BestCheckpoint`` install it (see its docs). It applies to
+``AtomicCheckpointIO(MyCheckpointIO())``; for ``pytorch_lightning.Trainer`` import it from
+``lit_trainer.callbacks.pytorch_lightning``), or let ``BestCheckpoint`` install it (see its docs). It applies to
 everything a strategy writes through its ``checkpoint_io``: single-device and DDP checkpoints, and full-state
 files of FSDP. Distributed checkpoint folders (``ModelParallelStrategy``, sharded FSDP, DeepSpeed) are written by
 the strategy itself, not through the plugin.
@@ -50,18 +51,8 @@ def is_async(checkpoint_io: Any) -> bool:
     return isinstance(checkpoint_io, tuple(m.AsyncCheckpointIO for m in modules if m is not None))
 
 
-class AtomicCheckpointIO(CheckpointIO):
-    """A ``CheckpointIO`` that makes another one's local writes atomic (write a partial name, then rename).
-
-    Args:
-        checkpoint_io: The plugin that serialises and writes the checkpoint (default: Lightning's
-            ``TorchCheckpointIO``). It must write synchronously to the path it is given (not an
-            ``AsyncCheckpointIO``, whose write would still be running when the rename happens).
-        fsync: Flush the file and its folder to disk around the rename (survives a power loss).
-
-    Raises:
-        TypeError: If ``checkpoint_io`` is not a ``CheckpointIO`` or writes in the background.
-    """
+class _AtomicCheckpointIO:
+    """The implementation of :class:`AtomicCheckpointIO`, without a Lightning base (one class per package)."""
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, fsync: bool = True) -> None:
         super().__init__()
@@ -111,3 +102,25 @@ class AtomicCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Tear the wrapped plugin down."""
         self.checkpoint_io.teardown()
+
+
+class AtomicCheckpointIO(_AtomicCheckpointIO, CheckpointIO):
+    """A ``CheckpointIO`` that makes another one's local writes atomic (write a partial name, then rename).
+
+    Args:
+        checkpoint_io: The plugin that serialises and writes the checkpoint (default: Lightning's
+            ``TorchCheckpointIO``). It must write synchronously to the path it is given (not an
+            ``AsyncCheckpointIO``, whose write would still be running when the rename happens).
+        fsync: Flush the file and its folder to disk around the rename (survives a power loss).
+
+    Raises:
+        TypeError: If ``checkpoint_io`` is not a ``CheckpointIO`` or writes in the background.
+    """
+
+
+def atomic_checkpoint_io_class(checkpoint_io_base: type) -> type:
+    """:class:`AtomicCheckpointIO` on another package's ``CheckpointIO`` base (``lightning_fabric`` for
+    ``pytorch_lightning``, whose trainer only accepts plugins of its own package)."""
+    return type(
+        "AtomicCheckpointIO", (_AtomicCheckpointIO, checkpoint_io_base), {"__doc__": AtomicCheckpointIO.__doc__}
+    )

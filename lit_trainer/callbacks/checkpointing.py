@@ -74,7 +74,7 @@ from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, weig
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
 from lit_trainer.callbacks.hf_export import export_hf
-from lit_trainer.checkpoint_io import AtomicCheckpointIO, is_async
+from lit_trainer.checkpoint_io import AtomicCheckpointIO, _AtomicCheckpointIO, is_async
 from lit_trainer.modules._sharding import load_full_state_dict
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
@@ -200,7 +200,7 @@ class _BestCheckpoint(PackageBound):
             )
         self._check_scorers(trainer)
         io = trainer.strategy.checkpoint_io  # atomic writes for every checkpoint file (see lit_trainer.checkpoint_io)
-        if stage == "fit" and is_local_path(self.dirpath) and not (isinstance(io, AtomicCheckpointIO) or is_async(io)):
+        if stage == "fit" and is_local_path(self.dirpath) and not (isinstance(io, _AtomicCheckpointIO) or is_async(io)):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO(io)
 
     def _writes_folders(self, strategy: Any) -> bool:

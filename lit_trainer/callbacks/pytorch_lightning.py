@@ -9,6 +9,8 @@ exists twice, built from one implementation (see ``lit_trainer/callbacks/_namesp
 * ``from lit_trainer.callbacks.pytorch_lightning import BestCheckpoint`` for ``pytorch_lightning.Trainer`` (and
   ``class_path: lit_trainer.callbacks.pytorch_lightning.BestCheckpoint`` in a ``pytorch_lightning`` CLI config).
 
+The checkpoint plugin ``AtomicCheckpointIO`` (``lit_trainer.checkpoint_io``) has its twin here too.
+
 Same arguments, behaviour and checkpoint state keys (a checkpoint written under one package resumes under the other
 as far as Lightning itself allows). Importing this module needs the ``pytorch_lightning`` package.
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 from lit_trainer.callbacks import bema, checkpointing, eval_on_start, hf_export, jit_checkpoint, neftune, resume
 from lit_trainer.callbacks._namespace import namespace, twin
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
+from lit_trainer.checkpoint_io import atomic_checkpoint_io_class
 
 namespace("pytorch_lightning")  # a clear error when the package is missing
+from lightning_fabric.plugins import CheckpointIO  # noqa: E402  (after the check: it comes with pytorch_lightning)
 
 BEMA = twin(bema.BEMA, "pytorch_lightning", __name__)
 BestCheckpoint = twin(checkpointing.BestCheckpoint, "pytorch_lightning", __name__)
@@ -28,9 +32,12 @@ ExactResume = twin(resume.ExactResume, "pytorch_lightning", __name__)
 HFExport = twin(hf_export.HFExport, "pytorch_lightning", __name__)
 JITCheckpoint = twin(jit_checkpoint.JITCheckpoint, "pytorch_lightning", __name__)
 NEFTune = twin(neftune.NEFTune, "pytorch_lightning", __name__)
+AtomicCheckpointIO = atomic_checkpoint_io_class(CheckpointIO)  # a plugin, not a callback: Trainer(plugins=[...])
+AtomicCheckpointIO.__module__ = __name__
 
 __all__ = [
     "BEMA",
+    "AtomicCheckpointIO",
     "BestCheckpoint",
     "EvalOnStart",
     "ExactResume",
