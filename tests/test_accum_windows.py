@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from datasets import Dataset
-from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
-from conftest import tiny_llama
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lit_trainer.data.sft import SFTDataModule

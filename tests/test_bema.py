@@ -6,8 +6,6 @@ import copy
 import math
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +18,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.models import tiny_llama
+from helpers.ddp import output_tail, run_script
 from lit_trainer.callbacks.bema import BEMA, bema_coefficients
 
 LR = 0.5
@@ -246,16 +246,6 @@ def test_exception_during_validation_restores_live_weights(tmp_path, fail_mode):
                                atol=1e-12)
 
 
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
 class PolicyWithRef(pl.LightningModule):
     """An HF policy in `self.model`, a frozen deep copy in `self.ref_model` (the DPOModule layout)."""
 
@@ -357,11 +347,8 @@ def test_refuses_fsdp1_and_early_access():  # FSDP2 (ModelParallelStrategy) is a
 
 
 def test_ddp_two_ranks(tmp_path):
-    script = Path(__file__).parent / "scripts" / "ddp_bema.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_bema.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     # the script trains on per-rank data; DDP averages the gradients, so each step subtracts LR * mean over ranks
     config = results[0]["config"]

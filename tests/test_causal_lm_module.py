@@ -10,7 +10,7 @@ from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
 from torchmetrics.classification import MulticlassAccuracy
 
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule

@@ -8,28 +8,22 @@ samples over both ranks.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import ddp_batch_rebalance as script  # tests/scripts: constants and the row lengths, nothing runs on import
+from helpers.ddp import output_tail, run_script
 from lit_trainer.data.samplers import BatchRebalanceSampler
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_batch_rebalance.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import ddp_batch_rebalance as script  # noqa: E402  (constants and the row lengths, nothing runs on import)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_rebalance")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], timeout=900, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("ddp_batch_rebalance.py", out)
+    assert proc.returncode == 0, output_tail(proc)
     return out
 
 

@@ -8,9 +8,6 @@ Independent implementation used throughout: per-sequence log-probs = Σ over shi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from _accum_common import GradCapture, relative_error
-from conftest import tiny_llama
+from helpers.accumulation import GradCapture, relative_error
+from helpers.models import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
+from helpers.ddp import output_tail, run_script
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import builtin
 from lit_trainer.data.preference import PreferenceDataModule
@@ -369,10 +367,8 @@ def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
 
 
 def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer, tmp_path):
-    script = ROOT / "tests" / "scripts" / "ddp_dpo.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_dpo.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["precomputed"]["ref_model_freed"] and not r["live"]["ref_model_freed"]

@@ -11,39 +11,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from helpers.data import regression_data as _data
+from helpers.modules import Regressor
 from lit_trainer.callbacks.eval_on_start import EvalOnStart, check_lightning_internals
-
-
-def _data(seed: int, n: int = 32) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
-
-
-class Regressor(pl.LightningModule):
-    """A plain regression MLP (not from lit_trainer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self.net(x), y))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class NoValidation(Regressor):

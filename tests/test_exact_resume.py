@@ -7,7 +7,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
 
+from helpers.ddp import launch_script, wait_json
 from lit_trainer.callbacks.resume import (
     SENTINEL_NAME,
     ExactResume,
@@ -27,9 +27,6 @@ from lit_trainer.callbacks.resume import (
     sentinel_target,
     write_sentinel,
 )
-
-SCRIPT = Path(__file__).parent / "scripts" / "fault_injection_train.py"
-
 
 def _draws() -> tuple:
     return random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.randn(2).tolist()
@@ -154,19 +151,8 @@ def test_resume_policy_never_silently_resumes(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{path} did not appear (runner rc={proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.02)
-    time.sleep(0.05)  # let the writer finish the (tiny) file
-    return json.loads(path.read_text())
-
-
 def _signal_at_pause(run: Path, proc: subprocess.Popen, log: Path, signum: int = signal.SIGTERM) -> tuple[dict, float]:
-    ready = _wait_file(run / "ready.json", proc, log)
+    ready = wait_json(run / "ready.json", proc, log)
     sent = time.time()
     os.kill(ready["pid"], signum)
     return ready, sent
@@ -189,10 +175,7 @@ def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> N
     ]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     log = tmp_path / "runner.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--plan", str(tmp_path / "plan.json")],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = launch_script("fault_injection_train.py", tmp_path, "--plan", tmp_path / "plan.json", log=log)
     latency: dict[str, float] = {}
     try:
         for run_name in ("val_mid_window", "killed_in_save", "val_at_step", "epoch_end"):
@@ -205,11 +188,11 @@ def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> N
                     assert resolve_resume_checkpoint(ckpt) == str(ckpt / name[2])
             _, sent = _signal_at_pause(run, proc, log)
             if run_name == "killed_in_save":
-                saving = _wait_file(run / "saving.json", proc, log)
+                saving = wait_json(run / "saving.json", proc, log)
                 os.kill(saving["pid"], signal.SIGKILL)
-            status = _wait_file(run / "status.json", proc, log)
+            status = wait_json(run / "status.json", proc, log)
             latency[run_name] = status["end"] - sent
-        _wait_file(tmp_path / "finish" / "status.json", proc, log)
+        wait_json(tmp_path / "finish" / "status.json", proc, log)
         assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:

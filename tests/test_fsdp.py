@@ -7,9 +7,6 @@ accumulation, from the same initial weights, in float32.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,10 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
-SCRIPT = Path(__file__).parent / "scripts" / "fsdp_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import _fsdp_common as common
 
+import _fsdp_common as common  # tests/scripts
+from helpers.ddp import output_tail, run_script
 from lit_trainer.callbacks import HFExport
 from lit_trainer.modules import _sharding
 
@@ -28,10 +24,8 @@ from lit_trainer.modules import _sharding
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], check=False, timeout=900, env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("fsdp_train.py", out)
+    assert proc.returncode == 0, output_tail(proc)
     return out
 
 
@@ -42,7 +36,7 @@ def _max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 @pytest.fixture(scope="module")
 def single_sft(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    from conftest import tiny_llama
+    from helpers.models import tiny_llama
 
     from lit_trainer.modules.causal_lm import CausalLMModule
 
@@ -143,7 +137,7 @@ def test_strategies_that_would_drop_a_feature_are_refused():
 
 
 def test_block_classes_come_from_no_split_modules_or_the_override():
-    from conftest import tiny_llama
+    from helpers.models import tiny_llama
 
     model = tiny_llama(layers=2)
     assert _sharding.block_class_names(model) == {"LlamaDecoderLayer"}

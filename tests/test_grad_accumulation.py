@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from conftest import tiny_llama
-from _accum_common import GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
+from helpers.accumulation import GradCapture, accum_datamodule, full_batch_gradient, relative_error
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from _accum_common import GradCapture, relative_error
+from helpers.accumulation import GradCapture, relative_error
 from test_grpo_module import QUIET, _independent_step_gradient, data, grpo, tiny_model
 
 

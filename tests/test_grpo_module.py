@@ -14,6 +14,7 @@ import torch
 import transformers
 from datasets import Dataset
 
+from helpers.models import tiny_llama
 from lit_trainer.data import builtin
 from lit_trainer.data.prompt import GenerationBatchSampler, PromptDataModule, RolloutGeometry
 from lit_trainer.modules import _rollout as rollout
@@ -28,24 +29,9 @@ QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "e
 
 
 def tiny_model(seed: int = 0, eos_bias: float = 3.0) -> transformers.LlamaForCausalLM:
-    """The brief's tiny Llama, with an output bias that makes EOS likely (~10% per token), so completion lengths and
+    """The tests' tiny Llama with an output bias that makes EOS likely (~10% per token), so completion lengths and
     hence :func:`length_reward` vary within a group."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    model.generation_config.bos_token_id = None
-    head = torch.nn.Linear(32, 384, bias=True)
-    head.weight = model.lm_head.weight  # still tied to the input embedding
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[1] = eos_bias
-    model.lm_head = head
-    return model
+    return tiny_llama(seed, eos_bias=eos_bias)
 
 
 def prompts(n: int) -> Dataset:

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file

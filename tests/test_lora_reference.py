@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 
 from lit_trainer import CausalLMModule, DPOModule, GRPOModule
 from lit_trainer.callbacks import BEMA, NEFTune

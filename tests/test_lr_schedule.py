@@ -5,8 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from _accum_common import accum_datamodule
-from conftest import tiny_llama
+from helpers.accumulation import accum_datamodule
+from helpers.models import tiny_llama
 from transformers import get_scheduler
 
 from lit_trainer.modules.causal_lm import CausalLMModule

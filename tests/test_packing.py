@@ -1,10 +1,6 @@
 """Padding-free packing (SFT): bins, flattening, the unchanged loss and gradient, and the refusal of leaky models."""
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -13,8 +9,9 @@ import torch.nn.functional as F
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import tiny_llama
-from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.ddp import output_tail, run_script
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
 from lit_trainer.data.sft import SFTDataModule
@@ -206,10 +203,8 @@ def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
 
 
 def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, tokenizer):
-    script = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "-", "padding_free"], timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free")
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert all(batch.size(0) == 1 for r in ranks for batch in r["seen"])  # really packed
     dm = accum_datamodule(tokenizer)

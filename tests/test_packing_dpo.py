@@ -5,8 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from _accum_common import GradCapture, relative_error
-from conftest import tiny_llama
+from helpers.accumulation import GradCapture, relative_error
+from helpers.models import tiny_llama
 from datasets import Dataset
 
 from lit_trainer.data.preference import PreferenceDataModule

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from _readme_example import run_readme_generate
+from helpers.readme import run_readme_generate
 from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer
 
 from lit_trainer.data import PreferenceDataModule, PromptDataModule, SFTDataModule

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 pl = pytest.importorskip("pytorch_lightning")  # the test extra installs it; the lightning-only tests live elsewhere
 
+from helpers.modules import TinyHF, TinyLM, on_pytorch_lightning  # noqa: E402
 import lit_trainer.callbacks as lightning_callbacks  # noqa: E402
 from lit_trainer.callbacks import pytorch_lightning as plc  # noqa: E402
 from lit_trainer.callbacks._namespace import twin  # noqa: E402
@@ -26,7 +27,11 @@ NAMES = ["BEMA", "BestCheckpoint", "EvalOnStart", "ExactResume", "HFExport", "JI
 
 
 class Regressor(pl.LightningModule):
-    """A user's module written against `pytorch_lightning` (dropout: the RNG matters for resume)."""
+    """A user's module written against `pytorch_lightning` (dropout: the RNG matters for resume).
+
+    Not `helpers.modules.Regressor`: an embedding regressor, so NEFTune has an input embedding to noise, and it
+    counts its training forwards (a refused callback must stop the fit before any).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,27 +173,11 @@ def test_jit_checkpoint_saves_on_sigterm_and_stops(tmp_path: Path) -> None:
     assert ckpt["global_step"] == 4 and Path(jit.checkpoint_path).parent == tmp_path / "jit"
 
 
-class TinyHF(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def test_hf_export_writes_the_trained_model_and_refuses_a_plain_module(tmp_path: Path) -> None:
     import transformers
 
     ids = DataLoader(TensorDataset(torch.randint(1, 32, (8, 6), generator=torch.Generator().manual_seed(0))), 4)
-    module = TinyHF()
+    module = on_pytorch_lightning(TinyHF)(vocab=32, hidden=8, positions=16, tie=False, seed=None)
     _trainer(tmp_path, [plc.HFExport(dirpath=tmp_path / "hf")], max_steps=2, enable_checkpointing=False).fit(
         module, ids)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
@@ -220,17 +209,6 @@ def test_a_callback_of_the_other_package_is_refused_with_the_import_to_use(tmp_p
         _trainer(tmp_path, [getattr(lightning_callbacks, name)(**args)]).fit(module, train, val)
     with pytest.raises(TypeError, match=r"is a `pytorch_lightning` callback.*import it from `lit_trainer.callbacks`"):
         L.Trainer(callbacks=[getattr(plc, name)(**args)], max_steps=1, logger=False, enable_progress_bar=False,
-                  default_root_dir=tmp_path).fit(LightningRegressor(), train, val)
+                  default_root_dir=tmp_path).fit(TinyLM(), train, val)
     assert module.forwards == 0
 
-
-class LightningRegressor(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 1)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.lin(batch[0].float()).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)

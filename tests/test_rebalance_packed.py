@@ -8,18 +8,15 @@ so the padded cost model applies to the bin lengths.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from datasets import Dataset
 
-from conftest import tiny_llama
-from _accum_common import TEXTS, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
+from helpers.accumulation import TEXTS, accum_datamodule, full_batch_gradient, relative_error
+from helpers.ddp import output_tail, run_script
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.rebalance import balance_packed_step, balance_step
 from lit_trainer.data.samplers import BatchRebalanceSampler
@@ -115,10 +112,8 @@ def test_packed_batch_rebalance_fit_runs(tokenizer, packing):
 def test_ddp_padding_free_batch_rebalance_is_balanced_and_exact(tmp_path, tokenizer):
     """2 ranks (gloo), accumulate 2, batch_size 2: the one step holds all 8 rows. Each rank trains the packed
     sampler's micro-batches, and the step gradient equals the full-batch token-mean gradient."""
-    script = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "-", "padding_free", "batch_rebalance"],
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free", "batch_rebalance")
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")

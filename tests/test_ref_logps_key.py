@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from test_dpo_module import BETA, datamodule, trainer
 from transformers import LlamaForCausalLM
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _accum_common import TEXTS
-from conftest import tiny_llama
+from helpers.accumulation import TEXTS
+from helpers.models import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 

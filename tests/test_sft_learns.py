@@ -6,7 +6,7 @@ through the CLI, with only the progress bar turned off.
 
 from pathlib import Path
 
-from _readme_example import run_readme_generate
+from helpers.readme import run_readme_generate
 
 from lit_trainer.callbacks import HFExport
 from lit_trainer.cli import LitTrainerCLI

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -62,6 +61,8 @@ def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class TinyLM(nn.Module):
+    """A plain torch model (not a LightningModule): the script also runs it in float64 for the reference gradient."""
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -154,12 +155,9 @@ if __name__ == "__main__":
         json.dump(facts, f)
     os.replace(path + ".tmp", path)
 
-    if rank == 0:  # wait for rank 1's record, then compute the full-batch gradients of every step
-        other = os.path.join(out_dir, "rank1.json")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(other) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with open(other) as f:
+    trainer.strategy.barrier()  # rank 1's record is written
+    if rank == 0:  # compute the full-batch gradients of every step
+        with open(os.path.join(out_dir, "rank1.json")) as f:
             records = module.records + json.load(f)["records"]
         results = []
         for capture in module.captures:

@@ -11,10 +11,9 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_bema import LinearSGD, coefficients  # noqa: E402
+from test_bema import LinearSGD, coefficients  # tests/ is on PYTHONPATH (helpers.ddp.script_env)
 
-from lit_trainer.callbacks.bema import BEMA  # noqa: E402
+from lit_trainer.callbacks.bema import BEMA
 
 CONFIG = dict(update_freq=2, update_after=1, lag=1, ema_power=0.6, bias_power=0.25)
 STEPS = 10

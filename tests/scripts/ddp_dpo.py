@@ -15,12 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import ByT5Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import tiny_llama  # noqa: E402
-
-from lit_trainer.data import builtin  # noqa: E402
-from lit_trainer.data.preference import PreferenceDataModule  # noqa: E402
-from lit_trainer.modules.dpo import DPOModule  # noqa: E402
+from helpers.models import tiny_llama
+from lit_trainer.data import builtin
+from lit_trainer.data.preference import PreferenceDataModule
+from lit_trainer.modules.dpo import DPOModule
 
 TRAIN, VALIDATION = 21, 5
 

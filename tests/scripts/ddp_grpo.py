@@ -26,27 +26,14 @@ from typing import Any
 import torch
 import transformers
 
+from helpers.models import tiny_llama
+
 PROMPTS, BATCH, G, ACCUMULATE, SPG, STEPS = 16, 3, 8, 2, 4, 4
 
 
 def build_model() -> transformers.LlamaForCausalLM:
     """The tests' tiny Llama with an EOS-favouring output bias (varied completion lengths); seeded."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    model.generation_config.bos_token_id = None
-    head = torch.nn.Linear(32, 384, bias=True)
-    head.weight = model.lm_head.weight
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[1] = 3.0
-    model.lm_head = head
-    return model
+    return tiny_llama(0, eos_bias=3.0)
 
 
 def length_reward(prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float]:

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 _EXPORT_PATH = re.compile(r'"[^"]*hf_model"')
 _EXAMPLE_PROMPT = '"12+34="'
