@@ -5,12 +5,13 @@ uninterrupted sharded run."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
+
+from helpers.ddp import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "sft_fsdp.yaml"
@@ -29,11 +30,10 @@ def _command(out: Path) -> list[str]:
 
 
 def _run(cwd: Path, command: list[str], sigterm_at: int | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_TEST_SIGTERM_STEP"}
+    env = script_env()  # tests/scripts on PYTHONPATH: the command line names fsdp_sigterm_probe.SigtermOneRank
+    env.pop("FSDP_TEST_SIGTERM_STEP", None)
     if sigterm_at is not None:
         env["FSDP_TEST_SIGTERM_STEP"] = str(sigterm_at)
-    env = {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "scripts"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(command, check=False, cwd=cwd, env=env, timeout=600, capture_output=True, text=True)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,9 +10,7 @@ import lightning.pytorch as pl
 import torch
 from datasets import Dataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from conftest import tiny_llama
-
+from helpers.models import tiny_llama
 from lit_trainer.modules import _sharding
 
 # 16 rows of uneven length: per-device batch 2 x 2 ranks x accumulate 2 = 8 rows per optimizer step (2 per epoch)

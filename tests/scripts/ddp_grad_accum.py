@@ -8,15 +8,13 @@ import copy
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 if __name__ == "__main__":
     import lightning.pytorch as pl
     import torch
     from transformers import ByT5Tokenizer
 
-    from conftest import tiny_llama
-    from _accum_common import GradCapture, accum_datamodule
+    from helpers.accumulation import GradCapture, accum_datamodule
+    from helpers.models import tiny_llama
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     out_dir = sys.argv[1]

@@ -32,9 +32,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers.modules import TinyLM
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint
 from lit_trainer.callbacks.neftune import NEFTune
 from lit_trainer.callbacks.resume import ExactResume, resolve_resume
@@ -43,28 +43,6 @@ from lit_trainer.data.loader import TrainLoader
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 _PHASE_ENV = "DDP_SIGTERM_PHASE"
-
-
-class LM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.drop, self.head = nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.drop(self.embed(ids[:, :-1])))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch["input_ids"])
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch["input_ids"]), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class Probe(Callback):
@@ -123,7 +101,7 @@ def fit(out: Path, name: str, resume: str, pause: tuple[int, int] | None, exit_c
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0, default_root_dir=str(out),
     )
-    module = LM()
+    module = TinyLM(vocab=64, dim=16, dropout=0.2, lr=1e-2, optimizer="adamw")
     train, val = data()
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume_path(out, resume))
     if trainer.state.status == "finished" and not trainer.should_stop:

@@ -12,14 +12,12 @@ Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 if __name__ == "__main__":
     import _fsdp_common as common
     import torch
-    from conftest import tiny_llama
     from transformers import ByT5Tokenizer
 
+    from helpers.models import tiny_llama
     from lit_trainer.callbacks import BestCheckpoint, HFExport, NEFTune
     from lit_trainer.modules.causal_lm import CausalLMModule
 
