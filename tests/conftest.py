@@ -18,3 +18,10 @@ def tokenizer():
     from transformers import ByT5Tokenizer
 
     return ByT5Tokenizer()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every multi-process test (``ddp``) is also ``slow``, so ``-m "not slow"`` leaves it out."""
+    for item in items:
+        if item.get_closest_marker("ddp") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

@@ -8,10 +8,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from datasets import Dataset
-from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
-from helpers.models import tiny_llama
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.data.windows import StepWindows
 from lit_trainer.losses.causal_lm import causal_lm_loss

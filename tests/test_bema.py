@@ -18,8 +18,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers.models import tiny_llama
 from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.callbacks.bema import BEMA, bema_coefficients
 
 LR = 0.5
@@ -346,6 +346,7 @@ def test_refuses_fsdp1_and_early_access():  # FSDP2 (ModelParallelStrategy) is a
         BEMA().bema_state_dict()
 
 
+@pytest.mark.ddp
 def test_ddp_two_ranks(tmp_path):
     proc = run_script("ddp_bema.py", tmp_path)
     assert proc.returncode == 0, output_tail(proc)

@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers.ddp import output_tail, run_script
 import helpers.modules
 from helpers.data import regression_data
+from helpers.ddp import output_tail, run_script
 from helpers.modules import TinyHF, TinyLM
 from lit_trainer import _atomic
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
@@ -223,6 +223,7 @@ def test_three_callbacks_together(tmp_path: Path) -> None:
     assert all(torch.equal(model.state_dict()[k], best[k]) for k in best)
 
 
+@pytest.mark.ddp
 def test_ddp_two_processes_agree(tmp_path: Path) -> None:
     proc = run_script("ddp_best_checkpoint.py", tmp_path)
     assert proc.returncode == 0, output_tail(proc)

@@ -24,6 +24,7 @@ def _console_script() -> str:
     return str(exe) if exe.exists() else "lit-trainer"
 
 
+@pytest.mark.slow
 def test_main_job_end_to_end_in_subprocess(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([_console_script(), "fit", "--config", str(SFT), *FAST], cwd=tmp_path, env=env,
@@ -59,6 +60,7 @@ def test_main_job_end_to_end_in_subprocess(tmp_path):
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+@pytest.mark.slow
 def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
@@ -101,6 +103,7 @@ def _fit(args, *, every=500, extra_callbacks=()):
                                "--trainer.val_check_interval", "1000", "--trainer.limit_val_batches", "0", *args])
 
 
+@pytest.mark.slow
 def test_resume_policy_last_picks_newest_complete_and_fresh_never_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = _fit(["--trainer.max_steps", "4"], every=2)

@@ -54,6 +54,7 @@ def three_recipes(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.slow
 def test_each_recipe_writes_its_own_run_folder(three_recipes):
     for recipe in ("sft", "dpo", "grpo"):
         run = three_recipes / "runs" / recipe / "version_0"
@@ -75,6 +76,7 @@ def test_resume_refuses_another_recipes_checkpoint_naming_both(three_recipes, mo
     assert not (three_recipes / "runs" / "sft" / "version_1").exists()
 
 
+@pytest.mark.slow
 def test_last_after_sft_dpo_grpo_resumes_sft_in_its_own_folder(three_recipes, monkeypatch):
     monkeypatch.chdir(three_recipes)
     run = three_recipes / "runs" / "sft" / "version_0"
@@ -95,6 +97,7 @@ class _SignalAt(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = yaml.safe_load((CONFIGS / "sft.yaml").read_text())
@@ -116,6 +119,7 @@ def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, m
     assert _steps(run)[-1] == 3
 
 
+@pytest.mark.slow
 def test_rerunning_a_saved_or_printed_config_never_overwrites(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     _fit("sft", 1)
@@ -134,6 +138,7 @@ def test_rerunning_a_saved_or_printed_config_never_overwrites(tmp_path, monkeypa
     assert Path(printed.trainer.log_dir).name == "version_2"
 
 
+@pytest.mark.slow
 def test_default_root_dir_is_the_root_of_everything_a_run_writes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = _fit("sft", 1, "--trainer.default_root_dir", "out")

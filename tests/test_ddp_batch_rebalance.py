@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ddp_batch_rebalance as script  # tests/scripts: constants and the row lengths, nothing runs on import
 import pytest
 import torch
 
-import ddp_batch_rebalance as script  # tests/scripts: constants and the row lengths, nothing runs on import
 from helpers.ddp import output_tail, run_script
 from lit_trainer.data.samplers import BatchRebalanceSampler
 
+pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ import torch
 from transformers import ByT5Tokenizer
 
 from helpers.accumulation import accum_datamodule, full_batch_gradient, relative_error
+from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 
-from helpers.ddp import output_tail, run_script
+pytestmark = pytest.mark.ddp
+
 
 def _run(tmp_path, *args: str) -> list[dict]:
     proc = run_script("ddp_grad_accum.py", tmp_path, *args)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ddp_grpo as script  # tests/scripts: constants and helpers; nothing runs on import
 import pytest
 import torch
 
-import ddp_grpo as script  # tests/scripts: constants and helpers; nothing runs on import
-
 from helpers.ddp import output_tail, run_script
 
+pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from helpers.accumulation import GradCapture, relative_error
-from helpers.models import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
+from helpers.accumulation import GradCapture, relative_error
 from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import builtin
 from lit_trainer.data.preference import PreferenceDataModule
@@ -79,6 +79,7 @@ class Recorder(Callback):
                 {n: p.detach().clone() for n, p in ref.named_parameters()} if ref is not None else None)
 
 
+@pytest.mark.slow
 def test_end_to_end_reference_is_frozen_and_rewards_accuracy_rises(tokenizer):
     torch.manual_seed(0)
     module = DPOModule("tiny-64", learning_rate=1e-3, scheduler="constant", beta=BETA)
@@ -209,6 +210,7 @@ def test_rpo_sft_term_is_the_token_mean_over_the_step_under_accumulation(tokeniz
     assert relative_error(cut, {n: p.grad for n, p in policy.named_parameters()}) < 1e-5
 
 
+@pytest.mark.slow
 def test_precompute_matches_live_reference_with_less_memory_and_a_keyed_cache(tokenizer, tmp_path, monkeypatch):
     def run(seed: int, precompute: bool, rows=None, steps: int = 6) -> tuple[DPOModule, Recorder]:
         recorder = Recorder()
@@ -238,6 +240,7 @@ def test_precompute_matches_live_reference_with_less_memory_and_a_keyed_cache(to
     assert len(list((tmp_path / "cache").glob("ref_logps-*.safetensors"))) == 3
 
 
+@pytest.mark.slow
 def test_precompute_survives_a_resume_from_checkpoint(tokenizer, tmp_path):
     def module() -> DPOModule:  # constant LR: the 2-step run must follow the same schedule as the 4-step ones
         return DPOModule(tiny_llama(0), learning_rate=1e-3, beta=BETA, precompute_ref_log_probs=True,
@@ -349,6 +352,7 @@ def test_precompute_is_refused_under_model_parallel_but_the_live_reference_is_ac
     live.setup("fit")
 
 
+@pytest.mark.slow
 def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
     config = yaml.safe_load((ROOT / "configs" / "dpo.yaml").read_text())
     init = config["model"]["init_args"]
@@ -366,6 +370,7 @@ def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
     assert "rewards/accuracies" in cli.trainer.callback_metrics
 
 
+@pytest.mark.ddp
 def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer, tmp_path):
     proc = run_script("ddp_dpo.py", tmp_path)
     assert proc.returncode == 0, output_tail(proc)

@@ -28,6 +28,7 @@ from lit_trainer.callbacks.resume import (
     write_sentinel,
 )
 
+
 def _draws() -> tuple:
     return random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.randn(2).tolist()
 
@@ -158,6 +159,7 @@ def _signal_at_pause(run: Path, proc: subprocess.Popen, log: Path, signum: int =
     return ready, sent
 
 
+@pytest.mark.ddp
 def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     name = {s: f"jit-epoch=0-step={s}.ckpt" for s in (2, 3, 6)}

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers.ddp import output_tail, run_script
+
+pytestmark = pytest.mark.ddp
+
 
 def test_ddp_resumes_mid_window_mid_epoch_and_at_the_epoch_boundary_bit_exactly(tmp_path: Path) -> None:
     proc = run_script("ddp_plain_resume.py", tmp_path)

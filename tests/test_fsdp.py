@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import _fsdp_common as common  # tests/scripts
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
-
-import _fsdp_common as common  # tests/scripts
 from helpers.ddp import output_tail, run_script
 from lit_trainer.callbacks import HFExport
 from lit_trainer.modules import _sharding
@@ -37,7 +36,6 @@ def _max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 @pytest.fixture(scope="module")
 def single_sft(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     from helpers.models import tiny_llama
-
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     tokenizer = ByT5Tokenizer()
@@ -49,6 +47,7 @@ def single_sft(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     return SimpleNamespace(weights=common.full_weights(module), clip=clip, export=export)
 
 
+@pytest.mark.ddp
 def test_sft_sharded_ends_with_the_single_process_weights(run: Path, single_sft: SimpleNamespace):
     sharded = torch.load(run / "sft.pt", weights_only=False)
     assert sharded["param_type"] == "DTensor"  # really sharded
@@ -56,11 +55,13 @@ def test_sft_sharded_ends_with_the_single_process_weights(run: Path, single_sft:
     assert _max_relative_diff(sharded["weights"], single_sft.weights) <= 1e-5
 
 
+@pytest.mark.ddp
 def test_activation_checkpointing_under_sharding_gives_the_same_weights(run: Path, single_sft: SimpleNamespace):
     checkpointed = torch.load(run / "sft_checkpointed.pt", weights_only=False)
     assert _max_relative_diff(checkpointed, single_sft.weights) <= 1e-5
 
 
+@pytest.mark.ddp
 def test_max_grad_norm_is_applied_under_every_accepted_strategy(run: Path, single_sft: SimpleNamespace):
     grpo = torch.load(run / "grpo_rank0.pt", weights_only=False)
     records = {"single": (single_sft.clip.pre, single_sft.clip.post, common.MAX_GRAD_NORM),
@@ -74,11 +75,13 @@ def test_max_grad_norm_is_applied_under_every_accepted_strategy(run: Path, singl
             assert after == pytest.approx(min(before, max_norm), rel=1e-4), name
 
 
+@pytest.mark.ddp
 def test_sharded_optimizer_is_fused_adamw(run: Path):
     sharded = torch.load(run / "sft.pt", weights_only=False)
     assert sharded["fused"] is True  # torch's fused AdamW kernel takes the DTensor shards
 
 
+@pytest.mark.ddp
 def test_sharded_export_equals_single_process_export_and_loads(run: Path, single_sft: SimpleNamespace):
     sharded = AutoModelForCausalLM.from_pretrained(run / "sft_export")
     single = AutoModelForCausalLM.from_pretrained(single_sft.export)
@@ -88,6 +91,7 @@ def test_sharded_export_equals_single_process_export_and_loads(run: Path, single
     assert all(torch.equal(a[name], value) for name, value in trained.items())
 
 
+@pytest.mark.ddp
 def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
     best = torch.load(run / "best.pt", weights_only=False)
     assert Path(best["checkpoint"]).is_dir()  # ModelParallelStrategy's distributed checkpoint
@@ -96,6 +100,7 @@ def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
     assert best["neftune_draws"] == 2  # NEFTune found the sharded model's embedding: one draw per micro-batch
 
 
+@pytest.mark.ddp
 def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     sharded = torch.load(run / "dpo.pt", weights_only=False)
     assert sharded["ref_types"] == {"DTensor"}  # the reference is sharded like the policy, and stays so after use
@@ -110,6 +115,7 @@ def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     assert any(not torch.equal(sharded["ref"][k], initial[k]) for k in sharded["ref"])  # it was refreshed
 
 
+@pytest.mark.ddp
 def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
     ranks = [torch.load(run / f"grpo_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[0]["sharded"]["longest"] != ranks[1]["sharded"]["longest"]  # ranks stopped at different lengths
@@ -192,6 +198,7 @@ def single_bema_best(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return common.bema_best_run(lambda: "auto", 1, 4, str(tmp_path_factory.mktemp("single_bema")))
 
 
+@pytest.mark.ddp
 def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path, single_bema_best: dict):
     sharded = torch.load(run / "bema_best.pt", weights_only=False)
     assert _max_relative_diff(sharded["bema"], single_bema_best["bema"]) <= 1e-5  # full tensors, gathered
@@ -206,6 +213,7 @@ def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path
     assert all(torch.equal(exported[k[len("model."):]], v) for k, v in sharded["bema"].items())
 
 
+@pytest.mark.ddp
 def test_sharded_best_checkpoint_loads_the_scored_weights_at_the_end(run: Path, single_bema_best: dict):
     from lit_trainer.callbacks import BEMA
     from lit_trainer.callbacks.checkpointing import load_checkpoint_state_dict

@@ -9,9 +9,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers.ddp import script_env
+
+pytestmark = pytest.mark.ddp
+
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "sft_fsdp.yaml"

@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers.models import tiny_llama
 from helpers.accumulation import GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 

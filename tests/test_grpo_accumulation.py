@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from helpers.accumulation import GradCapture, relative_error
 from test_grpo_module import QUIET, _independent_step_gradient, data, grpo, tiny_model
+
+from helpers.accumulation import GradCapture, relative_error
 
 
 def _record_micro_batches(module) -> list[dict[str, torch.Tensor]]:
@@ -25,6 +26,7 @@ def _record_micro_batches(module) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
+@pytest.mark.slow
 def test_dapo_step_spanning_two_generation_rounds_is_token_exact():
     # spg = 3, accumulate 2: step 0 = round 0 slices 0, 1; step 1 = round 0 slice 2 + round 1 slice 0
     model = tiny_model(3, eos_bias=5.0)  # EOS likely: completion lengths vary

@@ -166,6 +166,7 @@ def test_options_are_validated_with_a_fix_in_the_message():
         trainer.fit(grpo(steps_per_generation=1), datamodule=data(batch_size=3))
 
 
+@pytest.mark.slow
 def test_reward_functions_from_import_paths_and_errors_name_the_function():
     module = grpo(reward_funcs="lit_trainer.rewards.arithmetic_reward")
     assert module.reward_funcs == [arithmetic_reward] and module.hparams.reward_funcs == [
@@ -192,6 +193,7 @@ def test_reward_functions_from_import_paths_and_errors_name_the_function():
         (1, {"generation_batch_size": 8, "num_iterations": 2}, 8, 2, 8),  # spg 2, mu 2: 4 micro-steps per round
     ],
 )
+@pytest.mark.slow
 def test_generate_is_called_once_per_round_with_each_prompt_num_generations_times(accumulate, options, steps,
                                                                                   expected_calls, rows):
     module = grpo(**options)
@@ -314,6 +316,7 @@ def test_resume_in_the_middle_of_a_generation_round_is_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_mean_reward_rises_from_a_briefly_sft_trained_model():
     """Tiny-64 SFT for 80 steps on 64 addition problems (about 20-30% of sampled answers right), then GRPO with the
     correctness reward on 16 of them, every step on the same 16 prompts x 8 samples (so the curve is not dominated
@@ -344,6 +347,7 @@ def test_mean_reward_rises_from_a_briefly_sft_trained_model():
 
 
 # ---------------------------------------------------------------------------------------------------- config
+@pytest.mark.slow
 def test_grpo_config_parses_and_runs_a_few_steps(tmp_path, monkeypatch):
     from lit_trainer.cli import LitTrainerCLI
 

@@ -23,6 +23,7 @@ from lit_trainer.callbacks.resume import SENTINEL_NAME, sentinel_target
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
 
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -223,6 +224,7 @@ def _one_checkpoint(folder: Path, step: int) -> None:
     assert rng["world_size"] == 2 and not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
 
 
+@pytest.mark.ddp
 def test_ddp_sigterm_to_one_rank_then_to_both_stops_together_and_resumes_exactly(tmp_path: Path) -> None:
     proc = _launch(tmp_path)
     try:

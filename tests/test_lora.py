@@ -17,12 +17,12 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from helpers.models import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.models import tiny_llama
 from lit_trainer import CausalLMModule
 from lit_trainer.callbacks import BestCheckpoint, ExactResume, HFExport, JITCheckpoint
 from lit_trainer.data import SFTDataModule
@@ -96,6 +96,7 @@ def test_peft_config_forms_and_errors() -> None:
         _peft.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_lora_sft_raises_exact_match_and_changes_only_adapters(lora_run: dict[str, Any]) -> None:
     assert lora_run["after"] >= lora_run["before"] + 0.05, (lora_run["before"], lora_run["after"])
     module = lora_run["module"]
@@ -160,6 +161,7 @@ def _resume_run(tmp_path: Path, callbacks: list, ckpt_path: str | None = None) -
     return module
 
 
+@pytest.mark.slow
 def test_lora_resume_is_bit_exact(tmp_path: Path) -> None:
     reference = _resume_run(tmp_path / "a", [])
     jit = JITCheckpoint(kill_wait=0, dirpath=str(tmp_path / "jit"), exit_code=None)

@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from helpers.models import tiny_llama
 
+from helpers.models import tiny_llama
 from lit_trainer import CausalLMModule, DPOModule, GRPOModule
 from lit_trainer.callbacks import BEMA, NEFTune
 from lit_trainer.callbacks.neftune import find_input_embedding
@@ -88,6 +88,7 @@ def _preference_data() -> PreferenceDataModule:
     return PreferenceDataModule(tokenizer="tiny", dataset=rows, val_size=0, max_length=16, batch_size=8)
 
 
+@pytest.mark.slow
 def test_dpo_lora_precomputed_reference_equals_the_full_copy() -> None:
     values = []
     for peft_config in (None, LORA):
@@ -105,6 +106,7 @@ def _token_sum_reward(prompts: list, completions: list, completion_ids: list, **
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+@pytest.mark.slow
 def test_grpo_lora_rollouts_carry_the_base_model_reference_log_probs() -> None:
     module = GRPOModule(tiny_llama(seed=9), tokenizer=build_tokenizer(), peft_config=LORA, beta=0.04,
                         reward_funcs=[_token_sum_reward],
@@ -121,6 +123,7 @@ def test_grpo_lora_rollouts_carry_the_base_model_reference_log_probs() -> None:
     assert (policy - rows["ref_logps"]).abs().max() > 1e-4  # the reference is not the trained policy
 
 
+@pytest.mark.slow
 def test_bema_averages_the_adapters_and_refuses_updating_a_shared_reference(tmp_path: Path) -> None:
     rows = builtin.sft_rows("train").select(range(16))
     data = SFTDataModule(tokenizer="tiny", dataset=rows, val_size=0, max_length=16, batch_size=8)

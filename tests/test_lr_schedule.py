@@ -5,10 +5,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers.accumulation import accum_datamodule
-from helpers.models import tiny_llama
 from transformers import get_scheduler
 
+from helpers.accumulation import accum_datamodule
+from helpers.models import tiny_llama
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,

@@ -69,6 +69,7 @@ def test_committed_notebooks_carry_no_outputs(name: str) -> None:
     assert "LIT_TRAINER_NOTEBOOK_FAST" in code[0].source, "the fast-mode switch must be read in the first code cell"
 
 
+@pytest.mark.slow
 def test_quickstart_runs_and_sft_beats_the_untrained_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb, stdout = _execute("quickstart.ipynb", tmp_path, monkeypatch)
     scores: dict[Any, float] = {name: float(value) for name, value in _tagged(stdout, "EXACT_MATCH").items()}
@@ -85,6 +86,7 @@ def test_quickstart_runs_and_sft_beats_the_untrained_model(tmp_path: Path, monke
         assert column in header, (run, header)
 
 
+@pytest.mark.slow
 def test_callbacks_notebook_runs_and_the_resumed_run_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb, stdout = _execute("callbacks_in_your_project.ipynb", tmp_path, monkeypatch)
     assert _tagged(stdout, "RESUMED_EQUALS_UNINTERRUPTED") == {None: "True"}, stdout

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers.models import tiny_llama
 from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
 from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
 from lit_trainer.data.sft import SFTDataModule
@@ -202,6 +202,7 @@ def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
     assert all(torch.equal(resumed[n], full[n]) for n in full)
 
 
+@pytest.mark.ddp
 def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, tokenizer):
     proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free")
     assert proc.returncode == 0, output_tail(proc)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers.accumulation import GradCapture, relative_error
-from helpers.models import tiny_llama
 from datasets import Dataset
 
+from helpers.accumulation import GradCapture, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.modules.dpo import DPOModule
 

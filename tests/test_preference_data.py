@@ -217,6 +217,7 @@ def test_only_identical_pairs_is_an_error_naming_the_option(tokenizer):
         make(tokenizer, {"prompt": ["1+1="], "chosen": ["2"], "rejected": ["2"]})
 
 
+@pytest.mark.slow
 def test_builtin_addition_has_no_identical_pairs(tokenizer):
     dm = PreferenceDataModule(tokenizer=tokenizer, max_length=32)
     dm.setup("fit")

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 pl = pytest.importorskip("pytorch_lightning")  # the test extra installs it; the lightning-only tests live elsewhere
 
-from helpers.modules import TinyHF, TinyLM, on_pytorch_lightning  # noqa: E402
 import lit_trainer.callbacks as lightning_callbacks  # noqa: E402
+from helpers.modules import TinyHF, TinyLM, on_pytorch_lightning  # noqa: E402
 from lit_trainer.callbacks import pytorch_lightning as plc  # noqa: E402
 from lit_trainer.callbacks._namespace import twin  # noqa: E402
 from lit_trainer.data.batch_sampler import ShardedBatchSampler  # noqa: E402

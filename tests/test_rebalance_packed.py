@@ -14,9 +14,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from helpers.models import tiny_llama
 from helpers.accumulation import TEXTS, accum_datamodule, full_batch_gradient, relative_error
 from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.rebalance import balance_packed_step, balance_step
 from lit_trainer.data.samplers import BatchRebalanceSampler
@@ -109,6 +109,7 @@ def test_packed_batch_rebalance_fit_runs(tokenizer, packing):
     assert moved > 0
 
 
+@pytest.mark.ddp
 def test_ddp_padding_free_batch_rebalance_is_balanced_and_exact(tmp_path, tokenizer):
     """2 ranks (gloo), accumulate 2, batch_size 2: the one step holds all 8 rows. Each rank trains the packed
     sampler's micro-batches, and the step gradient equals the full-batch token-mean gradient."""

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from helpers.models import tiny_llama
 from test_dpo_module import BETA, datamodule, trainer
 from transformers import LlamaForCausalLM
 
+from helpers.models import tiny_llama
 from lit_trainer.modules import _ref_logps
 from lit_trainer.modules.dpo import DPOModule
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from helpers.accumulation import TEXTS
-from helpers.models import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.accumulation import TEXTS
+from helpers.models import tiny_llama
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.callbacks._window_grads import mid_window_validation_error
 from lit_trainer.data.loader import NUM_ITEMS_KEY

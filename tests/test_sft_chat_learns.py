@@ -6,10 +6,13 @@ The loss is on the assistant's tokens only ("82</s>"), about ln(384) = 5.95 per 
 """
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lit_trainer import CausalLMModule
 from lit_trainer.data import SFTDataModule
+
+pytestmark = pytest.mark.slow
 
 
 def test_chat_fit_learns_the_assistant_answers(tmp_path):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
+from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.sft import SFTDataModule
 
 
@@ -106,6 +106,7 @@ def test_directory_with_validation_file(tokenizer, tmp_path):
     assert len(dm.train_dataset) == 6 and len(dm.val_dataset) == 1
 
 
+@pytest.mark.slow
 def test_builtin_split_is_held_out(tokenizer):
     dm = SFTDataModule(tokenizer=tokenizer, max_length=32)
     dm.setup("fit")

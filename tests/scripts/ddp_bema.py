@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-
 from test_bema import LinearSGD, coefficients  # tests/ is on PYTHONPATH (helpers.ddp.script_env)
 
 from lit_trainer.callbacks.bema import BEMA
