@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 
 def tiny_llama(seed: int | None = 0, hidden: int = 32, layers: int = 1, dropout: float = 0.0, *, vocab: int = 384,
@@ -19,6 +23,8 @@ def tiny_llama(seed: int | None = 0, hidden: int = 32, layers: int = 1, dropout:
         eos_bias: when given, the output layer gets a bias that is 0 except ``eos_bias`` on EOS (id 1), so sampled
             completions end at varied lengths (3.0: about 10% per token), and ``generate`` pads with 0 and stops at 1.
     """
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: importing helpers stays light
+
     if seed is not None:
         torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
