@@ -8,10 +8,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from datasets import Dataset
-from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
-from conftest import tiny_llama
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.data.windows import StepWindows
 from lit_trainer.losses.causal_lm import causal_lm_loss
@@ -23,9 +23,14 @@ def _fit(tokenizer, dm, callbacks=(), logger=False, loader=None, **trainer_kwarg
     model = tiny_llama(seed=1)
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
     capture = GradCapture()
-    trainer = pl.Trainer(callbacks=[capture, *callbacks], logger=logger, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **trainer_kwargs})
+    trainer = pl.Trainer(
+        callbacks=[capture, *callbacks],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **trainer_kwargs},
+    )
     trainer.fit(module, **({"train_dataloaders": loader} if loader is not None else {"datamodule": dm}))
     return model, capture.grads
 
@@ -51,8 +56,9 @@ def test_limit_train_batches_below_accumulate_is_exact_and_logs_the_full_batch_l
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")
     logger = pl.loggers.CSVLogger(tmp_path, name="logs", version=0)
-    model, grads = _fit(tokenizer, dm, logger=logger, max_steps=1, accumulate_grad_batches=4,
-                        limit_train_batches=2, log_every_n_steps=1)
+    model, grads = _fit(
+        tokenizer, dm, logger=logger, max_steps=1, accumulate_grad_batches=4, limit_train_batches=2, log_every_n_steps=1
+    )
     _check_steps(model, dm, grads, [[0, 1, 2, 3]])
     batch = dm._collate([dm.train_dataset[i] for i in range(4)], True)
     with torch.no_grad():
@@ -102,16 +108,29 @@ def test_validation_inside_a_window_leaves_the_step_exact(tokenizer):
     # val_check_interval counts micro-batches: validation runs after micro-batch 1, inside the 4-micro-batch window
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")
-    with_val = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}),
-                             validation_dataset=Dataset.from_dict({"text": TEXTS[:3]}), batch_size=2, max_length=64,
-                             sampling="sequential")
+    with_val = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        validation_dataset=Dataset.from_dict({"text": TEXTS[:3]}),
+        batch_size=2,
+        max_length=64,
+        sampling="sequential",
+    )
     validations = []
 
     class Spy(pl.Callback):
         def on_validation_start(self, trainer, pl_module):
             validations.append(trainer.global_step)
 
-    model, grads = _fit(tokenizer, with_val, [Spy()], max_steps=1, accumulate_grad_batches=4, val_check_interval=2,
-                        limit_val_batches=None, check_val_every_n_epoch=None)
+    model, grads = _fit(
+        tokenizer,
+        with_val,
+        [Spy()],
+        max_steps=1,
+        accumulate_grad_batches=4,
+        val_check_interval=2,
+        limit_val_batches=None,
+        check_val_every_n_epoch=None,
+    )
     assert validations[:1] == [0]  # before the first optimizer step, i.e. inside its window
     _check_steps(model, dm, grads, [[0, 1, 2, 3, 4, 5, 6, 7]])

@@ -56,8 +56,9 @@ def _checkpoint(step: int) -> dict:
     return {"step": step, "state_dict": {"w": torch.full((64, 64), float(step))}}
 
 
-def test_lightning_torch_checkpoint_io_leaves_a_truncated_file_under_the_final_name(tmp_path: Path,
-                                                                                     monkeypatch) -> None:
+def test_lightning_torch_checkpoint_io_leaves_a_truncated_file_under_the_final_name(
+    tmp_path: Path, monkeypatch
+) -> None:
     # what AtomicCheckpointIO is for: Lightning 2.6's own writer is atomic only when $TMPDIR shares the file system
     target = tmp_path / "step=1.ckpt"
     _interrupt_moves(monkeypatch)
@@ -107,9 +108,19 @@ class Regressor(pl.LightningModule):
 
 
 def _trainer(tmp_path: Path, callbacks: list, **kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", max_steps=4, val_check_interval=2, check_val_every_n_epoch=None,
-                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, default_root_dir=tmp_path, **kw)
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        **kw,
+    )
 
 
 def test_best_checkpoint_interrupted_mid_write_keeps_the_previous_best(tmp_path: Path, monkeypatch) -> None:
@@ -135,8 +146,9 @@ def test_best_checkpoint_installs_the_plugin_once_and_only_for_local_synchronous
 
     io = setup(tmp_path / "ckpt").strategy.checkpoint_io
     assert isinstance(io, AtomicCheckpointIO) and type(io.checkpoint_io) is TorchCheckpointIO
-    assert isinstance(setup(tmp_path / "ckpt", plugins=[AsyncCheckpointIO()]).strategy.checkpoint_io,
-                      AsyncCheckpointIO)  # its write still runs when save_checkpoint returns: nothing to rename
+    assert isinstance(
+        setup(tmp_path / "ckpt", plugins=[AsyncCheckpointIO()]).strategy.checkpoint_io, AsyncCheckpointIO
+    )  # its write still runs when save_checkpoint returns: nothing to rename
     assert type(setup("memory://ckpt").strategy.checkpoint_io) is TorchCheckpointIO  # object stores
 
 
@@ -144,8 +156,9 @@ def test_a_distributed_checkpoint_folder_is_marked_incomplete_while_written(tmp_
     # ModelParallelStrategy writes its folder itself (not through checkpoint_io): the sentinel names it meanwhile
     cb = BestCheckpoint(dirpath=tmp_path, filename="{step}", monitor="val_score")
     trainer = SimpleNamespace(strategy=ModelParallelStrategy(), is_global_zero=True, global_step=3)
-    assert cb.check_monitor_top_k(trainer, torch.tensor(1.0)) and not cb.check_monitor_top_k(trainer,
-                                                                                          torch.tensor(math.nan))
+    assert cb.check_monitor_top_k(trainer, torch.tensor(1.0)) and not cb.check_monitor_top_k(
+        trainer, torch.tensor(math.nan)
+    )
     assert cb.check_monitor_top_k(trainer, torch.tensor(1.0))  # (no best yet: any number improves)
     cb.best_model_path = str(tmp_path / "step=3.ckpt")  # as ModelCheckpoint does just before saving
     cb.on_save_checkpoint(trainer, None, {"state_dict": {}})
@@ -155,8 +168,14 @@ def test_a_distributed_checkpoint_folder_is_marked_incomplete_while_written(tmp_
 
 
 def test_usable_as_a_trainer_plugin_without_best_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    trainer = pl.Trainer(max_steps=2, plugins=[AtomicCheckpointIO()], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)  # Lightning's own ModelCheckpoint
+    trainer = pl.Trainer(
+        max_steps=2,
+        plugins=[AtomicCheckpointIO()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # Lightning's own ModelCheckpoint
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
     _interrupt_moves(monkeypatch)

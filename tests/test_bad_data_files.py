@@ -71,8 +71,9 @@ def test_empty_csv_cell_names_the_file_line_and_column(tokenizer, tmp_path, kind
     lines[3] = ",".join("" if name == column else value for name, value in good.items())  # line 4: one empty cell
     path = tmp_path / "train.csv"
     path.write_text("\n".join(lines) + "\n")
-    raises_one_message(rf"line 4 of {re.escape(str(path))}, column '{column}': the value is missing", kind,
-                       tokenizer, str(path))
+    raises_one_message(
+        rf"line 4 of {re.escape(str(path))}, column '{column}': the value is missing", kind, tokenizer, str(path)
+    )
 
 
 @pytest.mark.parametrize("kind", MODULES)
@@ -81,15 +82,17 @@ def test_missing_value_in_jsonl_counts_blank_lines(tokenizer, tmp_path, kind):
     column = "completion" if kind == "sft" else "rejected" if kind == "preference" else "prompt"
     path = tmp_path / "train.jsonl"
     path.write_text(jsonl([good, "", good, {**good, column: None}]))  # the null is on line 4 (row 3)
-    raises_one_message(rf"line 4 of {re.escape(str(path))}, column '{column}': the value is missing", kind,
-                       tokenizer, str(path))
+    raises_one_message(
+        rf"line 4 of {re.escape(str(path))}, column '{column}': the value is missing", kind, tokenizer, str(path)
+    )
 
 
 def test_non_text_value_is_named_with_its_type(tokenizer, tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(jsonl([{"prompt": "1+1=", "completion": 2}]))
-    raises_one_message(rf"line 1 of {re.escape(str(path))}, column 'completion': expected text, got int 2",
-                       "sft", tokenizer, str(path))
+    raises_one_message(
+        rf"line 1 of {re.escape(str(path))}, column 'completion': expected text, got int 2", "sft", tokenizer, str(path)
+    )
 
 
 def test_csv_cells_are_read_as_text(tokenizer, tmp_path):
@@ -103,20 +106,23 @@ def test_csv_cells_are_read_as_text(tokenizer, tmp_path):
 def test_quoted_multiline_csv_cell_keeps_line_numbers_right(tokenizer, tmp_path):
     path = tmp_path / "train.csv"
     path.write_text('text,other\n"two\nlines",x\nok,y\n,z\n')  # records start on lines 2, 4, 5
-    raises_one_message(rf"line 5 of {re.escape(str(path))}, column 'text': the value is missing", "sft",
-                       tokenizer, str(path))
+    raises_one_message(
+        rf"line 5 of {re.escape(str(path))}, column 'text': the value is missing", "sft", tokenizer, str(path)
+    )
 
 
 def test_error_in_a_directory_names_the_file_it_is_in(tokenizer, tmp_path):
     (tmp_path / "train-0.jsonl").write_text(jsonl([{"text": "a"}, {"text": "b"}]))
     (tmp_path / "train-1.jsonl").write_text(jsonl([{"text": "c"}, {"text": None}]))
     (tmp_path / "validation.jsonl").write_text(jsonl([{"text": "v"}]))
-    raises_one_message(rf"line 2 of {re.escape(str(tmp_path / 'train-1.jsonl'))}, column 'text'", "sft", tokenizer,
-                       str(tmp_path))
+    raises_one_message(
+        rf"line 2 of {re.escape(str(tmp_path / 'train-1.jsonl'))}, column 'text'", "sft", tokenizer, str(tmp_path)
+    )
     (tmp_path / "train-1.jsonl").write_text(jsonl([{"text": "c"}]))
     (tmp_path / "validation.jsonl").write_text(jsonl([{"text": "v"}, "{oops"]))
-    raises_one_message(rf"line 2 of {re.escape(str(tmp_path / 'validation.jsonl'))}: not valid JSON", "sft",
-                       tokenizer, str(tmp_path))
+    raises_one_message(
+        rf"line 2 of {re.escape(str(tmp_path / 'validation.jsonl'))}: not valid JSON", "sft", tokenizer, str(tmp_path)
+    )
 
 
 def test_in_memory_rows_keep_their_index(tokenizer):
@@ -134,14 +140,23 @@ def test_mixed_json_types_name_the_line_as_written(tokenizer, tmp_path, blank):
     path = tmp_path / "train.jsonl"
     path.write_text(jsonl([{"prompt": "a", "completion": "1"}, *[""] * blank, {"prompt": "b", "completion": 2}]))
     line = 3 if blank else 2
-    raises_one_message(rf"line {line} of {re.escape(str(path))}(: column 'completion' holds a number here but a "
-                       r"string on line 1|, column 'completion': expected text, got int 2)", "sft", tokenizer,
-                       str(path))
+    raises_one_message(
+        rf"line {line} of {re.escape(str(path))}(: column 'completion' holds a number here but a "
+        r"string on line 1|, column 'completion': expected text, got int 2)",
+        "sft",
+        tokenizer,
+        str(path),
+    )
 
 
 def test_mixed_json_types_in_preference_data_name_the_line_as_written(tokenizer, tmp_path):
     path = tmp_path / "train.jsonl"
     rows = [{"prompt": "a", "chosen": "1", "rejected": "x"}, {"prompt": "b", "chosen": 2, "rejected": "y"}]
     path.write_text(jsonl(rows))
-    raises_one_message(rf"line 2 of {re.escape(str(path))}, column 'chosen': expected a string or a list of "
-                       "messages, got int", "preference", tokenizer, str(path))
+    raises_one_message(
+        rf"line 2 of {re.escape(str(path))}, column 'chosen': expected a string or a list of "
+        "messages, got int",
+        "preference",
+        tokenizer,
+        str(path),
+    )

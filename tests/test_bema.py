@@ -6,8 +6,6 @@ import copy
 import math
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +18,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.callbacks.bema import BEMA, bema_coefficients
 
 LR = 0.5
@@ -35,15 +35,24 @@ def coefficients(step: int) -> np.ndarray:
 
 def live_trajectory(num_steps: int) -> list[np.ndarray]:
     """theta_0 .. theta_T as flat (a, b) vectors: theta_t = theta_{t-1} - LR * c_{t-1}."""
-    thetas = [np.array(A0 + sum(B0, []), dtype=np.float64)]
+    thetas = [np.array(A0 + [b for row in B0 for b in row], dtype=np.float64)]
     for t in range(num_steps):
         thetas.append(thetas[-1] - LR * coefficients(t))
     return thetas
 
 
-def trl_bema(thetas: list[np.ndarray], *, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2,
-             lag: float = 10, update_after: int = 0, multiplier: float = 1.0, min_ema_multiplier: float = 0.0,
-             **_: object) -> list[np.ndarray]:
+def trl_bema(
+    thetas: list[np.ndarray],
+    *,
+    update_freq: int = 400,
+    ema_power: float = 0.5,
+    bias_power: float = 0.2,
+    lag: float = 10,
+    update_after: int = 0,
+    multiplier: float = 1.0,
+    min_ema_multiplier: float = 0.0,
+    **_: object,
+) -> list[np.ndarray]:
     """Independent implementation of TRL 1.16's BEMACallback (docs/design.md#trl-bema): outputs at steps 0..T."""
     theta0, ema, out = thetas[0].copy(), thetas[0].copy(), thetas[0].copy()
     outputs = [out.copy()]
@@ -126,9 +135,18 @@ class Recorder(Callback):
 
 
 def make_trainer(tmp_path: Path, max_steps: int, callbacks: list, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                    num_sanity_val_steps=0, default_root_dir=tmp_path)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     return pl.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
 
 
@@ -203,8 +221,16 @@ def test_evaluate_with_bema_scores_the_bema_weights(tmp_path):
     bema = BEMA(**config)
     best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="val_metric", mode="min", save_top_k=1)
     module = LinearSGD(mid_val_ckpt=str(tmp_path / "mid_val.ckpt"))
-    trainer = make_trainer(tmp_path, 9, [bema, best], enable_checkpointing=True, limit_val_batches=None,
-                           val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=1)
+    trainer = make_trainer(
+        tmp_path,
+        9,
+        [bema, best],
+        enable_checkpointing=True,
+        limit_val_batches=None,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=1,
+    )
     trainer.fit(module)
 
     thetas, outputs = live_trajectory(9), trl_bema(live_trajectory(9), **config)
@@ -220,8 +246,9 @@ def test_evaluate_with_bema_scores_the_bema_weights(tmp_path):
     ckpt = torch.load(best.best_model_path, weights_only=True)
     assert ckpt["global_step"] == best_step
     np.testing.assert_allclose(flat(ckpt["state_dict"]), thetas[best_step], atol=1e-12)  # live weights
-    np.testing.assert_allclose(flat(BEMA.bema_weights_from_checkpoint(best.best_model_path)), outputs[best_step],
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        flat(BEMA.bema_weights_from_checkpoint(best.best_model_path)), outputs[best_step], atol=1e-12
+    )
     mid = torch.load(tmp_path / "mid_val.ckpt", weights_only=True)  # saved while the BEMA weights were swapped in
     np.testing.assert_allclose(flat(mid["state_dict"]), thetas[6], atol=1e-12)
 
@@ -231,8 +258,15 @@ def test_exception_during_validation_restores_live_weights(tmp_path, fail_mode):
     config = dict(update_freq=2, lag=1, evaluate_with_bema=True)
     bema = BEMA(**config)
     module = LinearSGD(fail_at_step=4, fail_mode=fail_mode)
-    trainer = make_trainer(tmp_path, 12, [bema, OnExceptionCheckpoint(dirpath=tmp_path)], enable_checkpointing=True,
-                           limit_val_batches=None, val_check_interval=2, check_val_every_n_epoch=None)
+    trainer = make_trainer(
+        tmp_path,
+        12,
+        [bema, OnExceptionCheckpoint(dirpath=tmp_path)],
+        enable_checkpointing=True,
+        limit_val_batches=None,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+    )
     with pytest.raises(RuntimeError if fail_mode == "raise" else SystemExit):
         trainer.fit(module)
 
@@ -242,18 +276,9 @@ def test_exception_during_validation_restores_live_weights(tmp_path, fail_mode):
     ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
     np.testing.assert_allclose(flat(ckpt["state_dict"]), thetas[4], atol=1e-12)
-    np.testing.assert_allclose(flat(BEMA.bema_weights_from_checkpoint(tmp_path / "on_exception.ckpt")), outputs[4],
-                               atol=1e-12)
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    np.testing.assert_allclose(
+        flat(BEMA.bema_weights_from_checkpoint(tmp_path / "on_exception.ckpt")), outputs[4], atol=1e-12
+    )
 
 
 class PolicyWithRef(pl.LightningModule):
@@ -264,9 +289,13 @@ class PolicyWithRef(pl.LightningModule):
         from transformers import ByT5Tokenizer
 
         self.model = tiny_llama()
-        self.ref_model = {"copy": lambda: copy.deepcopy(self.model).requires_grad_(False), "none": lambda: None,
-                          "shared": lambda: self.model, "trainable": lambda: copy.deepcopy(self.model),
-                          "other": lambda: nn.Linear(3, 3).requires_grad_(False)}[ref]()
+        self.ref_model = {
+            "copy": lambda: copy.deepcopy(self.model).requires_grad_(False),
+            "none": lambda: None,
+            "shared": lambda: self.model,
+            "trainable": lambda: copy.deepcopy(self.model),
+            "other": lambda: nn.Linear(3, 3).requires_grad_(False),
+        }[ref]()
         self.tokenizer = ByT5Tokenizer()
 
     def training_step(self, batch, batch_idx):
@@ -276,14 +305,21 @@ class PolicyWithRef(pl.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randint(3, 259, (32, 8), generator=torch.Generator().manual_seed(1))),
-                          batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randint(3, 259, (32, 8), generator=torch.Generator().manual_seed(1))), batch_size=4
+        )
 
 
 def test_update_ref_model_schedule_and_hf_export(tmp_path):
     export = tmp_path / "out" / "bema"
-    bema = BEMA(update_freq=2, update_after=1, update_ref_model=True, ref_model_update_freq=3,
-                ref_model_update_after=2, export_dir=export)
+    bema = BEMA(
+        update_freq=2,
+        update_after=1,
+        update_ref_model=True,
+        ref_model_update_freq=3,
+        ref_model_update_after=2,
+        export_dir=export,
+    )
     recorder = Recorder(bema)
     module = PolicyWithRef()
     make_trainer(tmp_path, 8, [bema, recorder]).fit(module)
@@ -317,16 +353,26 @@ def test_update_ref_model_schedule_and_hf_export(tmp_path):
     assert not torch.equal(module.model.lm_head.weight, final[emb])  # apply_at_end=False
     assert type(AutoTokenizer.from_pretrained(export)).__name__ == "ByT5Tokenizer"
     # default location: <trainer.log_dir or default_root_dir>/bema, on global rank 0
-    stub = SimpleNamespace(log_dir=None, default_root_dir=str(tmp_path / "root"), is_global_zero=True,
-                           strategy=SimpleNamespace(barrier=lambda name: None))
+    stub = SimpleNamespace(
+        log_dir=None,
+        default_root_dir=str(tmp_path / "root"),
+        is_global_zero=True,
+        strategy=SimpleNamespace(barrier=lambda name: None),
+    )
     bema.export_dir = None
     bema._export(stub, module)
     assert (tmp_path / "root" / "bema" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize(("ref", "match"), [
-    ("none", "needs `pl_module.ref_model`"), ("shared", "the policy itself or not frozen"),
-    ("trainable", "the policy itself or not frozen"), ("other", "no parameter matching")])
+@pytest.mark.parametrize(
+    ("ref", "match"),
+    [
+        ("none", "needs `pl_module.ref_model`"),
+        ("shared", "the policy itself or not frozen"),
+        ("trainable", "the policy itself or not frozen"),
+        ("other", "no parameter matching"),
+    ],
+)
 def test_update_ref_model_needs_a_separate_ref_model(tmp_path, ref, match):
     module = PolicyWithRef(ref=ref)
     before = {k: v.clone() for k, v in module.model.state_dict().items()}
@@ -340,10 +386,24 @@ def test_missing_ref_model_attribute(tmp_path):
         make_trainer(tmp_path, 2, [BEMA(update_ref_model=True)]).fit(LinearSGD())
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("update_freq", 0), ("update_freq", 1.5), ("ema_power", -0.1), ("bias_power", float("nan")), ("lag", -1),
-    ("update_after", -1), ("multiplier", 0.0), ("min_ema_multiplier", 1.5), ("ref_model_update_freq", 0),
-    ("ref_model_update_after", -3), ("evaluate_with_bema", "yes"), ("export_dir", ""), ("device", "not-a-device")])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("update_freq", 0),
+        ("update_freq", 1.5),
+        ("ema_power", -0.1),
+        ("bias_power", float("nan")),
+        ("lag", -1),
+        ("update_after", -1),
+        ("multiplier", 0.0),
+        ("min_ema_multiplier", 1.5),
+        ("ref_model_update_freq", 0),
+        ("ref_model_update_after", -3),
+        ("evaluate_with_bema", "yes"),
+        ("export_dir", ""),
+        ("device", "not-a-device"),
+    ],
+)
 def test_invalid_arguments_name_value_and_fix(name, value):
     with pytest.raises(ValueError, match=rf"`BEMA\({name}={value!r}\)` is invalid"):
         BEMA(**{name: value})
@@ -356,17 +416,15 @@ def test_refuses_fsdp1_and_early_access():  # FSDP2 (ModelParallelStrategy) is a
         BEMA().bema_state_dict()
 
 
+@pytest.mark.ddp
 def test_ddp_two_ranks(tmp_path):
-    script = Path(__file__).parent / "scripts" / "ddp_bema.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_bema.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     # the script trains on per-rank data; DDP averages the gradients, so each step subtracts LR * mean over ranks
     config = results[0]["config"]
     steps = results[0]["steps"]
-    thetas = [np.array(A0 + sum(B0, []), dtype=np.float64)]
+    thetas = [np.array(A0 + [b for row in B0 for b in row], dtype=np.float64)]
     for t in range(steps):
         thetas.append(thetas[-1] - LR * 0.5 * (coefficients(t) + coefficients(t + 100)))
     expected = trl_bema(thetas, **config)

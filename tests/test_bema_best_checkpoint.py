@@ -9,29 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.modules import TinyHF
 from lit_trainer.callbacks import BEMA, BestCheckpoint
-
-
-class TinyHF(pl.LightningModule):
-    """A user's module around a transformers model (`.model`), scored by `val_loss`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        torch.manual_seed(0)
-        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32, pad_token_id=0))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=2.0)
 
 
 def _loaders() -> tuple[DataLoader, DataLoader]:
@@ -42,9 +21,18 @@ def _loaders() -> tuple[DataLoader, DataLoader]:
 
 
 def _trainer(root: Path, callbacks: list, **kw) -> pl.Trainer:
-    return pl.Trainer(max_steps=16, val_check_interval=2, check_val_every_n_epoch=None, callbacks=callbacks,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      default_root_dir=root, **kw)
+    return pl.Trainer(
+        max_steps=16,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        **kw,
+    )
 
 
 def _val_loss(module: pl.LightningModule, val: DataLoader) -> float:
@@ -58,7 +46,7 @@ def test_the_scored_weights_are_loaded_and_exported_and_the_checkpoint_still_res
     train, val = _loaders()
     bema = BEMA(update_freq=1, lag=1.0, evaluate_with_bema=True, export_hf=False)
     best = BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", load_best_at_end=True, export_hf=True)
-    module = TinyHF()
+    module = TinyHF(lr=2.0, vocab=64, hidden=16, positions=32)
     _trainer(tmp_path, [bema, best]).fit(module, train, val)
 
     # the module now holds weights whose val_loss is the best score
@@ -76,11 +64,12 @@ def test_the_scored_weights_are_loaded_and_exported_and_the_checkpoint_still_res
     torch.testing.assert_close(bema_state["model.model.embed_tokens.weight"], module.model.lm_head.weight.detach())
 
     resumed_bema = BEMA(update_freq=1, lag=1.0, evaluate_with_bema=True, export_hf=False)
-    resumed = TinyHF()
-    _trainer(tmp_path / "r", [resumed_bema], enable_checkpointing=False).fit(resumed, train, val,
-                                                                              ckpt_path=best.best_model_path)
+    resumed = TinyHF(lr=2.0, vocab=64, hidden=16, positions=32)
+    _trainer(tmp_path / "r", [resumed_bema], enable_checkpointing=False).fit(
+        resumed, train, val, ckpt_path=best.best_model_path
+    )
     full_bema = BEMA(update_freq=1, lag=1.0, evaluate_with_bema=True, export_hf=False)
-    full = TinyHF()
+    full = TinyHF(lr=2.0, vocab=64, hidden=16, positions=32)
     _trainer(tmp_path / "f", [full_bema], enable_checkpointing=False).fit(full, train, val)
     for name, value in full.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-6, atol=1e-7)
@@ -88,12 +77,16 @@ def test_the_scored_weights_are_loaded_and_exported_and_the_checkpoint_still_res
 
 def test_weights_only_checkpoints_and_two_scoring_callbacks_are_refused(tmp_path: Path) -> None:
     train, val = _loaders()
-    callbacks = [BEMA(update_freq=1, evaluate_with_bema=True, export_hf=False),
-                 BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_weights_only=True)]
+    callbacks = [
+        BEMA(update_freq=1, evaluate_with_bema=True, export_hf=False),
+        BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_weights_only=True),
+    ]
     with pytest.raises(ValueError, match=r"save_weights_only=True.*BEMA.*save_weights_only=False"):
-        _trainer(tmp_path, callbacks).fit(TinyHF(), train, val)
-    callbacks = [BEMA(update_freq=1, evaluate_with_bema=True, export_hf=False),
-                 BEMA(update_freq=2, evaluate_with_bema=True, export_hf=False),
-                 BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss")]
+        _trainer(tmp_path, callbacks).fit(TinyHF(lr=2.0, vocab=64, hidden=16, positions=32), train, val)
+    callbacks = [
+        BEMA(update_freq=1, evaluate_with_bema=True, export_hf=False),
+        BEMA(update_freq=2, evaluate_with_bema=True, export_hf=False),
+        BestCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss"),
+    ]
     with pytest.raises(ValueError, match=r"\['BEMA', 'BEMA'\] all validate with other weights"):
-        _trainer(tmp_path, callbacks).fit(TinyHF(), train, val)
+        _trainer(tmp_path, callbacks).fit(TinyHF(lr=2.0, vocab=64, hidden=16, positions=32), train, val)

@@ -11,9 +11,13 @@ from lit_trainer.data import PreferenceDataModule
 
 def test_bema_refreshes_the_dpo_reference_model(tmp_path):
     pl.seed_everything(0)
-    rows = Dataset.from_dict({"prompt": [f"{a}+1=" for a in range(10, 26)],
-                              "chosen": [str(a + 1) for a in range(10, 26)],
-                              "rejected": [str(a + 2) for a in range(10, 26)]})
+    rows = Dataset.from_dict(
+        {
+            "prompt": [f"{a}+1=" for a in range(10, 26)],
+            "chosen": [str(a + 1) for a in range(10, 26)],
+            "rejected": [str(a + 2) for a in range(10, 26)],
+        }
+    )
     module = DPOModule("tiny-64", loss_type=["sigmoid"], learning_rate=1e-2)
     data = PreferenceDataModule("tiny-64", dataset=rows, val_size=0, batch_size=4, max_length=16)
     snapshots = {}
@@ -24,8 +28,15 @@ def test_bema_refreshes_the_dpo_reference_model(tmp_path):
 
     bema = BEMA(update_freq=1, update_ref_model=True, ref_model_update_freq=2, export_hf=False)
     # Snapshot runs after BEMA (list order), so it sees the reference model as BEMA left it at each step
-    trainer = pl.Trainer(max_steps=4, callbacks=[bema, Snapshot()], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=4,
+        callbacks=[bema, Snapshot()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=data)
     weights = {k.removeprefix("model."): v for k, v in bema.bema_state_dict().items()}
     final = snapshots[4]

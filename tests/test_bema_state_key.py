@@ -10,30 +10,25 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.modules import Regressor
 from lit_trainer.callbacks import BEMA
 
 SLOW = dict(update_freq=1, ema_power=0.9, lag=1.0)
 FAST = dict(update_freq=2, ema_power=0.2, bias_power=0.5)
 
 
-class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.lin(batch[0]).squeeze(-1), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _fit(root: Path, callbacks: list, max_steps: int = 8, **kw) -> None:
     g = torch.Generator().manual_seed(1)
-    data = DataLoader(TensorDataset(torch.randn(12, 4, generator=g), torch.randn(12, generator=g)), batch_size=4)
-    pl.Trainer(max_steps=max_steps, callbacks=list(callbacks), logger=False, enable_progress_bar=False,
-               enable_model_summary=False, default_root_dir=root).fit(Regressor(), data, **kw)
+    data = DataLoader(TensorDataset(torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(Regressor(hidden=None, lr=0.1, seed=0), data, **kw)  # seeded: every fit starts from the same weights
 
 
 def _weights(bema: BEMA) -> dict[str, torch.Tensor]:
@@ -54,11 +49,12 @@ def test_two_bema_callbacks_save_and_resume_their_own_average(tmp_path: Path) ->
     for done, again in zip(full, reversed(resumed)):
         for name, value in _weights(done).items():
             torch.testing.assert_close(_weights(again)[name], value, rtol=0, atol=0)
-    assert not torch.equal(_weights(full[0])["lin.weight"], _weights(full[1])["lin.weight"])
+    assert not torch.equal(_weights(full[0])["net.weight"], _weights(full[1])["net.weight"])
     for bema in resumed:
         key = next(k for k in keys if k == bema.state_key)
-        torch.testing.assert_close(BEMA.bema_weights_from_checkpoint(ckpt, state_key=key)["lin.weight"],
-                                   states[key]["bema"]["lin.weight"])
+        torch.testing.assert_close(
+            BEMA.bema_weights_from_checkpoint(ckpt, state_key=key)["net.weight"], states[key]["bema"]["net.weight"]
+        )
     with pytest.raises(ValueError, match="2 BEMA states.*state_key="):
         BEMA.bema_weights_from_checkpoint(ckpt)
 
@@ -73,8 +69,8 @@ def test_a_checkpoint_keyed_by_class_name_still_resumes(tmp_path: Path) -> None:
     full, resumed = BEMA(**SLOW), BEMA(**SLOW)
     _fit(tmp_path / "a", [full])
     _fit(tmp_path / "c", [resumed], ckpt_path=tmp_path / "old.ckpt")
-    torch.testing.assert_close(_weights(resumed)["lin.weight"], _weights(full)["lin.weight"], rtol=0, atol=0)
-    assert BEMA.bema_weights_from_checkpoint(tmp_path / "old.ckpt")["lin.weight"].shape == (1, 4)
+    torch.testing.assert_close(_weights(resumed)["net.weight"], _weights(full)["net.weight"], rtol=0, atol=0)
+    assert BEMA.bema_weights_from_checkpoint(tmp_path / "old.ckpt")["net.weight"].shape == (1, 4)
 
 
 def test_changed_settings_continue_the_single_saved_average_with_a_warning(tmp_path: Path) -> None:

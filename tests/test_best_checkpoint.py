@@ -6,21 +6,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import helpers.modules
+from helpers.data import regression_data
+from helpers.ddp import output_tail, run_script
+from helpers.modules import TinyHF, TinyLM
 from lit_trainer import _atomic
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
@@ -30,30 +30,12 @@ from lit_trainer.callbacks.neftune import NEFTune
 SCORES = {2: 3.0, 4: 4.0, 6: math.nan, 8: 2.0, 10: 2.0, 12: 5.0, 14: 1.5, 16: 1.0}
 
 
-def _data(seed: int, n: int = 64) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
-
-
-class Regressor(pl.LightningModule):
-    """A plain regression MLP (not from lit_trainer) that logs a scripted `val_score`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
+class Regressor(helpers.modules.Regressor):
+    """The tests' regression MLP, also logging a scripted `val_score`."""
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self.net(x), y))
+        super().validation_step(batch, batch_idx)
         self.log("val_score", SCORES[self.global_step])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class WeightsAtTrainEnd(Callback):
@@ -64,14 +46,24 @@ class WeightsAtTrainEnd(Callback):
 
 
 def _trainer(tmp_path: Path, callbacks: list, max_steps: int, **kw) -> pl.Trainer:
-    base = dict(accelerator="cpu", max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None,
-                logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                default_root_dir=tmp_path)
+    base = dict(
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     return pl.Trainer(callbacks=callbacks, **{**base, **kw})
 
 
 def _fit(trainer: pl.Trainer, model: pl.LightningModule, **kw) -> None:
-    trainer.fit(model, DataLoader(_data(0), batch_size=4), DataLoader(_data(1), batch_size=16), **kw)
+    trainer.fit(
+        model, DataLoader(regression_data(0, 64), batch_size=4), DataLoader(regression_data(1, 64), batch_size=16), **kw
+    )
 
 
 def _ckpt_state(path: str | Path) -> dict[str, torch.Tensor]:
@@ -82,8 +74,14 @@ def _ckpt_state(path: str | Path) -> dict[str, torch.Tensor]:
 def test_scripted_metric_saves_only_improvements_and_loads_best(tmp_path: Path, limit: int | None) -> None:
     pl.seed_everything(0)
     before = WeightsAtTrainEnd()
-    cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_score", mode="min",
-                        save_total_limit=limit, load_best_at_end=True)
+    cb = BestCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        filename="{step}",
+        monitor="val_score",
+        mode="min",
+        save_total_limit=limit,
+        load_best_at_end=True,
+    )
     model = Regressor()
     _fit(_trainer(tmp_path, [before, cb], max_steps=10), model)
     # steps 2 (3.0: first), 4 (4.0: worse), 6 (NaN: never), 8 (2.0: better), 10 (2.0: a tie is no improvement)
@@ -101,8 +99,9 @@ def test_scripted_metric_saves_only_improvements_and_loads_best(tmp_path: Path, 
 def test_resume_restores_best_and_rotation_never_deletes_the_best(tmp_path: Path) -> None:
     pl.seed_everything(0)
     dirpath = tmp_path / "ckpt"
-    first = _trainer(tmp_path, [BestCheckpoint(dirpath=dirpath, filename="{step}", monitor="val_score", mode="min")],
-                     max_steps=8)
+    first = _trainer(
+        tmp_path, [BestCheckpoint(dirpath=dirpath, filename="{step}", monitor="val_score", mode="min")], max_steps=8
+    )
     _fit(first, Regressor())
     first.save_checkpoint(tmp_path / "resume.ckpt")
     assert sorted(os.listdir(dirpath)) == ["step=2.ckpt", "step=8.ckpt"]
@@ -150,30 +149,18 @@ def test_atomic_helpers(tmp_path: Path) -> None:
     assert _atomic.is_local_path(tmp_path) and not _atomic.is_local_path("s3://bucket/x.ckpt")
 
 
-class TinyHFModule(pl.LightningModule):
-    """A plain LightningModule exposing a transformers model as `.model` and a tokenizer as `.tokenizer`."""
+class TinyHFModule(TinyHF):
+    """The tests' module around a tiny Llama, with a tokenizer as `.tokenizer`, logging a scripted `val_score`."""
 
     def __init__(self) -> None:
-        super().__init__()
         import transformers
 
-        config = transformers.LlamaConfig(
-            vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-            eos_token_id=1, bos_token_id=None,
-        )
-        self.model = transformers.LlamaForCausalLM(config)
+        super().__init__(lr=1e-2, optimizer="adamw", seed=None)
         self.tokenizer = transformers.ByT5Tokenizer()
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss)
+        super().validation_step(batch, batch_idx)
         self.log("val_score", SCORES[self.global_step])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def test_export_hf_writes_the_best_model_loadable_by_from_pretrained(tmp_path: Path) -> None:
@@ -190,7 +177,7 @@ def test_export_hf_writes_the_best_model_loadable_by_from_pretrained(tmp_path: P
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "best")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "best")
     assert type(tokenizer).__name__ == "ByT5Tokenizer" and tokenizer("7+5=").input_ids == [58, 46, 56, 64, 1]
-    best = {k[len("model."):]: v for k, v in _ckpt_state(tmp_path / "ckpt" / "step=2.ckpt").items()}
+    best = {k[len("model.") :]: v for k, v in _ckpt_state(tmp_path / "ckpt" / "step=2.ckpt").items()}
     exported = loaded.state_dict()
     assert set(exported) == set(best) and all(torch.equal(exported[k], best[k]) for k in best)
     assert not torch.equal(module.model.lm_head.weight.detach(), best["lm_head.weight"])
@@ -209,61 +196,49 @@ def test_validation_errors(tmp_path: Path) -> None:
 
 def test_configurable_from_lightning_cli() -> None:
     def parse(init_args: dict) -> LightningCLI:
-        return LightningCLI(Regressor, run=False, args={"trainer": {"logger": False, "enable_progress_bar": False,
-                            "callbacks": [{"class_path": "lit_trainer.callbacks.checkpointing.BestCheckpoint",
-                                           "init_args": init_args}]}})
+        return LightningCLI(
+            Regressor,
+            run=False,
+            args={
+                "trainer": {
+                    "logger": False,
+                    "enable_progress_bar": False,
+                    "callbacks": [
+                        {"class_path": "lit_trainer.callbacks.checkpointing.BestCheckpoint", "init_args": init_args}
+                    ],
+                }
+            },
+        )
 
     cli = parse({"monitor": "val_score", "mode": "max", "save_total_limit": 2, "load_best_at_end": True})
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, BestCheckpoint)]
-    assert (cb.monitor, cb.mode, cb.save_total_limit, cb.load_best_at_end, cb.export_hf) == ("val_score", "max", 2,
-                                                                                            True, False)
+    assert (cb.monitor, cb.mode, cb.save_total_limit, cb.load_best_at_end, cb.export_hf) == (
+        "val_score",
+        "max",
+        2,
+        True,
+        False,
+    )
     with pytest.raises(SystemExit):  # Literal["min", "max"] is checked when the config is parsed
         parse({"monitor": "val_score", "mode": "avg"})
-
-
-class TinyLM(pl.LightningModule):
-    """Embedding + linear next-token model (not from lit_trainer) for the combined run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.head = nn.Linear(8, 16)
-        self.train_noise: list[float] = []
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(self.embed(ids))[:, :-1].reshape(-1, 16), ids[:, 1:].reshape(-1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        ids = batch[0]
-        self.train_noise.append((self.embed(ids) - F.embedding(ids, self.embed.weight)).abs().max().item())
-        return self._loss(ids)
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        ids = batch[0]
-        assert torch.equal(self.embed(ids), F.embedding(ids, self.embed.weight))  # no noise in validation
-        self.log("val_loss", self._loss(ids))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
 def test_three_callbacks_together(tmp_path: Path) -> None:
     pl.seed_everything(0)
     ids = torch.randint(0, 16, (32, 6), generator=torch.Generator().manual_seed(0))
-    model = TinyLM()
+    model = TinyLM(lr=0.5, optimizer="sgd", record_noise=True)
     cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_total_limit=1, load_best_at_end=True)
-    trainer = _trainer(tmp_path, [NEFTune(noise_alpha=5.0), EvalOnStart(), cb], max_steps=6,
-                       logger=CSVLogger(tmp_path, name="csv"))
+    trainer = _trainer(
+        tmp_path, [NEFTune(noise_alpha=5.0), EvalOnStart(), cb], max_steps=6, logger=CSVLogger(tmp_path, name="csv")
+    )
     trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=4), DataLoader(TensorDataset(ids), batch_size=8))
     with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
         rows = [line.split(",") for line in f.read().splitlines()]
     header = rows[0]
     val_steps = [int(r[header.index("step")]) for r in rows[1:] if r[header.index("val_loss")]]
     assert val_steps == [0, 1, 3, 5]  # the start evaluation, then after steps 2, 4, 6
-    assert len(model.train_noise) == 6 and all(0 < v <= 5 / math.sqrt(6 * 8) + 1e-6 for v in model.train_noise)
+    assert len(model.seen["train"]) == 6 and all(0 < v <= 5 / math.sqrt(6 * 8) + 1e-6 for v in model.seen["train"])
+    assert model.seen["val"] and not any(model.seen["val"])  # no noise in validation
     assert not model.embed._forward_hooks
     names = os.listdir(tmp_path / "ckpt")
     assert len(names) == 1 and names[0] != "step=0.ckpt" and cb.best_model_path.endswith(names[0])
@@ -271,12 +246,10 @@ def test_three_callbacks_together(tmp_path: Path) -> None:
     assert all(torch.equal(model.state_dict()[k], best[k]) for k in best)
 
 
+@pytest.mark.ddp
 def test_ddp_two_processes_agree(tmp_path: Path) -> None:
-    script = Path(__file__).parent / "scripts" / "ddp_best_checkpoint.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("ddp_best_checkpoint.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     weights = [torch.load(tmp_path / f"rank{r}_weights.pt", weights_only=True) for r in (0, 1)]
     # rank 0 logs 3, 4, 2, 5 (steps 2..8) and rank 1 logs 1, 0, 9, 0 without sync_dist: rank 0's values decide,

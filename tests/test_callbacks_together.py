@@ -4,36 +4,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.modules import TinyLM
 from lit_trainer.callbacks import BEMA, BestCheckpoint, EvalOnStart, ExactResume, JITCheckpoint, NEFTune
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
-
-
-class TinyLM(pl.LightningModule):
-    """Embedding -> dropout -> linear next-token model over 16 ids."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(16, 8)
-        self.drop = torch.nn.Dropout(0.3)
-        self.head = torch.nn.Linear(8, 16)
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.embed
-
-    def _loss(self, batch: dict) -> torch.Tensor:
-        x = batch["ids"]
-        logits = self.head(self.drop(self.embed(x[:, :-1])))
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), x[:, 1:].reshape(-1))
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=0.05)
 
 
 def _data(seed: int = 0) -> list[dict]:
@@ -54,26 +28,42 @@ class Data(pl.LightningDataModule):
 
 
 def _trainer(root, max_steps, extra=()):
-    callbacks = [NEFTune(noise_alpha=5.0, seed=11), EvalOnStart(), BEMA(update_freq=2, evaluate_with_bema=True),
-                 BestCheckpoint(dirpath=root / "best", monitor="val_loss", save_total_limit=2),
-                 ExactResume(), JITCheckpoint(dirpath=root / "jit", exit_code=None), *extra]
-    return pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, val_check_interval=4, check_val_every_n_epoch=None,
-                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=root, num_sanity_val_steps=0)
+    callbacks = [
+        NEFTune(noise_alpha=5.0, seed=11),
+        EvalOnStart(),
+        BEMA(update_freq=2, evaluate_with_bema=True),
+        BestCheckpoint(dirpath=root / "best", monitor="val_loss", save_total_limit=2),
+        ExactResume(),
+        JITCheckpoint(dirpath=root / "jit", exit_code=None),
+        *extra,
+    ]
+    return pl.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+    )
 
 
 def test_all_callbacks_together_and_exact_resume(tmp_path):
     pl.seed_everything(0)
-    full = TinyLM()
+    full = TinyLM(dropout=0.3)
     _trainer(tmp_path / "a", 8).fit(full, datamodule=Data())
     pl.seed_everything(0)
-    first = TinyLM()
+    first = TinyLM(dropout=0.3)
     every3 = ModelCheckpoint(dirpath=tmp_path / "b" / "ckpt", every_n_train_steps=3, save_top_k=-1)
     _trainer(tmp_path / "b", 3, [every3]).fit(first, datamodule=Data())
     pl.seed_everything(0)
-    resumed = TinyLM()
-    _trainer(tmp_path / "c", 8).fit(resumed, datamodule=Data(), ckpt_path=str(tmp_path / "b" / "ckpt" /
-                                                                             "epoch=0-step=3.ckpt"))
+    resumed = TinyLM(dropout=0.3)
+    _trainer(tmp_path / "c", 8).fit(
+        resumed, datamodule=Data(), ckpt_path=str(tmp_path / "b" / "ckpt" / "epoch=0-step=3.ckpt")
+    )
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     assert any((tmp_path / "a" / "best").glob("*.ckpt"))

@@ -10,7 +10,7 @@ from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
 from torchmetrics.classification import MulticlassAccuracy
 
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -19,9 +19,16 @@ TEXTS = ["ab", "longer row of text", "xyz", "mid row", "q", "another long row!",
 
 
 def _dm(tokenizer, **kw):
-    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}),
-                       validation_dataset=Dataset.from_dict({"text": TEXTS[:5]}), batch_size=2, eval_batch_size=2,
-                       max_length=64, sampling="sequential", **kw)
+    dm = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        validation_dataset=Dataset.from_dict({"text": TEXTS[:5]}),
+        batch_size=2,
+        eval_batch_size=2,
+        max_length=64,
+        sampling="sequential",
+        **kw,
+    )
     dm.setup("fit")
     return dm
 
@@ -35,8 +42,15 @@ def test_logged_train_loss_is_the_window_mean_of_step_losses(tokenizer, tmp_path
     model = tiny_llama(seed=0)
     dm = _dm(tokenizer)
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=0.0)
-    trainer = pl.Trainer(max_steps=4, log_every_n_steps=2, logger=CSVLogger(tmp_path, name="r"), limit_val_batches=0,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=4,
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path, name="r"),
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=dm)
     rows = [r for r in _rows(tmp_path / "r" / "version_0" / "metrics.csv") if r["train_loss"]]
     assert [int(r["step"]) for r in rows] == [1, 3]
@@ -58,8 +72,12 @@ def test_validation_loss_is_the_global_token_mean_and_user_metrics_stream(tokeni
     model = tiny_llama(seed=1)
     dm = _dm(tokenizer)
     accuracy = MulticlassAccuracy(num_classes=384, ignore_index=-100, average="micro")
-    module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, eval_metrics={"acc": accuracy},
-                            preprocess_logits_for_metrics=lambda logits, labels: logits[:, :-1].argmax(-1))
+    module = CausalLMModule(
+        copy.deepcopy(model),
+        tokenizer=tokenizer,
+        eval_metrics={"acc": accuracy},
+        preprocess_logits_for_metrics=lambda logits, labels: logits[:, :-1].argmax(-1),
+    )
     # shift labels to match the preprocessed predictions: done by wrapping update
     original_update = accuracy.update
     accuracy.update = lambda preds, labels: original_update(preds, labels[:, 1:])
@@ -103,9 +121,16 @@ def test_scheduler_warmup_then_cosine_per_optimizer_step(tokenizer):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             lrs.append(optimizer.param_groups[0]["lr"])
 
-    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=1, logger=False, limit_val_batches=0,
-                         callbacks=[Record()], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=1,
+        logger=False,
+        limit_val_batches=0,
+        callbacks=[Record()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=_dm(tokenizer))
     # HF warmup: step / warmup = 0, 1/2; then cosine over the remaining 2 steps: 0.5*(1+cos(pi*0/2)) = 1.0,
     # 0.5*(1+cos(pi*1/2)) = 0.5

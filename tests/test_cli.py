@@ -15,8 +15,18 @@ from lit_trainer.cli import LitTrainerCLI
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "configs" / "sft.yaml"
-FAST = ["--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.log_every_n_steps", "3",
-        "--data.init_args.eval_batch_size", "100", "--trainer.limit_val_batches", "1"]
+FAST = [
+    "--trainer.max_steps",
+    "12",
+    "--trainer.val_check_interval",
+    "6",
+    "--trainer.log_every_n_steps",
+    "3",
+    "--data.init_args.eval_batch_size",
+    "100",
+    "--trainer.limit_val_batches",
+    "1",
+]
 
 
 def _console_script() -> str:
@@ -24,10 +34,17 @@ def _console_script() -> str:
     return str(exe) if exe.exists() else "lit-trainer"
 
 
+@pytest.mark.slow
 def test_main_job_end_to_end_in_subprocess(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([_console_script(), "fit", "--config", str(SFT), *FAST], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [_console_script(), "fit", "--config", str(SFT), *FAST],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "sft" / "version_0"
     # stdout is a pipe: plain progress lines instead of a bar, then the final metrics table and the run folder
@@ -38,8 +55,17 @@ def test_main_job_end_to_end_in_subprocess(tmp_path):
         assert noise not in proc.stdout + proc.stderr, noise
     metrics = (run / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
-    for key in ("train_loss", "learning_rate", "grad_norm", "tokens_per_sec", "padding_fraction", "val_loss",
-                "val_exact_match", "val_perplexity", "val_token_accuracy"):
+    for key in (
+        "train_loss",
+        "learning_rate",
+        "grad_norm",
+        "tokens_per_sec",
+        "padding_fraction",
+        "val_loss",
+        "val_exact_match",
+        "val_perplexity",
+        "val_token_accuracy",
+    ):
         assert key in header, key
     assert (run / "config.yaml").exists()
     assert any(p.name.startswith("events.out.tfevents") for p in run.iterdir())  # TensorBoard in the same dir
@@ -59,6 +85,7 @@ def test_main_job_end_to_end_in_subprocess(tmp_path):
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+@pytest.mark.slow
 def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
@@ -70,8 +97,9 @@ def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
     assert config["seed_everything"] == 1234
     (tmp_path / "printed.yaml").write_text(printed)
     assert config["trainer"]["max_steps"] == 1500 and config["trainer"]["gradient_clip_val"] == 1.0
-    cli = LitTrainerCLI(args=["fit", "--config", "printed.yaml", "--trainer.max_steps", "2",
-                              "--trainer.enable_progress_bar", "false"])
+    cli = LitTrainerCLI(
+        args=["fit", "--config", "printed.yaml", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"]
+    )
     assert cli.trainer.global_step == 2
     assert cli.model.hparams.learning_rate == pytest.approx(0.003)
     assert cli.datamodule.tokenizer_source == "tiny"
@@ -97,10 +125,23 @@ def _fit(args, *, every=500, extra_callbacks=()):
     config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = every
     config["trainer"]["callbacks"] += list(extra_callbacks)
     Path("variant.yaml").write_text(yaml.safe_dump(config))
-    return LitTrainerCLI(args=["fit", "--config", "variant.yaml", "--trainer.enable_progress_bar", "false",
-                               "--trainer.val_check_interval", "1000", "--trainer.limit_val_batches", "0", *args])
+    return LitTrainerCLI(
+        args=[
+            "fit",
+            "--config",
+            "variant.yaml",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.val_check_interval",
+            "1000",
+            "--trainer.limit_val_batches",
+            "0",
+            *args,
+        ]
+    )
 
 
+@pytest.mark.slow
 def test_resume_policy_last_picks_newest_complete_and_fresh_never_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = _fit(["--trainer.max_steps", "4"], every=2)
@@ -124,7 +165,9 @@ def test_fresh_run_refuses_lightnings_silent_resume(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "exc").mkdir()
     torch.save({"global_step": 3}, tmp_path / "exc" / "on_exception.ckpt")
-    on_exception = {"class_path": "lightning.pytorch.callbacks.OnExceptionCheckpoint",
-                    "init_args": {"dirpath": str(tmp_path / "exc")}}
+    on_exception = {
+        "class_path": "lightning.pytorch.callbacks.OnExceptionCheckpoint",
+        "init_args": {"dirpath": str(tmp_path / "exc")},
+    }
     with pytest.raises(ValueError, match="on_exception.ckpt"):
         _fit(["--trainer.max_steps", "1"], extra_callbacks=[on_exception])

@@ -17,8 +17,19 @@ def test_an_empty_data_file_is_one_message_and_exit_status_1(tmp_path, monkeypat
     monkeypatch.delenv("LIT_TRAINER_TRACEBACK", raising=False)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit) as exited:
-        main(["fit", "--config", SFT, "--data.init_args.dataset", "empty.jsonl", "--trainer.max_steps", "1",
-              "--trainer.enable_progress_bar", "false"])
+        main(
+            [
+                "fit",
+                "--config",
+                SFT,
+                "--data.init_args.dataset",
+                "empty.jsonl",
+                "--trainer.max_steps",
+                "1",
+                "--trainer.enable_progress_bar",
+                "false",
+            ]
+        )
     assert exited.value.code == 1
     err = capsys.readouterr().err
     assert "lit-trainer: error: empty.jsonl is empty: it has no rows" in err
@@ -30,14 +41,25 @@ def test_the_traceback_comes_back_on_request(tmp_path, monkeypatch):
     monkeypatch.setenv("LIT_TRAINER_TRACEBACK", "1")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="is empty"):
-        main(["fit", "--config", SFT, "--data.init_args.dataset", "empty.jsonl", "--trainer.max_steps", "1",
-              "--trainer.enable_progress_bar", "false"])
+        main(
+            [
+                "fit",
+                "--config",
+                SFT,
+                "--data.init_args.dataset",
+                "empty.jsonl",
+                "--trainer.max_steps",
+                "1",
+                "--trainer.enable_progress_bar",
+                "false",
+            ]
+        )
 
 
 def _raise(error: Exception) -> Exception:
     try:
         raise error
-    except Exception as caught:  # noqa: BLE001 - the test needs the traceback
+    except Exception as caught:
         return caught
 
 
@@ -47,7 +69,7 @@ def test_only_our_own_checks_lose_their_traceback():
     ours = None
     try:
         read_file(Path("/nonexistent/rows.jsonl"), "json")
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         ours = error
     assert ours is not None and raised_by_our_checks(ours)
     assert not raised_by_our_checks(_raise(ValueError("raised in a test file, not in lit_trainer")))

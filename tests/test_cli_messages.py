@@ -29,14 +29,21 @@ def _error(args, capsys) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--model.init_args.learnin_rate", "1e-3"],
-     "error: model (lit_trainer.CausalLMModule): Option 'learnin_rate' is not accepted "
-     "(did you mean 'learning_rate'?)"),
-    (["--model.init_args.scheduler", "cosin"], "Got value: cosin (did you mean 'cosine'?)"),
-    (["--trainer.max_stepz", "3"],
-     "unrecognized arguments: --trainer.max_stepz 3 (did you mean '--trainer.max_steps'?)"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--model.init_args.learnin_rate", "1e-3"],
+            "error: model (lit_trainer.CausalLMModule): Option 'learnin_rate' is not accepted "
+            "(did you mean 'learning_rate'?)",
+        ),
+        (["--model.init_args.scheduler", "cosin"], "Got value: cosin (did you mean 'cosine'?)"),
+        (
+            ["--trainer.max_stepz", "3"],
+            "unrecognized arguments: --trainer.max_stepz 3 (did you mean '--trainer.max_steps'?)",
+        ),
+    ],
+)
 def test_parse_errors_lead_with_the_problem_and_suggest_the_close_name(args, expected, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     err = _error(args, capsys)
@@ -48,19 +55,26 @@ def test_parse_errors_lead_with_the_problem_and_suggest_the_close_name(args, exp
 def test_our_validation_message_comes_out_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as refused:
-        LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.learning_rate", "-1",
-                            "--trainer.max_steps", "1"])
+        LitTrainerCLI(
+            args=["fit", "--config", SFT, "--model.init_args.learning_rate", "-1", "--trainer.max_steps", "1"]
+        )
     assert str(refused.value).startswith("`learning_rate=-1.0`") and "Union" not in str(refused.value)
     with pytest.raises(ValueError) as refused:  # only the bad value is named
-        LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.weight_decay", "-0.1",
-                            "--trainer.max_steps", "1"])
+        LitTrainerCLI(
+            args=["fit", "--config", SFT, "--model.init_args.weight_decay", "-0.1", "--trainer.max_steps", "1"]
+        )
     assert str(refused.value).startswith("`weight_decay=-0.1`") and "learning_rate" not in str(refused.value)
 
 
 def test_negative_numbers_parse_without_the_equals_form(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert join_negative_numbers(["--a", "-1e-3", "--b", "-2", "--c=-3", "--d", "x"]) == \
-        ["--a=-1e-3", "--b=-2", "--c=-3", "--d", "x"]
+    assert join_negative_numbers(["--a", "-1e-3", "--b", "-2", "--c=-3", "--d", "x"]) == [
+        "--a=-1e-3",
+        "--b=-2",
+        "--c=-3",
+        "--d",
+        "x",
+    ]
     with pytest.raises(SystemExit):
         LitTrainerCLI(args=["fit", "--config", SFT, "--model.init_args.learning_rate", "-1e-3", "--print_config"])
     assert "learning_rate: -0.001" in capsys.readouterr().out
@@ -68,15 +82,25 @@ def test_negative_numbers_parse_without_the_equals_form(tmp_path, monkeypatch, c
 
 
 def test_lead_message_keeps_only_the_given_class_errors():
-    text = ("Does not validate against any of the Union subtypes\nSubtypes: [A, None]\nErrors:\n"
-            "  - `beta=-1`: must be > 0.\n  - Expected a <class 'NoneType'>\nGiven value type: x\nGiven value: y")
+    text = (
+        "Does not validate against any of the Union subtypes\nSubtypes: [A, None]\nErrors:\n"
+        "  - `beta=-1`: must be > 0.\n  - Expected a <class 'NoneType'>\nGiven value type: x\nGiven value: y"
+    )
     assert lead_message(text) == "`beta=-1`: must be > 0."
     assert lead_message("plain message") == "plain message"
 
 
-@pytest.mark.parametrize(("steps", "epochs", "time", "bounded"), [
-    (1500, None, None, True), (-1, 3, None, True), (-1, -1, "00:01:00:00", True), (-1, -1, None, False),
-    (-1, None, None, False), (None, None, None, False)])
+@pytest.mark.parametrize(
+    ("steps", "epochs", "time", "bounded"),
+    [
+        (1500, None, None, True),
+        (-1, 3, None, True),
+        (-1, -1, "00:01:00:00", True),
+        (-1, -1, None, False),
+        (-1, None, None, False),
+        (None, None, None, False),
+    ],
+)
 def test_unbounded_run_decision(steps, epochs, time, bounded):
     assert (unbounded_run_error(steps, epochs, time) is None) == bounded
 
@@ -93,7 +117,9 @@ def test_oversubscription_decision():
 def test_progress_text():
     assert format_metrics({"train_loss": torch.tensor(1.23456), "lr": 0.003}) == "train_loss 1.235 | lr 0.003"
     assert metrics_table({"val_loss": 0.5, "val_exact_match": 0.956}).splitlines() == [
-        "  val_exact_match  0.956", "  val_loss         0.5"]
+        "  val_exact_match  0.956",
+        "  val_loss         0.5",
+    ]
 
 
 @pytest.mark.parametrize(("max_epochs", "expected"), [(-1, "Epoch 0"), (None, "Epoch 0"), (3, "Epoch 0/2")])
@@ -104,8 +130,12 @@ def test_rich_bar_has_no_negative_epoch_total(max_epochs, expected):
 
 
 def test_run_folder_rules(tmp_path):
-    assert [default_run_name(p) for p in ("lit_trainer.CausalLMModule", "a.DPOModule", "b.GRPOModule", "c.MyNet")] \
-        == ["sft", "dpo", "grpo", "mynet"]
+    assert [default_run_name(p) for p in ("lit_trainer.CausalLMModule", "a.DPOModule", "b.GRPOModule", "c.MyNet")] == [
+        "sft",
+        "dpo",
+        "grpo",
+        "mynet",
+    ]
     run_root = tmp_path / "sft"
     assert fresh_version(run_root, None) == (0, None)
     (run_root / "version_0").mkdir(parents=True)
@@ -194,8 +224,14 @@ def test_plain_progress_lines_show_the_values_of_their_own_step(capsys, tmp_path
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     loader = torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=1)
-    trainer = pl.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_model_summary=False,
-                         callbacks=[LineProgressBar(every_n_steps=2)], default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[LineProgressBar(every_n_steps=2)],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(Module(), loader)
     lines = re.findall(r"step (\d+)/6 \| epoch 0 \| seen_step ([0-9.]+)", capsys.readouterr().out)
     assert [int(step) for step, _ in lines] == [2, 4, 6]

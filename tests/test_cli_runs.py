@@ -17,21 +17,39 @@ from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.cli import LitTrainerCLI
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
-         "--trainer.val_check_interval", "1000", "--trainer.enable_model_summary", "false",
-         "--trainer.log_every_n_steps", "1"]
+QUIET = [
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.limit_val_batches",
+    "0",
+    "--trainer.val_check_interval",
+    "1000",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.log_every_n_steps",
+    "1",
+]
 FAST = {
     "sft": [],
     "dpo": ["--data.init_args.batch_size", "8"],
-    "grpo": ["--data.init_args.batch_size", "8", "--model.init_args.num_generations", "4",
-             "--model.init_args.max_completion_length", "4", "--trainer.accumulate_grad_batches", "1"],
+    "grpo": [
+        "--data.init_args.batch_size",
+        "8",
+        "--model.init_args.num_generations",
+        "4",
+        "--model.init_args.max_completion_length",
+        "4",
+        "--trainer.accumulate_grad_batches",
+        "1",
+    ],
 }
 
 
 def _fit(recipe: str, steps: int, *args: str, config: str | None = None, **kwargs) -> LitTrainerCLI:
     config = config or str(CONFIGS / f"{recipe}.yaml")
-    return LitTrainerCLI(args=["fit", "--config", config, "--trainer.max_steps", str(steps),
-                               *QUIET, *FAST[recipe], *args], **kwargs)
+    return LitTrainerCLI(
+        args=["fit", "--config", config, "--trainer.max_steps", str(steps), *QUIET, *FAST[recipe], *args], **kwargs
+    )
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -54,6 +72,7 @@ def three_recipes(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.slow
 def test_each_recipe_writes_its_own_run_folder(three_recipes):
     for recipe in ("sft", "dpo", "grpo"):
         run = three_recipes / "runs" / recipe / "version_0"
@@ -75,6 +94,7 @@ def test_resume_refuses_another_recipes_checkpoint_naming_both(three_recipes, mo
     assert not (three_recipes / "runs" / "sft" / "version_1").exists()
 
 
+@pytest.mark.slow
 def test_last_after_sft_dpo_grpo_resumes_sft_in_its_own_folder(three_recipes, monkeypatch):
     monkeypatch.chdir(three_recipes)
     run = three_recipes / "runs" / "sft" / "version_0"
@@ -95,6 +115,7 @@ class _SignalAt(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = yaml.safe_load((CONFIGS / "sft.yaml").read_text())
@@ -116,6 +137,7 @@ def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, m
     assert _steps(run)[-1] == 3
 
 
+@pytest.mark.slow
 def test_rerunning_a_saved_or_printed_config_never_overwrites(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     _fit("sft", 1)
@@ -134,6 +156,7 @@ def test_rerunning_a_saved_or_printed_config_never_overwrites(tmp_path, monkeypa
     assert Path(printed.trainer.log_dir).name == "version_2"
 
 
+@pytest.mark.slow
 def test_default_root_dir_is_the_root_of_everything_a_run_writes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = _fit("sft", 1, "--trainer.default_root_dir", "out")
@@ -149,6 +172,15 @@ def test_default_root_dir_is_the_root_of_everything_a_run_writes(tmp_path, monke
 def test_unbounded_fit_is_refused_with_the_right_wording(tmp_path, monkeypatch, steps, epochs, wording):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=wording):
-        LitTrainerCLI(args=["fit", "--config", str(CONFIGS / "sft.yaml"), "--trainer.max_steps", steps,
-                            "--trainer.max_epochs", epochs])
+        LitTrainerCLI(
+            args=[
+                "fit",
+                "--config",
+                str(CONFIGS / "sft.yaml"),
+                "--trainer.max_steps",
+                steps,
+                "--trainer.max_epochs",
+                epochs,
+            ]
+        )
     assert not (tmp_path / "runs").exists()

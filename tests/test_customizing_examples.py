@@ -12,10 +12,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from _accum_common import TEXTS, GradCapture, accum_datamodule, relative_error
-from conftest import tiny_llama
 from datasets import Dataset
 
+from examples.customizing.batching import CurriculumSampler, CurriculumSFTDataModule
+from examples.customizing.dpop import DPOPModule, dpop_loss
+from examples.customizing.focal_loss import FocalLossLM, focal_causal_lm_loss
+from examples.customizing.optimizer import EmbeddingLRModule
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.data import PreferenceDataModule, SFTDataModule
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.losses.causal_lm import causal_lm_loss
@@ -23,13 +27,6 @@ from lit_trainer.losses.dpo import dpo_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the examples are run from the repository root, as the guide says
-    sys.path.insert(0, str(ROOT))
-
-from examples.customizing.batching import CurriculumSampler, CurriculumSFTDataModule  # noqa: E402
-from examples.customizing.dpop import DPOPModule, dpop_loss  # noqa: E402
-from examples.customizing.focal_loss import FocalLossLM, focal_causal_lm_loss  # noqa: E402
-from examples.customizing.optimizer import EmbeddingLRModule  # noqa: E402
 
 
 def _trainer(callbacks=(), **kw) -> pl.Trainer:
@@ -237,6 +234,7 @@ def test_dpop_module_uses_the_reference_model_and_keeps_dpo_metrics(tokenizer):
         assert not torch.allclose(module.compute_loss(dict(batch), None)[0], loss)
 
 
+@pytest.mark.slow  # a console-script process: imports and two steps, about 20 s
 def test_dpop_config_trains_two_steps_from_the_command_line(tmp_path):
     config = ROOT / "examples" / "customizing" / "dpop.yaml"
     env = {

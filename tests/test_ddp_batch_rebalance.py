@@ -8,28 +8,23 @@ samples over both ranks.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import ddp_batch_rebalance as script  # tests/scripts: constants and the row lengths, nothing runs on import
 import pytest
 import torch
 
+from helpers.ddp import output_tail, run_script
 from lit_trainer.data.samplers import BatchRebalanceSampler
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_batch_rebalance.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import ddp_batch_rebalance as script  # noqa: E402  (constants and the row lengths, nothing runs on import)
+pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_rebalance")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], timeout=900, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("ddp_batch_rebalance.py", out)
+    assert proc.returncode == 0, output_tail(proc)
     return out
 
 
@@ -47,12 +42,14 @@ def test_lightning_leaves_the_loader_alone_and_ranks_train_their_own_batches(run
         union = []
         for r, facts in enumerate(ranks):
             got = [rec["idx"] for rec in facts["records"] if rec["epoch"] == epoch]
-            expected = BatchRebalanceSampler(script.row_lengths(), bs, num_replicas=2, rank=r,
-                                             accumulate_grad_batches=accum, seed=script.SEED)
+            expected = BatchRebalanceSampler(
+                script.row_lengths(), bs, num_replicas=2, rank=r, accumulate_grad_batches=accum, seed=script.SEED
+            )
             expected.set_epoch(epoch)
             assert got == list(expected)  # exactly this rank's own micro-batches, in order
             assert [rec["step"] for rec in facts["records"] if rec["epoch"] == epoch] == [
-                3 * epoch + s for s in (0, 0, 1, 1, 2)]
+                3 * epoch + s for s in (0, 0, 1, 1, 2)
+            ]
             union += [i for mb in got for i in mb]
         assert sorted(union) == list(range(n))  # the union over ranks is the epoch, each row once
     epochs = [[rec["idx"] for rec in ranks[0]["records"] if rec["epoch"] == e] for e in range(script.EPOCHS)]

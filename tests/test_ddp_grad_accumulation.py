@@ -2,26 +2,21 @@
 
 import copy
 import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import ByT5Tokenizer
 
-from _accum_common import accum_datamodule, full_batch_gradient, relative_error
-from conftest import tiny_llama
+from helpers.accumulation import accum_datamodule, full_batch_gradient, relative_error
+from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
+pytestmark = pytest.mark.ddp
 
 
 def _run(tmp_path, *args: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), *args], env=env, timeout=900,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_grad_accum.py", tmp_path, *args)
+    assert proc.returncode == 0, output_tail(proc)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
@@ -47,7 +42,8 @@ def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
     for r in ranks:
         masks = [(batch != 0).long() for batch in r["seen"]]
         costs.append(sum(m.shape[0] * m.shape[1] * (1 + 0.001 * m.shape[1]) for m in masks))
-    row = [line for line in csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")) if line["cost_spread"]]
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv", newline="") as file:
+        row = [line for line in csv.DictReader(file) if line["cost_spread"]]
     assert len(row) == 1
     assert float(row[0]["cost_spread"]) == pytest.approx((max(costs) - min(costs)) / max(costs), rel=1e-5)
 

@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import ddp_grpo as script  # tests/scripts: constants and helpers; nothing runs on import
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_grpo.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import ddp_grpo as script  # noqa: E402  (constants and helpers; nothing runs on import)
+from helpers.ddp import output_tail, run_script
+
+pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_grpo")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], timeout=900, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("ddp_grpo.py", out)
+    assert proc.returncode == 0, output_tail(proc)
     return out
 
 

@@ -8,9 +8,6 @@ Independent implementation used throughout: per-sequence log-probs = Σ over shi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from _accum_common import GradCapture, relative_error
-from conftest import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
+from helpers.accumulation import GradCapture, relative_error
+from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import builtin
 from lit_trainer.data.preference import PreferenceDataModule
@@ -35,20 +33,29 @@ ROOT = Path(__file__).resolve().parents[1]
 BETA = 0.1
 ROWS = builtin.preference_rows("train").select(range(96))
 # uneven prompt and completion lengths, so the two accumulation layouts pad differently
-UNEVEN = {"prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8=", "x=", "12+12=", "what is 3+4="],
-          "chosen": ["3", "300", "5", "ok", "15", "a longer chosen answer", "24", "7"],
-          "rejected": ["4", "301", "six", "not ok at all", "16", "b", "42", "seven"]}
+UNEVEN = {
+    "prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8=", "x=", "12+12=", "what is 3+4="],
+    "chosen": ["3", "300", "5", "ok", "15", "a longer chosen answer", "24", "7"],
+    "rejected": ["4", "301", "six", "not ok at all", "16", "b", "42", "seven"],
+}
 
 
 def datamodule(tokenizer, rows=None, **kw) -> PreferenceDataModule:
     kw = {"val_size": 0, "max_length": 48, "batch_size": 16, **kw}
-    return PreferenceDataModule(tokenizer=tokenizer, dataset=rows if rows is not None else ROWS.select(range(64)),
-                                **kw)
+    return PreferenceDataModule(tokenizer=tokenizer, dataset=rows if rows is not None else ROWS.select(range(64)), **kw)
 
 
 def trainer(steps: int, callbacks=(), **kw) -> pl.Trainer:
-    kw = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-          "enable_model_summary": False, "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0, **kw}
+    kw = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "accelerator": "cpu",
+        "devices": 1,
+        "num_sanity_val_steps": 0,
+        **kw,
+    }
     return pl.Trainer(max_steps=steps, callbacks=list(callbacks), **kw)
 
 
@@ -78,9 +85,11 @@ class Recorder(Callback):
             ref = pl_module.ref_model
             self.snapshots[trainer.global_step] = (
                 {n: p.detach().clone() for n, p in pl_module.model.named_parameters()},
-                {n: p.detach().clone() for n, p in ref.named_parameters()} if ref is not None else None)
+                {n: p.detach().clone() for n, p in ref.named_parameters()} if ref is not None else None,
+            )
 
 
+@pytest.mark.slow
 def test_end_to_end_reference_is_frozen_and_rewards_accuracy_rises(tokenizer):
     torch.manual_seed(0)
     module = DPOModule("tiny-64", learning_rate=1e-3, scheduler="constant", beta=BETA)
@@ -103,8 +112,16 @@ def test_end_to_end_reference_is_frozen_and_rewards_accuracy_rises(tokenizer):
     accuracy = float((u[:64] > u[64:]).float().mean())
     assert accuracy > 0.6, accuracy
     logged = fit.callback_metrics
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected", "logits/chosen", "logits/rejected"):
+    for name in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+    ):
         assert name in logged and f"val_{name}" in logged, name
     assert float(logged["rewards/accuracies"]) > 0.5
     # val_loss = mean over the 32 validation pairs of -logsigmoid(β(u_c - u_r)) at the final weights
@@ -118,8 +135,9 @@ def test_end_to_end_reference_is_frozen_and_rewards_accuracy_rises(tokenizer):
 
 def test_loss_and_metrics_match_an_independent_implementation(tokenizer):
     policy, ref = tiny_llama(0), tiny_llama(1)
-    module = DPOModule(policy, ref_model=ref, loss_type=["sigmoid", "ipo", "sft"], loss_weights=[1.0, 0.5, 2.0],
-                       beta=BETA)
+    module = DPOModule(
+        policy, ref_model=ref, loss_type=["sigmoid", "ipo", "sft"], loss_weights=[1.0, 0.5, 2.0], beta=BETA
+    )
     dm = datamodule(tokenizer, Dataset.from_dict(UNEVEN))
     dm.setup("fit")
     batch = all_pairs(dm)
@@ -148,12 +166,21 @@ def test_loss_and_metrics_match_an_independent_implementation(tokenizer):
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         vocab_mean = logits[:, :-1].mean(-1)
     torch.testing.assert_close(metrics["logits/chosen"], (vocab_mean * mask)[:8].sum() / mask[:8].sum())
-    assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                            "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"}
+    assert set(metrics) == {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+    }
 
 
-def _one_step_gradient(tokenizer, batch_size: int, accumulate: int, loss_type=("sigmoid", "sft", "ipo"),
-                       **kw) -> dict[str, torch.Tensor]:
+def _one_step_gradient(
+    tokenizer, batch_size: int, accumulate: int, loss_type=("sigmoid", "sft", "ipo"), **kw
+) -> dict[str, torch.Tensor]:
     module = DPOModule(tiny_llama(0), loss_type=list(loss_type), beta=BETA, learning_rate=1e-3)
     capture = GradCapture()
     dm = datamodule(tokenizer, Dataset.from_dict(UNEVEN), batch_size=batch_size, sampling="sequential")
@@ -211,11 +238,17 @@ def test_rpo_sft_term_is_the_token_mean_over_the_step_under_accumulation(tokeniz
     assert relative_error(cut, {n: p.grad for n, p in policy.named_parameters()}) < 1e-5
 
 
+@pytest.mark.slow
 def test_precompute_matches_live_reference_with_less_memory_and_a_keyed_cache(tokenizer, tmp_path, monkeypatch):
     def run(seed: int, precompute: bool, rows=None, steps: int = 6) -> tuple[DPOModule, Recorder]:
         recorder = Recorder()
-        module = DPOModule(tiny_llama(seed), learning_rate=1e-3, beta=BETA, precompute_ref_log_probs=precompute,
-                           ref_logps_cache_dir=str(tmp_path / "cache"))
+        module = DPOModule(
+            tiny_llama(seed),
+            learning_rate=1e-3,
+            beta=BETA,
+            precompute_ref_log_probs=precompute,
+            ref_logps_cache_dir=str(tmp_path / "cache"),
+        )
         pl.seed_everything(seed)
         trainer(steps, [recorder]).fit(module, datamodule=datamodule(tokenizer, rows))
         return module, recorder
@@ -227,8 +260,9 @@ def test_precompute_matches_live_reference_with_less_memory_and_a_keyed_cache(to
     policy_bytes = sum(p.numel() * p.element_size() for p in pre_module.model.parameters())
     # memory held during training: the live run carries a second copy of every weight, the precompute run none
     assert live.held_bytes[-1] == 2 * policy_bytes and pre.held_bytes[-1] == policy_bytes
-    print(f"\nparameter bytes held while training: live reference {live.held_bytes[-1]}, precomputed "
-          f"{pre.held_bytes[-1]}")
+    print(
+        f"\nparameter bytes held while training: live reference {live.held_bytes[-1]}, precomputed {pre.held_bytes[-1]}"
+    )
     files = sorted((tmp_path / "cache").glob("ref_logps-*.safetensors"))
     assert len(files) == 1
     # same model and data: loaded from the cache, no reference pass
@@ -240,10 +274,12 @@ def test_precompute_matches_live_reference_with_less_memory_and_a_keyed_cache(to
     assert len(list((tmp_path / "cache").glob("ref_logps-*.safetensors"))) == 3
 
 
+@pytest.mark.slow
 def test_precompute_survives_a_resume_from_checkpoint(tokenizer, tmp_path):
     def module() -> DPOModule:  # constant LR: the 2-step run must follow the same schedule as the 4-step ones
-        return DPOModule(tiny_llama(0), learning_rate=1e-3, beta=BETA, precompute_ref_log_probs=True,
-                         scheduler="constant")
+        return DPOModule(
+            tiny_llama(0), learning_rate=1e-3, beta=BETA, precompute_ref_log_probs=True, scheduler="constant"
+        )
 
     pl.seed_everything(0)
     straight = module()
@@ -263,8 +299,14 @@ def test_precompute_survives_a_resume_from_checkpoint(tokenizer, tmp_path):
 
 
 def test_sync_ref_model_mixes_exactly_every_n_steps(tokenizer):
-    module = DPOModule(tiny_llama(0), learning_rate=1e-2, beta=BETA, sync_ref_model=True, ref_model_sync_steps=2,
-                       ref_model_mixup_alpha=0.6)
+    module = DPOModule(
+        tiny_llama(0),
+        learning_rate=1e-2,
+        beta=BETA,
+        sync_ref_model=True,
+        ref_model_sync_steps=2,
+        ref_model_mixup_alpha=0.6,
+    )
     ref0 = {n: p.detach().clone() for n, p in module.ref_model.named_parameters()}
     recorder = Recorder(snapshots=True)
     trainer(4, [recorder]).fit(module, datamodule=datamodule(tokenizer))
@@ -314,8 +356,11 @@ def test_reference_options_dropout_and_checkpoint_keys():
     names = dict(module.model.named_parameters()).keys()
     assert dict(module.ref_model.named_parameters()).keys() == names  # mirrors the policy (BEMA writes by name)
     assert all(m.attention_dropout == 0.0 for m in module.modules() if hasattr(m, "attention_dropout"))
-    assert all(m.attention_dropout == 0.1 for m in DPOModule(tiny_llama(0, dropout=0.1), disable_dropout=False)
-               .modules() if hasattr(m, "attention_dropout"))
+    assert all(
+        m.attention_dropout == 0.1
+        for m in DPOModule(tiny_llama(0, dropout=0.1), disable_dropout=False).modules()
+        if hasattr(m, "attention_dropout")
+    )
     module.train()
     assert module.model.training and not module.ref_model.training
     assert "ref_model" not in module.hparams or module.hparams.ref_model is None  # no model object in hparams
@@ -351,6 +396,7 @@ def test_precompute_is_refused_under_model_parallel_but_the_live_reference_is_ac
     live.setup("fit")
 
 
+@pytest.mark.slow
 def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
     config = yaml.safe_load((ROOT / "configs" / "dpo.yaml").read_text())
     init = config["model"]["init_args"]
@@ -359,40 +405,62 @@ def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in ROWS.select(range(40)).to_list()))
     monkeypatch.chdir(tmp_path)
-    cli = LitTrainerCLI(args=["fit", "--config", str(ROOT / "configs" / "dpo.yaml"), "--model.init_args.model",
-                              "tiny-64", "--data.init_args.dataset", str(data), "--trainer.max_steps", "2",
-                              "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-                              "--data.init_args.batch_size", "8", "--trainer.limit_val_batches", "1"])
+    cli = LitTrainerCLI(
+        args=[
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "dpo.yaml"),
+            "--model.init_args.model",
+            "tiny-64",
+            "--data.init_args.dataset",
+            str(data),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--data.init_args.batch_size",
+            "8",
+            "--trainer.limit_val_batches",
+            "1",
+        ]
+    )
     assert cli.trainer.global_step == 2
     assert isinstance(cli.model, DPOModule) and cli.model.loss_types == ["sigmoid", "sft"]
     assert "rewards/accuracies" in cli.trainer.callback_metrics
 
 
+@pytest.mark.ddp
 def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer, tmp_path):
-    script = ROOT / "tests" / "scripts" / "ddp_dpo.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=900, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_dpo.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["precomputed"]["ref_model_freed"] and not r["live"]["ref_model_freed"]
         # the same seed and data: the precomputed reference gives the live-reference loss curve on each rank
-        torch.testing.assert_close(torch.tensor(r["precomputed"]["losses"]), torch.tensor(r["live"]["losses"]),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(r["precomputed"]["losses"]), torch.tensor(r["live"]["losses"]), rtol=1e-5, atol=1e-6
+        )
         for key in ("val_loss", "val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen"):
             assert r["precomputed"]["metrics"][key] == pytest.approx(r["live"]["metrics"][key], rel=1e-5, abs=1e-6)
     assert ranks[0]["ref_columns"] == ranks[1]["ref_columns"]  # both ranks hold every row after the all-gather
     lora = [json.loads((tmp_path / f"lora_rank{r}.json").read_text()) for r in (0, 1)]  # LoRA: adapters-off reference
     assert lora[0]["adapters"] == lora[1]["adapters"] and all(r["base_unchanged"] for r in lora)
-    assert lora[0]["reference"] == "AdapterReference" and any(v != 0 for n, v in lora[0]["adapters"].items()
-                                                                if "lora_B" in n)  # the adapters trained
+    assert lora[0]["reference"] == "AdapterReference" and any(
+        v != 0 for n, v in lora[0]["adapters"].items() if "lora_B" in n
+    )  # the adapters trained
     assert all(".lora_" in k for k in torch.load(tmp_path / "lora.ckpt", weights_only=True)["state_dict"])
     # and the gathered rows (rank 0 scored 0, 2, 4, ..., rank 1 scored 1, 3, ...) are the single-process values
     pl.seed_everything(0)
     reference = tiny_llama(0)
     for split, dataset, count in (("train", "train", 21), ("validation", "validation", 5)):
-        dm = PreferenceDataModule(tokenizer=tokenizer, dataset=builtin.preference_rows(dataset).select(range(count)),
-                                  val_size=0, max_length=32)
+        dm = PreferenceDataModule(
+            tokenizer=tokenizer,
+            dataset=builtin.preference_rows(dataset).select(range(count)),
+            val_size=0,
+            max_length=32,
+        )
         dm.setup("fit")
         with torch.no_grad():
             logps = independent_logps(reference, all_pairs(dm))[0]

@@ -11,39 +11,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from helpers.data import regression_data as _data
+from helpers.modules import Regressor
 from lit_trainer.callbacks.eval_on_start import EvalOnStart, check_lightning_internals
-
-
-def _data(seed: int, n: int = 32) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
-
-
-class Regressor(pl.LightningModule):
-    """A plain regression MLP (not from lit_trainer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self.net(x), y))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class NoValidation(Regressor):
@@ -70,9 +45,16 @@ class StateAtFirstBatch(Callback):
 
 def _trainer(tmp_path: Path, callbacks: list, max_steps: int = 4, logger=None) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None,
-        logger=logger if logger is not None else False, callbacks=callbacks, default_root_dir=tmp_path,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
 
 
@@ -111,9 +93,17 @@ def _final_weights(with_eval: bool, tmp_path: Path) -> list[torch.Tensor]:
     pl.seed_everything(3)
     model = Regressor()
     callbacks = [EvalOnStart()] if with_eval else []
-    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False, callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, DataLoader(_data(0), batch_size=8, shuffle=True), DataLoader(_data(1), batch_size=8))
     return [p.detach().clone() for p in model.parameters()]
 
@@ -128,11 +118,22 @@ def test_training_is_unchanged_by_the_start_evaluation(tmp_path: Path) -> None:
 def test_clear_error_without_validation_data(tmp_path: Path, case: str) -> None:
     model = NoValidation() if case == "no_validation_step" else Regressor()
     val = None if case == "no_val_dataloader" else DataLoader(_data(1), batch_size=8)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                         callbacks=[EvalOnStart()], enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0 if case == "limit_zero" else None, default_root_dir=tmp_path)
-    message = {"no_validation_step": "defines no `validation_step`", "no_val_dataloader": "gives no validation batches",
-               "limit_zero": "limit_val_batches=0"}[case]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[EvalOnStart()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0 if case == "limit_zero" else None,
+        default_root_dir=tmp_path,
+    )
+    message = {
+        "no_validation_step": "defines no `validation_step`",
+        "no_val_dataloader": "gives no validation batches",
+        "limit_zero": "limit_val_batches=0",
+    }[case]
     with pytest.raises(RuntimeError, match=message):
         trainer.fit(model, DataLoader(_data(0), batch_size=8), val)
 
@@ -141,8 +142,9 @@ def _resumed_val_rows(tmp_path: Path, resume_from: Path, on_resume: bool) -> dic
     probe, callbacks = _side_effect_callbacks(tmp_path / f"run_{on_resume}")
     callbacks[0] = EvalOnStart(on_resume=on_resume)
     trainer = _trainer(tmp_path, callbacks, max_steps=4, logger=CSVLogger(tmp_path, name=f"resumed_{on_resume}"))
-    trainer.fit(Regressor(), DataLoader(_data(0), batch_size=8), DataLoader(_data(1), batch_size=8),
-                ckpt_path=resume_from)
+    trainer.fit(
+        Regressor(), DataLoader(_data(0), batch_size=8), DataLoader(_data(1), batch_size=8), ckpt_path=resume_from
+    )
     # the resumed ModelCheckpoint (last saved step 0 != 2) would save here without EvalOnStart's guard
     assert probe.seen == {"wait_count": 0, "best_score": math.inf, "ckpts": [], "callback_metrics": []}
     return _val_rows(trainer.logger.log_dir)
@@ -180,9 +182,17 @@ def test_lightning_internals_are_present() -> None:
 
 def test_configurable_from_lightning_cli() -> None:
     cli = LightningCLI(
-        Regressor, run=False,
-        args={"trainer": {"logger": False, "enable_progress_bar": False, "callbacks": [
-            {"class_path": "lit_trainer.callbacks.eval_on_start.EvalOnStart", "init_args": {"on_resume": True}}]}},
+        Regressor,
+        run=False,
+        args={
+            "trainer": {
+                "logger": False,
+                "enable_progress_bar": False,
+                "callbacks": [
+                    {"class_path": "lit_trainer.callbacks.eval_on_start.EvalOnStart", "init_args": {"on_resume": True}}
+                ],
+            }
+        },
     )
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, EvalOnStart)]
     assert cb.on_resume is True

@@ -7,7 +7,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,11 +16,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
 
+from helpers.ddp import launch_script, wait_json
 from lit_trainer.callbacks import ExactResume, resolve_resume, resolve_resume_checkpoint
 from lit_trainer.callbacks._rng_state import apply_rng_state, collect_rng_state
 from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
-
-SCRIPT = Path(__file__).parent / "scripts" / "fault_injection_train.py"
 
 
 def _draws() -> tuple:
@@ -71,9 +69,16 @@ class _Batches:
 
 def test_loader_without_state_warns_and_resume_callback_goes_first(tmp_path: Path) -> None:
     callback = ExactResume()
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Callback(), callback], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Callback(), callback],
+        default_root_dir=tmp_path,
+    )
     with pytest.warns(UserWarning, match=r"ExactResume: the training loader \(_Batches\) is neither .* not exact"):
         trainer.fit(_Linear(), _Batches())
     assert trainer.callbacks[0] is callback
@@ -117,8 +122,9 @@ def test_resolve_picks_newest_complete_checkpoint_and_names_skipped_ones(tmp_pat
 
 def test_resume_policy_never_silently_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=run,
-                        callbacks=[OnExceptionCheckpoint(run / "checkpoints")])
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, default_root_dir=run, callbacks=[OnExceptionCheckpoint(run / "checkpoints")]
+    )
     # a fresh folder: "never" and "auto" both start fresh
     assert resolve_resume("never", run / "checkpoints", trainer) is None
     assert resolve_resume("auto", run / "checkpoints", trainer) is None
@@ -147,24 +153,14 @@ def test_resume_policy_never_silently_resumes(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{path} did not appear (runner rc={proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.02)
-    time.sleep(0.05)  # let the writer finish the (tiny) file
-    return json.loads(path.read_text())
-
-
 def _signal_at_pause(run: Path, proc: subprocess.Popen, log: Path, signum: int = signal.SIGTERM) -> tuple[dict, float]:
-    ready = _wait_file(run / "ready.json", proc, log)
+    ready = wait_json(run / "ready.json", proc, log)
     sent = time.time()
     os.kill(ready["pid"], signum)
     return ready, sent
 
 
+@pytest.mark.ddp
 def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     name = {s: f"jit-epoch=0-step={s}.ckpt" for s in (2, 3, 6)}
@@ -182,10 +178,7 @@ def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> N
     ]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     log = tmp_path / "runner.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--plan", str(tmp_path / "plan.json")],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = launch_script("fault_injection_train.py", tmp_path, "--plan", tmp_path / "plan.json", log=log)
     latency: dict[str, float] = {}
     try:
         for run_name in ("val_mid_window", "killed_in_save", "val_at_step", "epoch_end"):
@@ -194,23 +187,28 @@ def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> N
                 # the killed save left its sentinel and partial file; resolution skipped it (checked below)
                 assert sentinel_target(ckpt) == name[3]
                 assert (ckpt / f".{name[3]}.partial").exists() and not (ckpt / name[3]).exists()
-                with pytest.warns(UserWarning, match=rf"incomplete checkpoint {ckpt / name[3]}: its save was interrupted"):
+                with pytest.warns(
+                    UserWarning, match=rf"incomplete checkpoint {ckpt / name[3]}: its save was interrupted"
+                ):
                     assert resolve_resume_checkpoint(ckpt) == str(ckpt / name[2])
             _, sent = _signal_at_pause(run, proc, log)
             if run_name == "killed_in_save":
-                saving = _wait_file(run / "saving.json", proc, log)
+                saving = wait_json(run / "saving.json", proc, log)
                 os.kill(saving["pid"], signal.SIGKILL)
-            status = _wait_file(run / "status.json", proc, log)
+            status = wait_json(run / "status.json", proc, log)
             latency[run_name] = status["end"] - sent
-        _wait_file(tmp_path / "finish" / "status.json", proc, log)
+        wait_json(tmp_path / "finish" / "status.json", proc, log)
         assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     status = {r: json.loads((tmp_path / r / "status.json").read_text())["returncode"] for r in latency}
     assert status == {"val_mid_window": 143, "killed_in_save": -signal.SIGKILL, "val_at_step": 143, "epoch_end": 143}
-    result = {r["name"]: json.loads((tmp_path / r["name"] / "result.json").read_text())
-              for r in plan if r["name"] != "killed_in_save"}
+    result = {
+        r["name"]: json.loads((tmp_path / r["name"] / "result.json").read_text())
+        for r in plan
+        if r["name"] != "killed_in_save"
+    }
     assert not (tmp_path / "killed_in_save" / "result.json").exists()  # SIGKILLed before it could write one
 
     # where each run stopped, and from what each resumed

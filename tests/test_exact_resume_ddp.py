@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_plain_resume.py"
+from helpers.ddp import output_tail, run_script
+
+pytestmark = pytest.mark.ddp
 
 
 def test_ddp_resumes_mid_window_mid_epoch_and_at_the_epoch_boundary_bit_exactly(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=env, timeout=900, capture_output=True,
-                          text=True, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("ddp_plain_resume.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
     mid_window = torch.load(tmp_path / "mid_window.ckpt", weights_only=True)
     assert mid_window["global_step"] == 1
     assert len(mid_window["callbacks"]["ExactResume"]["window_grads"]) == 2  # both ranks' half-window gradients

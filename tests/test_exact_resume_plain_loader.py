@@ -64,17 +64,31 @@ class _Seen(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _fit(root: Path, loader_kwargs: dict, epochs: int = 3, accumulate: int = 1, ckpt: Path | None = None,
-         extra: tuple = (), ns: Any = L) -> tuple[Any, list[list[float]]]:
+def _fit(
+    root: Path,
+    loader_kwargs: dict,
+    epochs: int = 3,
+    accumulate: int = 1,
+    ckpt: Path | None = None,
+    extra: tuple = (),
+    ns: Any = L,
+) -> tuple[Any, list[list[float]]]:
     seen = next((c for c in extra if isinstance(c, _Seen)), None) or _Seen()
     exact = ExactResume if ns is L else pl_callbacks.ExactResume  # each package has its own callback classes
     callbacks = [exact(), seen, *(c for c in extra if c is not seen)]
     ns.seed_everything(0)
     module = _plain_module(ns)()
-    trainer = ns.Trainer(accelerator="cpu", max_epochs=epochs, accumulate_grad_batches=accumulate, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                         enable_checkpointing=any(isinstance(c, ns.callbacks.ModelCheckpoint) for c in extra),
-                         callbacks=callbacks)
+    trainer = ns.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        enable_checkpointing=any(isinstance(c, ns.callbacks.ModelCheckpoint) for c in extra),
+        callbacks=callbacks,
+    )
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=True, **loader_kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -89,8 +103,9 @@ def _same_weights(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
-@pytest.mark.parametrize(("namespace", "generator"), [("lightning", False), ("lightning", True),
-                                                     ("pytorch_lightning", False)])
+@pytest.mark.parametrize(
+    ("namespace", "generator"), [("lightning", False), ("lightning", True), ("pytorch_lightning", False)]
+)
 def test_plain_shuffled_dataloader_resumes_exactly_mid_epoch_and_at_epoch_boundaries(
     tmp_path: Path, namespace: str, generator: bool
 ) -> None:
@@ -102,8 +117,9 @@ def test_plain_shuffled_dataloader_resumes_exactly_mid_epoch_and_at_epoch_bounda
     # step 3: mid-epoch 0; step 6: the end of epoch 0; step 9: mid-epoch 1
     for step, trained in ((3, 3), (6, 6), (9, 9)):
         kwargs = {"generator": torch.Generator().manual_seed(5)} if generator else {}
-        resumed, batches = _fit(tmp_path, kwargs, ckpt=tmp_path / "ck" / f"epoch={(step - 1) // 6}-step={step}.ckpt",
-                                ns=ns)
+        resumed, batches = _fit(
+            tmp_path, kwargs, ckpt=tmp_path / "ck" / f"epoch={(step - 1) // 6}-step={step}.ckpt", ns=ns
+        )
         assert batches == full_batches[trained:], f"resumed from step {step}: other samples or order"
         assert _same_weights(full, resumed), f"resumed from step {step}: other weights"
 
@@ -125,10 +141,20 @@ def test_without_the_replay_the_resumed_order_differs(tmp_path: Path):
     _, full_batches = _fit(tmp_path, {}, epochs=2, extra=(every_step,))
     L.seed_everything(0)
     seen = _Seen()
-    trainer = L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[seen])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[seen],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(_plain_module(L)(), DataLoader(_data(), batch_size=BATCH, shuffle=True),
-                    ckpt_path=tmp_path / "ck" / "epoch=0-step=6.ckpt")
+        trainer.fit(
+            _plain_module(L)(),
+            DataLoader(_data(), batch_size=BATCH, shuffle=True),
+            ckpt_path=tmp_path / "ck" / "epoch=0-step=6.ckpt",
+        )
     assert seen.batches != full_batches[6:]

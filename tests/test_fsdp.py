@@ -8,19 +8,15 @@ accumulation, from the same initial weights, in float32.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import _fsdp_common as common  # tests/scripts
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
-SCRIPT = Path(__file__).parent / "scripts" / "fsdp_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import _fsdp_common as common
-
+from helpers.ddp import output_tail, run_script
 from lit_trainer.callbacks import HFExport
 from lit_trainer.modules import _sharding
 
@@ -28,10 +24,8 @@ from lit_trainer.modules import _sharding
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], check=False, timeout=900, env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("fsdp_train.py", out)
+    assert proc.returncode == 0, output_tail(proc)
     return out
 
 
@@ -42,19 +36,20 @@ def _max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 @pytest.fixture(scope="module")
 def single_sft(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    from conftest import tiny_llama
-
+    from helpers.models import tiny_llama
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     tokenizer = ByT5Tokenizer()
-    module = CausalLMModule(tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3,
-                            max_grad_norm=common.MAX_GRAD_NORM)
+    module = CausalLMModule(
+        tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3, max_grad_norm=common.MAX_GRAD_NORM
+    )
     clip, export = common.ClipRecorder(), tmp_path_factory.mktemp("single") / "export"
     trainer = common.trainer("auto", 1, common.STEPS, [clip, HFExport(str(export))])
     trainer.fit(module, datamodule=common.sft_datamodule(tokenizer, 4))
     return SimpleNamespace(weights=common.full_weights(module), clip=clip, export=export)
 
 
+@pytest.mark.ddp
 def test_sft_sharded_ends_with_the_single_process_weights(run: Path, single_sft: SimpleNamespace):
     sharded = torch.load(run / "sft.pt", weights_only=False)
     assert sharded["param_type"] == "DTensor"  # really sharded
@@ -62,29 +57,37 @@ def test_sft_sharded_ends_with_the_single_process_weights(run: Path, single_sft:
     assert _max_relative_diff(sharded["weights"], single_sft.weights) <= 1e-5
 
 
+@pytest.mark.ddp
 def test_activation_checkpointing_under_sharding_gives_the_same_weights(run: Path, single_sft: SimpleNamespace):
     checkpointed = torch.load(run / "sft_checkpointed.pt", weights_only=False)
     assert _max_relative_diff(checkpointed, single_sft.weights) <= 1e-5
 
 
+@pytest.mark.ddp
 def test_max_grad_norm_is_applied_under_every_accepted_strategy(run: Path, single_sft: SimpleNamespace):
     grpo = torch.load(run / "grpo_rank0.pt", weights_only=False)
-    records = {"single": (single_sft.clip.pre, single_sft.clip.post, common.MAX_GRAD_NORM),
-               "model_parallel": (*[torch.load(run / "sft.pt", weights_only=False)[k] for k in ("pre", "post")],
-                                  common.MAX_GRAD_NORM),
-               "grpo_model_parallel": (grpo["sharded"]["pre"], grpo["sharded"]["post"], 1.0),
-               "grpo_ddp": (grpo["ddp"]["pre"], grpo["ddp"]["post"], 1.0)}
+    records = {
+        "single": (single_sft.clip.pre, single_sft.clip.post, common.MAX_GRAD_NORM),
+        "model_parallel": (
+            *[torch.load(run / "sft.pt", weights_only=False)[k] for k in ("pre", "post")],
+            common.MAX_GRAD_NORM,
+        ),
+        "grpo_model_parallel": (grpo["sharded"]["pre"], grpo["sharded"]["post"], 1.0),
+        "grpo_ddp": (grpo["ddp"]["pre"], grpo["ddp"]["post"], 1.0),
+    }
     for name, (pre, post, max_norm) in records.items():
         assert max(pre) > max_norm, name  # clipping had something to do
         for before, after in zip(pre, post, strict=True):
             assert after == pytest.approx(min(before, max_norm), rel=1e-4), name
 
 
+@pytest.mark.ddp
 def test_sharded_optimizer_is_fused_adamw(run: Path):
     sharded = torch.load(run / "sft.pt", weights_only=False)
     assert sharded["fused"] is True  # torch's fused AdamW kernel takes the DTensor shards
 
 
+@pytest.mark.ddp
 def test_sharded_export_equals_single_process_export_and_loads(run: Path, single_sft: SimpleNamespace):
     sharded = AutoModelForCausalLM.from_pretrained(run / "sft_export")
     single = AutoModelForCausalLM.from_pretrained(single_sft.export)
@@ -94,6 +97,7 @@ def test_sharded_export_equals_single_process_export_and_loads(run: Path, single
     assert all(torch.equal(a[name], value) for name, value in trained.items())
 
 
+@pytest.mark.ddp
 def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
     best = torch.load(run / "best.pt", weights_only=False)
     assert Path(best["checkpoint"]).is_dir()  # ModelParallelStrategy's distributed checkpoint
@@ -104,13 +108,15 @@ def test_best_checkpoint_exports_from_a_distributed_checkpoint(run: Path):
     assert best["neftune_draws"] == 2  # NEFTune found the sharded model's embedding: one draw per micro-batch
 
 
+@pytest.mark.ddp
 def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     sharded = torch.load(run / "dpo.pt", weights_only=False)
     assert sharded["ref_types"] == {"DTensor"}  # the reference is sharded like the policy, and stays so after use
     tokenizer = ByT5Tokenizer()
     module = common.dpo_module(tokenizer)
     common.trainer("auto", 1, common.DPO_STEPS, [common.dpo_bema()]).fit(
-        module, datamodule=common.dpo_datamodule(tokenizer, 4))
+        module, datamodule=common.dpo_datamodule(tokenizer, 4)
+    )
     assert _max_relative_diff(sharded["weights"], common.full_weights(module)) <= 1e-5
     # BEMA(update_ref_model=True) refreshed the sharded reference shard by shard, as the one-process run did
     initial = common.dpo_module(tokenizer).model.state_dict()
@@ -118,6 +124,7 @@ def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     assert any(not torch.equal(sharded["ref"][k], initial[k]) for k in sharded["ref"])  # it was refreshed
 
 
+@pytest.mark.ddp
 def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
     ranks = [torch.load(run / f"grpo_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[0]["sharded"]["longest"] != ranks[1]["sharded"]["longest"]  # ranks stopped at different lengths
@@ -145,7 +152,7 @@ def test_strategies_that_would_drop_a_feature_are_refused():
 
 
 def test_block_classes_come_from_no_split_modules_or_the_override():
-    from conftest import tiny_llama
+    from helpers.models import tiny_llama
 
     model = tiny_llama(layers=2)
     assert _sharding.block_class_names(model) == {"LlamaDecoderLayer"}
@@ -169,9 +176,16 @@ def test_slurm_variables_of_two_local_tasks_select_the_ranks(monkeypatch: pytest
     monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
     monkeypatch.setattr(utils_rank_zero_only, "rank", utils_rank_zero_only.rank)
     for task in (0, 1):
-        for key, value in {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(task),
-                           "SLURM_LOCALID": str(task), "SLURM_NODEID": "0", "SLURM_JOB_ID": "7",
-                           "SLURM_JOB_NAME": "sft", "SLURM_NODELIST": "node1"}.items():
+        for key, value in {
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(task),
+            "SLURM_LOCALID": str(task),
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NAME": "sft",
+            "SLURM_NODELIST": "node1",
+        }.items():
             monkeypatch.setenv(key, value)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=common.model_parallel(), logger=False)
         environment = trainer.strategy.cluster_environment
@@ -200,6 +214,7 @@ def single_bema_best(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return common.bema_best_run(lambda: "auto", 1, 4, str(tmp_path_factory.mktemp("single_bema")))
 
 
+@pytest.mark.ddp
 def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path, single_bema_best: dict):
     sharded = torch.load(run / "bema_best.pt", weights_only=False)
     assert _max_relative_diff(sharded["bema"], single_bema_best["bema"]) <= 1e-5  # full tensors, gathered
@@ -211,9 +226,10 @@ def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path
     # average continues as the one-process run resumed from its step-2 checkpoint does
     assert _max_relative_diff(sharded["resumed"], single_bema_best["resumed"]) <= 1e-5
     exported = AutoModelForCausalLM.from_pretrained(sharded["export"]).state_dict()
-    assert all(torch.equal(exported[k[len("model."):]], v) for k, v in sharded["bema"].items())
+    assert all(torch.equal(exported[k[len("model.") :]], v) for k, v in sharded["bema"].items())
 
 
+@pytest.mark.ddp
 def test_sharded_best_checkpoint_loads_the_scored_weights_at_the_end(run: Path, single_bema_best: dict):
     from lit_trainer.callbacks import BEMA
     from lit_trainer.callbacks._checkpoint_files import load_checkpoint_state_dict

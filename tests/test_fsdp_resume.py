@@ -5,12 +5,17 @@ uninterrupted sharded run."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
+
+from helpers.ddp import script_env
+
+pytestmark = pytest.mark.ddp
+
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "sft_fsdp.yaml"
@@ -20,20 +25,33 @@ STEPS = 6
 def _command(out: Path) -> list[str]:
     data = out / "rows.jsonl"  # small data: the test is about the checkpoint, not the task
     data.write_text("".join(f'{{"text": "{i} plus {i} is {2 * i}"}}\n' for i in range(48)))
-    return [shutil.which("lit-trainer") or "lit-trainer", "fit", "--config", str(CONFIG),
-            f"--data.dataset={data}", "--data.val_size=0", "--model.eval_exact_match=false",
-            f"--trainer.max_steps={STEPS}", "--trainer.accumulate_grad_batches=2", "--trainer.log_every_n_steps=1",
-            "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--model.warmup_steps=2",
-            "--model.model=tiny-64", "--data.batch_size=4", "--data.eval_batch_size=4",
-            "--trainer.callbacks+=fsdp_sigterm_probe.SigtermOneRank", f"--trainer.callbacks.out={out}"]
+    return [
+        shutil.which("lit-trainer") or "lit-trainer",
+        "fit",
+        "--config",
+        str(CONFIG),
+        f"--data.dataset={data}",
+        "--data.val_size=0",
+        "--model.eval_exact_match=false",
+        f"--trainer.max_steps={STEPS}",
+        "--trainer.accumulate_grad_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--model.warmup_steps=2",
+        "--model.model=tiny-64",
+        "--data.batch_size=4",
+        "--data.eval_batch_size=4",
+        "--trainer.callbacks+=fsdp_sigterm_probe.SigtermOneRank",
+        f"--trainer.callbacks.out={out}",
+    ]
 
 
 def _run(cwd: Path, command: list[str], sigterm_at: int | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_TEST_SIGTERM_STEP"}
+    env = script_env()  # tests/scripts on PYTHONPATH: the command line names fsdp_sigterm_probe.SigtermOneRank
+    env.pop("FSDP_TEST_SIGTERM_STEP", None)
     if sigterm_at is not None:
         env["FSDP_TEST_SIGTERM_STEP"] = str(sigterm_at)
-    env = {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "scripts"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(command, check=False, cwd=cwd, env=env, timeout=600, capture_output=True, text=True)
 
 

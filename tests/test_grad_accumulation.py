@@ -9,17 +9,25 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from conftest import tiny_llama
-from _accum_common import GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.accumulation import GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 
 def _fit(model, tokenizer, dm, accumulate, max_steps, **module_kwargs):
     module = CausalLMModule(model, tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0, **module_kwargs)
     capture = GradCapture()
-    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[capture], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=dm)
     return capture.grads
 
@@ -83,8 +91,9 @@ def test_compute_loss_func_receives_documented_arguments(tokenizer):
     # what was backpropagated is exactly the user's value: sum over the window of 3 * mean(logits)
     ref_model = copy.deepcopy(model)
     ref_model.zero_grad()
-    sum(3.0 * ref_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.mean()
-        for b in batches).backward()
+    sum(
+        3.0 * ref_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.mean() for b in batches
+    ).backward()
     reference = {n: p.grad for n, p in ref_model.named_parameters()}
     assert relative_error(grads[0], reference) < 1e-5
 
@@ -94,9 +103,16 @@ def test_fallback_without_item_counts_warns(tokenizer):
     module = CausalLMModule(model, tokenizer=tokenizer)
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")
-    loader = torch.utils.data.DataLoader([dm.train_dataset[i] for i in range(8)], batch_size=2,
-                                         collate_fn=lambda rows: dm._collate(rows, True))
-    trainer = pl.Trainer(max_steps=1, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(
+        [dm.train_dataset[i] for i in range(8)], batch_size=2, collate_fn=lambda rows: dm._collate(rows, True)
+    )
+    trainer = pl.Trainer(
+        max_steps=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning, match="NOT token-exact"):
         trainer.fit(module, train_dataloaders=loader)

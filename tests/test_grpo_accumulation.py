@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from _accum_common import GradCapture, relative_error
 from test_grpo_module import QUIET, _independent_step_gradient, data, grpo, tiny_model
+
+from helpers.accumulation import GradCapture, relative_error
 
 
 def _record_micro_batches(module) -> list[dict[str, torch.Tensor]]:
@@ -25,12 +26,14 @@ def _record_micro_batches(module) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
+@pytest.mark.slow
 def test_dapo_step_spanning_two_generation_rounds_is_token_exact():
     # spg = 3, accumulate 2: step 0 = round 0 slices 0, 1; step 1 = round 0 slice 2 + round 1 slice 0
     model = tiny_model(3, eos_bias=5.0)  # EOS likely: completion lengths vary
     initial = copy.deepcopy(model)
-    module = grpo(model, loss_type="dapo", temperature=0.8, steps_per_generation=3, max_completion_length=6,
-                  learning_rate=0.0)  # lr 0: every step's reference uses the initial weights
+    module = grpo(
+        model, loss_type="dapo", temperature=0.8, steps_per_generation=3, max_completion_length=6, learning_rate=0.0
+    )  # lr 0: every step's reference uses the initial weights
     seen = _record_micro_batches(module)
     capture = GradCapture()
     trainer = L.Trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[capture], **QUIET)
@@ -48,7 +51,12 @@ def test_dapo_step_spanning_two_generation_rounds_is_token_exact():
 def test_a_step_correction_outside_param_grad_is_refused_at_setup():
     module = grpo(loss_type="cispo", steps_per_generation=3)
     # a strategy that keeps gradients out of `param.grad` (DeepSpeed; clipping set, so only this refusal applies)
-    module._trainer = SimpleNamespace(strategy=type("DeepSpeedStrategy", (), {})(), accumulate_grad_batches=2,
-                                      world_size=1, gradient_clip_val=1.0, datamodule=data(batch_size=4))
+    module._trainer = SimpleNamespace(
+        strategy=type("DeepSpeedStrategy", (), {})(),
+        accumulate_grad_batches=2,
+        world_size=1,
+        gradient_clip_val=1.0,
+        datamodule=data(batch_size=4),
+    )
     with pytest.raises(ValueError, match="steps_per_generation=3 not a multiple of accumulate_grad_batches=2"):
         module.setup("fit")

@@ -41,8 +41,9 @@ def test_module_defaults_are_the_loss_defaults() -> None:
 def test_metrics_take_the_vespo_shape_options() -> None:
     # one row, A = +1, ratios (2, 1) -> w = 2; with (k_pos, lambda_pos) = (1, 1): phi = 2 e^-1
     logps, old, _, _ = _rows()
-    metrics = grpo_loss_metrics(logps[:1], old[:1], torch.ones(1), torch.ones(1, 2), loss_type="vespo",
-                                vespo_k_pos=1.0, vespo_lambda_pos=1.0)
+    metrics = grpo_loss_metrics(
+        logps[:1], old[:1], torch.ones(1), torch.ones(1, 2), loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=1.0
+    )
     assert metrics["vespo/phi_seq_mean"].item() == pytest.approx(2 * math.exp(-1), rel=1e-12)
 
 

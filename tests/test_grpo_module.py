@@ -14,6 +14,7 @@ import torch
 import transformers
 from datasets import Dataset
 
+from helpers.models import tiny_llama
 from lit_trainer.data import builtin
 from lit_trainer.data.prompt import GenerationBatchSampler, PromptDataModule, RolloutGeometry
 from lit_trainer.modules import _rollout as rollout
@@ -23,29 +24,21 @@ from lit_trainer.rewards import RewardFunctionError, arithmetic_reward
 datasets.disable_progress_bars()
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 CONFIG = Path(__file__).parents[1] / "configs" / "grpo.yaml"
-QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
-         "enable_checkpointing": False, "num_sanity_val_steps": 0, "limit_val_batches": 0}
+QUIET = {
+    "accelerator": "cpu",
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
 
 
 def tiny_model(seed: int = 0, eos_bias: float = 3.0) -> transformers.LlamaForCausalLM:
-    """The brief's tiny Llama, with an output bias that makes EOS likely (~10% per token), so completion lengths and
+    """The tests' tiny Llama with an output bias that makes EOS likely (~10% per token), so completion lengths and
     hence :func:`length_reward` vary within a group."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    model.generation_config.bos_token_id = None
-    head = torch.nn.Linear(32, 384, bias=True)
-    head.weight = model.lm_head.weight  # still tied to the input embedding
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[1] = eos_bias
-    model.lm_head = head
-    return model
+    return tiny_llama(seed, eos_bias=eos_bias)
 
 
 def prompts(n: int) -> Dataset:
@@ -59,16 +52,24 @@ def length_reward(prompts: list, completions: list, completion_ids: list, **colu
 
 
 def grpo(model: Any = None, **kwargs: Any) -> GRPOModule:
-    options = {"reward_funcs": [length_reward], "num_generations": 4, "max_completion_length": 4,
-               "learning_rate": 1e-2, "scheduler": "constant", "max_grad_norm": 0.0, "generation_seed": 0}
+    options = {
+        "reward_funcs": [length_reward],
+        "num_generations": 4,
+        "max_completion_length": 4,
+        "learning_rate": 1e-2,
+        "scheduler": "constant",
+        "max_grad_norm": 0.0,
+        "generation_seed": 0,
+    }
     options.update(kwargs)
     return GRPOModule(model if model is not None else tiny_model(), tokenizer=transformers.ByT5Tokenizer(), **options)
 
 
 def data(n: int = 12, batch_size: int = 4, **kwargs: Any) -> PromptDataModule:
     options = {"max_length": 16, "val_size": 0, "sampling": "sequential", **kwargs}
-    return PromptDataModule(tokenizer=transformers.ByT5Tokenizer(), dataset=prompts(n), batch_size=batch_size,
-                            **options)
+    return PromptDataModule(
+        tokenizer=transformers.ByT5Tokenizer(), dataset=prompts(n), batch_size=batch_size, **options
+    )
 
 
 class GenerateSpy:
@@ -112,8 +113,7 @@ def test_prompts_drop_the_appended_eos_and_keep_reward_columns():
 
 def test_too_long_and_empty_prompts_are_dropped_and_counted():
     rows = Dataset.from_dict({"prompt": ["1+1=", "", "9" * 20], "answer": ["2", "0", "9"]})
-    dm = PromptDataModule(tokenizer=transformers.ByT5Tokenizer(), dataset=rows, batch_size=2, max_length=16,
-                          val_size=0)
+    dm = PromptDataModule(tokenizer=transformers.ByT5Tokenizer(), dataset=rows, batch_size=2, max_length=16, val_size=0)
     dm.setup("fit")
     assert dm.train_dataset["prompt"] == ["1+1="]  # 20 bytes > 16 tokens; "" has no token (never truncated)
     assert dm.stats["train_prompts_too_long"] == 1 and dm.stats["train_prompts_empty"] == 1
@@ -126,8 +126,15 @@ def test_completions_are_cut_after_the_first_eos_and_measured():
     assert done.truncated.tolist() == [False, True, False]  # row 2 never produced an EOS
     metrics = rollout.completion_metrics(done.mask.sum(1), done.truncated)
     # lengths 2, 4, 1 -> mean 7/3, min 1, max 4, clipped 1/3; terminated rows only: 2, 1 -> mean 1.5, min 1, max 2
-    expected = {"mean_length": 7 / 3, "min_length": 1, "max_length": 4, "clipped_ratio": 1 / 3,
-                "mean_terminated_length": 1.5, "min_terminated_length": 1, "max_terminated_length": 2}
+    expected = {
+        "mean_length": 7 / 3,
+        "min_length": 1,
+        "max_length": 4,
+        "clipped_ratio": 1 / 3,
+        "mean_terminated_length": 1.5,
+        "min_terminated_length": 1,
+        "max_terminated_length": 2,
+    }
     for key, value in expected.items():
         assert metrics[f"completions/{key}"].item() == pytest.approx(value), key
 
@@ -138,8 +145,9 @@ def test_conversational_prompts_use_the_chat_template():
     dm = PromptDataModule(tokenizer=tokenizer, dataset=rows, batch_size=2, val_size=0)
     with pytest.raises(ValueError, match="no chat template"):
         dm.setup("fit")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
     dm = PromptDataModule(tokenizer=tokenizer, dataset=rows, batch_size=2, val_size=0)
     dm.setup("fit")
     assert dm.train_dataset[0]["prompt_input_ids"] == [52, 46, 52, 64, 65]  # "1+1=>" (no EOS added by the template)
@@ -156,8 +164,9 @@ def test_generation_loader_yields_whole_local_generation_batches_in_repeat_sampl
     first = ["10+11=", "10+11=", "11+11=", "11+11="]
     assert seen[:4] == [first] * 4 and seen[4] == ["12+11=", "12+11=", "13+11=", "13+11="] and len(seen) == 12
     # two ranks: contiguous slices of each generation batch, so each rank generates for its own prompts
-    rank1 = [b["prompts"] for b in dm.generation_loader(geometry._replace(generation_batch_size=4), num_replicas=2,
-                                                           rank=1)]
+    rank1 = [
+        b["prompts"] for b in dm.generation_loader(geometry._replace(generation_batch_size=4), num_replicas=2, rank=1)
+    ]
     assert rank1[0] == ["11+11=", "11+11="] and len(rank1) == 12
 
 
@@ -180,10 +189,12 @@ def test_options_are_validated_with_a_fix_in_the_message():
         trainer.fit(grpo(steps_per_generation=1), datamodule=data(batch_size=3))
 
 
+@pytest.mark.slow
 def test_reward_functions_from_import_paths_and_errors_name_the_function():
     module = grpo(reward_funcs="lit_trainer.rewards.arithmetic_reward")
     assert module.reward_funcs == [arithmetic_reward] and module.hparams.reward_funcs == [
-        "lit_trainer.rewards.arithmetic_reward"]
+        "lit_trainer.rewards.arithmetic_reward"
+    ]
 
     def broken_reward(prompts, completions, completion_ids, **kw):
         raise KeyError("boom")
@@ -206,8 +217,10 @@ def test_reward_functions_from_import_paths_and_errors_name_the_function():
         (1, {"generation_batch_size": 8, "num_iterations": 2}, 8, 2, 8),  # spg 2, mu 2: 4 micro-steps per round
     ],
 )
-def test_generate_is_called_once_per_round_with_each_prompt_num_generations_times(accumulate, options, steps,
-                                                                                  expected_calls, rows):
+@pytest.mark.slow
+def test_generate_is_called_once_per_round_with_each_prompt_num_generations_times(
+    accumulate, options, steps, expected_calls, rows
+):
     module = grpo(**options)
     spy = GenerateSpy(module)
     served = []
@@ -257,8 +270,13 @@ def test_accumulated_step_gradient_equals_the_full_batch_gradient(loss_type, mas
     model = tiny_model(3)
     initial = copy.deepcopy(model)
     recorder = StepRecorder()
-    module = grpo(model, loss_type=loss_type, temperature=0.8, mask_truncated_completions=mask_truncated,
-                  max_completion_length=3 if mask_truncated else 6)
+    module = grpo(
+        model,
+        loss_type=loss_type,
+        temperature=0.8,
+        mask_truncated_completions=mask_truncated,
+        max_completion_length=3 if mask_truncated else 6,
+    )
     trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[recorder], **QUIET)
     trainer.fit(module, datamodule=data(batch_size=4))
     assert len(recorder.slices) == 2  # spg = GA = 2: the step's 8 rows are the two buffered micro-batches
@@ -313,7 +331,8 @@ def test_resume_in_the_middle_of_a_generation_round_is_exact(tmp_path):
         spy = GenerateSpy(module)
         options = {**QUIET, "enable_checkpointing": bool(callbacks)}
         L.Trainer(max_steps=6, callbacks=callbacks, default_root_dir=tmp_path, **options).fit(
-            module, datamodule=data(20), ckpt_path=ckpt_path)
+            module, datamodule=data(20), ckpt_path=ckpt_path
+        )
         return module, spy
 
     # rounds start at steps 0 and 4; the checkpoint of step 2 is in the middle of the first round
@@ -328,6 +347,7 @@ def test_resume_in_the_middle_of_a_generation_round_is_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_mean_reward_rises_from_a_briefly_sft_trained_model():
     """Tiny-64 SFT for 80 steps on 64 addition problems (about 20-30% of sampled answers right), then GRPO with the
     correctness reward on 16 of them, every step on the same 16 prompts x 8 samples (so the curve is not dominated
@@ -337,20 +357,34 @@ def test_mean_reward_rises_from_a_briefly_sft_trained_model():
 
     L.seed_everything(0)
     sft = CausalLMModule("tiny-64", learning_rate=3e-3, warmup_steps=10, scheduler="constant_with_warmup")
-    sft_data = SFTDataModule(tokenizer="tiny", dataset=builtin.sft_rows("train").select(range(64)), batch_size=64,
-                             max_length=32, val_size=0)
+    sft_data = SFTDataModule(
+        tokenizer="tiny", dataset=builtin.sft_rows("train").select(range(64)), batch_size=64, max_length=32, val_size=0
+    )
     L.Trainer(max_steps=80, **QUIET).fit(sft, datamodule=sft_data)
-    module = GRPOModule(sft.model, tokenizer=sft.tokenizer, reward_funcs=["lit_trainer.rewards.arithmetic_reward"],
-                        num_generations=8, max_completion_length=4, temperature=0.7, learning_rate=3e-4,
-                        scheduler="constant", generation_seed=0)
+    module = GRPOModule(
+        sft.model,
+        tokenizer=sft.tokenizer,
+        reward_funcs=["lit_trainer.rewards.arithmetic_reward"],
+        num_generations=8,
+        max_completion_length=4,
+        temperature=0.7,
+        learning_rate=3e-4,
+        scheduler="constant",
+        generation_seed=0,
+    )
     rewards: list[float] = []
 
     class Rewards(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
             rewards.append(float(pl_module._buffer.metrics["reward"]))
 
-    prompt_data = PromptDataModule(tokenizer="tiny", dataset=builtin.prompt_rows("train").select(range(16)),
-                                   batch_size=128, max_length=16, val_size=0)
+    prompt_data = PromptDataModule(
+        tokenizer="tiny",
+        dataset=builtin.prompt_rows("train").select(range(16)),
+        batch_size=128,
+        max_length=16,
+        val_size=0,
+    )
     L.Trainer(max_steps=25, callbacks=[Rewards()], **QUIET).fit(module, datamodule=prompt_data)
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert 0.05 < first < 0.6, rewards  # partly trained: GRPO has a signal to work with
@@ -358,6 +392,7 @@ def test_mean_reward_rises_from_a_briefly_sft_trained_model():
 
 
 # ---------------------------------------------------------------------------------------------------- config
+@pytest.mark.slow
 def test_grpo_config_parses_and_runs_a_few_steps(tmp_path, monkeypatch):
     from lit_trainer.cli import LitTrainerCLI
 
@@ -373,6 +408,15 @@ def test_grpo_config_parses_and_runs_a_few_steps(tmp_path, monkeypatch):
     assert cli.model.reward_funcs == [arithmetic_reward] and cli.model.ref_model is None
     assert cli.trainer.global_step == 2
     assert cli.model.rollout_geometry == RolloutGeometry(8, 2, 64, 1)  # spg = accumulate_grad_batches = 2
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/arithmetic_reward/mean", "entropy",
-                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "val_reward"):
+    for key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "rewards/arithmetic_reward/mean",
+        "entropy",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "clip_ratio/region_mean",
+        "val_reward",
+    ):
         assert key in cli.trainer.callback_metrics, key

@@ -50,7 +50,8 @@ def test_vespo_masks_padding_and_refuses_sequence_level():
     padded_old = torch.cat([old, torch.zeros(2, 1, dtype=torch.float64)], dim=1)
     padded_mask = torch.cat([mask, torch.zeros(2, 1)], dim=1)
     assert grpo_policy_loss(padded, padded_old, advantages, padded_mask, loss_type="vespo").item() == pytest.approx(
-        (PHI[0] * 3 * math.log(2) - PHI[1] * 2 * math.log(2)) / 4, rel=1e-12)
+        (PHI[0] * 3 * math.log(2) - PHI[1] * 2 * math.log(2)) / 4, rel=1e-12
+    )
     with pytest.raises(ValueError, match="does not apply to `loss_type='vespo'`"):
         grpo_policy_loss(logps, old, advantages, mask, loss_type="vespo", importance_sampling_level="sequence")
 

@@ -38,8 +38,14 @@ class NotHF(Plain):
 def test_refused_before_the_first_step_with_the_fix(tmp_path: Path, module_cls, missing: str) -> None:
     module = module_cls()
     data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16)), batch_size=4)
-    trainer = pl.Trainer(max_steps=3, callbacks=[HFExport(dirpath=tmp_path / "hf")], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=3,
+        callbacks=[HFExport(dirpath=tmp_path / "hf")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(TypeError, match=rf"HFExport needs `{module_cls.__name__}.model`.*{missing}.*remove HFExport"):
         trainer.fit(module, data)
     assert module.steps == 0 and not (tmp_path / "hf").exists()

@@ -14,11 +14,28 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lit_trainer"
 # the public API the README and the notebooks import from the package level
 PUBLIC = {
     "lit_trainer": ["CausalLMModule", "DPOModule", "GRPOModule"],
-    "lit_trainer.data": ["BaseDataModule", "BatchRebalanceSampler", "LengthGroupedSampler", "PreferenceDataModule",
-                         "PromptDataModule", "RepeatSampler", "SFTDataModule"],
-    "lit_trainer.callbacks": ["BEMA", "BestCheckpoint", "EvalOnStart", "ExactResume", "HFExport", "JITCheckpoint",
-                              "JITCheckpointExit", "NEFTune", "RunIdentity", "resolve_resume",
-                              "resolve_resume_checkpoint"],
+    "lit_trainer.data": [
+        "BaseDataModule",
+        "BatchRebalanceSampler",
+        "LengthGroupedSampler",
+        "PreferenceDataModule",
+        "PromptDataModule",
+        "RepeatSampler",
+        "SFTDataModule",
+    ],
+    "lit_trainer.callbacks": [
+        "BEMA",
+        "BestCheckpoint",
+        "EvalOnStart",
+        "ExactResume",
+        "HFExport",
+        "JITCheckpoint",
+        "JITCheckpointExit",
+        "NEFTune",
+        "RunIdentity",
+        "resolve_resume",
+        "resolve_resume_checkpoint",
+    ],
     "lit_trainer.losses": ["causal_lm_loss", "dpo_loss", "grpo_advantages", "grpo_policy_loss"],
 }
 
@@ -42,9 +59,11 @@ def _unused_lit_trainer_imports(path: Path) -> list[str]:
     }
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     used |= {  # a public-API module (`callbacks/pytorch_lightning.py`) declares its exports in `__all__`
-        elt.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-        for elt in getattr(node.value, "elts", []) if isinstance(elt, ast.Constant)
+        elt.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        for elt in getattr(node.value, "elts", [])
+        if isinstance(elt, ast.Constant)
     }
     used |= {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
     return sorted(f"{name} (from {source})" for name, source in imported.items() if name not in used)
@@ -61,6 +80,8 @@ def test_no_module_re_exports_a_name_it_does_not_use():
 
 def test_the_check_finds_a_shim(tmp_path):
     shim = tmp_path / "shim.py"
-    shim.write_text("from lit_trainer.data.rebalance import microbatch_cost, balance_step  # noqa: F401\n"
-                    "def f():\n    return balance_step\n")
+    shim.write_text(
+        "from lit_trainer.data.rebalance import microbatch_cost, balance_step  # noqa: F401\n"
+        "def f():\n    return balance_step\n"
+    )
     assert _unused_lit_trainer_imports(shim) == ["microbatch_cost (from lit_trainer.data.rebalance.microbatch_cost)"]

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from helpers.ddp import launch_script, wait_json
+from lit_trainer.callbacks import jit_checkpoint
 from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
-
-DDP_SCRIPT = Path(__file__).parent / "scripts" / "ddp_sigterm.py"
 
 
 @pytest.mark.parametrize(
@@ -43,12 +42,36 @@ def test_invalid_arguments_name_the_value_and_the_fix(kwargs: dict, message: str
         JITCheckpoint(**kwargs)
 
 
-def test_kill_wait_delays_the_request() -> None:
-    jit = JITCheckpoint(kill_wait=0.3)
+class _Clock:
+    """Stands in for the ``time`` module of ``jit_checkpoint``: ``monotonic()`` is ``now``, which only the test moves
+    (so no assertion depends on how fast this machine runs)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(jit_checkpoint, "time", fake)
+    return fake
+
+
+def test_kill_wait_delays_the_request(clock: _Clock) -> None:
+    jit = JITCheckpoint(kill_wait=0.5)
     assert not jit.requested and not jit._due()
     jit._handle(signal.SIGTERM, None)
     assert jit.requested and not jit._due()  # recorded at once, acted on only after kill_wait
-    time.sleep(0.35)
+    clock.now += 0.25
+    jit._handle(signal.SIGTERM, None)  # a second signal does not restart the wait
+    assert not jit._due()
+    clock.now += 0.25
     assert jit._due()
 
 
@@ -78,14 +101,27 @@ class _SignalSelf(Callback):
 
 def _loader() -> TrainLoader:
     rows = [{"x": torch.full((4,), float(i))} for i in range(8)]
-    return TrainLoader(rows, ShardedBatchSampler(8, 1, seed=0), lambda b: {"x": torch.stack([r["x"] for r in b])},
-                       accumulate_grad_batches=2)
+    return TrainLoader(
+        rows,
+        ShardedBatchSampler(8, 1, seed=0),
+        lambda b: {"x": torch.stack([r["x"] for r in b])},
+        accumulate_grad_batches=2,
+    )
 
 
 def _trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=2, callbacks=callbacks, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     default_root_dir=tmp_path, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -99,11 +135,16 @@ def own_sigterm_handler() -> Any:
 
 
 @pytest.mark.parametrize("exit_code", [None, 143])
-def test_signal_mid_window_saves_after_that_step_and_stops(tmp_path: Path, own_sigterm_handler: Any,
-                                                           exit_code: int | None) -> None:
+def test_signal_mid_window_saves_after_that_step_and_stops(
+    tmp_path: Path, own_sigterm_handler: Any, exit_code: int | None
+) -> None:
     # 8 micro-batches, 2 per optimizer step: the signal lands before micro-batch 2, the first of step 2's window,
     # so the save must come after micro-batches 2 and 3, at global_step 2 (never after micro-batch 2 alone)
-    jit, other, sender = JITCheckpoint(kill_wait=0, dirpath=tmp_path / "ckpt", exit_code=exit_code), Callback(), _SignalSelf(2)
+    jit, other, sender = (
+        JITCheckpoint(kill_wait=0, dirpath=tmp_path / "ckpt", exit_code=exit_code),
+        Callback(),
+        _SignalSelf(2),
+    )
     trainer = _trainer(tmp_path, [jit, other, sender])
     module = _Net()
     if exit_code is None:
@@ -126,6 +167,29 @@ def test_signal_mid_window_saves_after_that_step_and_stops(tmp_path: Path, own_s
     assert trainer.received_sigterm is False
     assert signal.getsignal(signal.SIGTERM) is own_sigterm_handler
     assert trainer.callbacks.index(jit) > trainer.callbacks.index(other)
+
+
+class _AdvanceClock(Callback):
+    """Moves the fake clock forward by ``seconds`` at the start of micro-batch ``at``."""
+
+    def __init__(self, clock: _Clock, at: int, seconds: float) -> None:
+        self.clock, self.at, self.seconds = clock, at, seconds
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            self.clock.now += self.seconds
+
+
+def test_the_save_waits_for_the_first_step_boundary_after_kill_wait(
+    tmp_path: Path, own_sigterm_handler: Any, clock: _Clock
+) -> None:
+    # the signal lands before micro-batch 0; kill_wait passes during micro-batch 4 (the first of step 3's window):
+    # steps 1 and 2 train on, the save is after step 3
+    jit = JITCheckpoint(kill_wait=5.0, dirpath=tmp_path / "ckpt", exit_code=None)
+    trainer = _trainer(tmp_path, [jit, _SignalSelf(0), _AdvanceClock(clock, at=4, seconds=5.0)])
+    trainer.fit(_Net(), _loader())
+    assert trainer.global_step == 3 and jit.checkpoint_path == str(tmp_path / "ckpt" / "jit-epoch=0-step=3.ckpt")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["jit-epoch=0-step=3.ckpt"]
 
 
 class _FullDisk(TorchCheckpointIO):
@@ -152,15 +216,8 @@ def _log(out: Path) -> str:
     return (out / "ddp.log").read_text()[-4000:]
 
 
-def _wait_json(path: Path, proc: subprocess.Popen, timeout: float = 150) -> dict:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{path.name} did not appear (rc={proc.poll()}):\n{_log(path.parent)}")
-        time.sleep(0.02)
-    time.sleep(0.05)
-    return json.loads(path.read_text())
+def _wait_json(path: Path, proc: subprocess.Popen) -> dict:
+    return wait_json(path, proc, path.parent / "ddp.log")
 
 
 def _wait_gone(pid: int, timeout: float = 60) -> None:
@@ -171,10 +228,7 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
 
 
 def _launch(out: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(out / "ddp.log", "w") as log:
-        return subprocess.Popen([sys.executable, str(DDP_SCRIPT), str(out)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+    return launch_script("ddp_sigterm.py", out, log=out / "ddp.log")
 
 
 def _stops(out: Path, fit: str) -> list[dict]:
@@ -189,6 +243,7 @@ def _one_checkpoint(folder: Path, step: int) -> None:
     assert rng["world_size"] == 2 and not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
 
 
+@pytest.mark.ddp
 def test_ddp_sigterm_to_one_rank_then_to_both_stops_together_and_resumes_exactly(tmp_path: Path) -> None:
     proc = _launch(tmp_path)
     try:
@@ -210,7 +265,9 @@ def test_ddp_sigterm_to_one_rank_then_to_both_stops_together_and_resumes_exactly
             proc.kill()
     # 143, or -9 when Lightning's child-process watchdog in rank 0 saw rank 1 exit non-zero first (after the save)
     assert phase1["returncode"] in (143, -signal.SIGKILL), _log(tmp_path)
-    assert [(s["exception"], s["code"], s["step"]) for s in _stops(tmp_path, "b")] == [("JITCheckpointExit", 143, 3)] * 2
+    assert [(s["exception"], s["code"], s["step"]) for s in _stops(tmp_path, "b")] == [
+        ("JITCheckpointExit", 143, 3)
+    ] * 2
     _one_checkpoint(tmp_path / "ckpt_b", 3)
     assert phase2["returncode"] == 0, _log(tmp_path)
     assert [(s["exception"], s["step"], s["should_stop"]) for s in _stops(tmp_path, "c")] == [(None, 6, True)] * 2

@@ -8,7 +8,7 @@ import pytest
 from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -24,13 +24,25 @@ def _train_rows(path):
 @pytest.mark.parametrize(("steps", "every", "expected"), [(5, 2, [1, 3, 4]), (3, 50, [2]), (4, 2, [1, 3])])
 def test_the_partial_last_window_is_logged_once(tokenizer, tmp_path, steps, every, expected):
     model = tiny_llama(seed=0)
-    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), batch_size=2, val_size=0,
-                       max_length=64, sampling="sequential")
+    dm = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        batch_size=2,
+        val_size=0,
+        max_length=64,
+        sampling="sequential",
+    )
     dm.setup("fit")
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=0.0)
-    trainer = pl.Trainer(max_steps=steps, log_every_n_steps=every, logger=CSVLogger(tmp_path, name="r"),
-                         limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        log_every_n_steps=every,
+        logger=CSVLogger(tmp_path, name="r"),
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=dm)
     rows = _train_rows(tmp_path / "r" / "version_0" / "metrics.csv")
     assert [int(r["step"]) for r in rows] == expected
@@ -42,6 +54,6 @@ def test_the_partial_last_window_is_logged_once(tokenizer, tmp_path, steps, ever
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         losses.append(float(causal_lm_loss(logits, batch["labels"])))
     first = expected[-2] + 1 if len(expected) > 1 else 0
-    window = losses[first:expected[-1] + 1]
+    window = losses[first : expected[-1] + 1]
     assert float(rows[-1]["train_loss"]) == pytest.approx(sum(window) / len(window), rel=1e-5)
     assert float(rows[-1]["learning_rate"]) == 0.0 and rows[-1]["epoch"] == "0"

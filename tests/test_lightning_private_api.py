@@ -31,24 +31,50 @@ PACKAGES = ["lightning.pytorch", "pytorch_lightning"]  # the callbacks serve bot
 
 # (feature, module under the package, class, method, parameter names) - methods lit_trainer overrides or calls
 METHODS = [
-    ("RunProgressBar (lit_trainer.callbacks.progress) overrides it", "callbacks", "RichProgressBar",
-     "_get_train_description", ["self", "current_epoch"]),
+    (
+        "RunProgressBar (lit_trainer.callbacks.progress) overrides it",
+        "callbacks",
+        "RichProgressBar",
+        "_get_train_description",
+        ["self", "current_epoch"],
+    ),
     ("LitTrainerCLI (lit_trainer.cli) overrides it", "cli", "LightningCLI", "_parse_ckpt_path", ["self"]),
-    ("LitTrainerCLI (lit_trainer.cli) overrides it", "cli", "LightningCLI", "_instantiate_trainer",
-     ["self", "config", "callbacks"]),
-    ("RunCSVLogger (lit_trainer.runs) overrides it to append to metrics.csv", "loggers.csv_logs", "ExperimentWriter",
-     "_check_log_dir_exists", ["self"]),
-    ("BEMA and NEFTune build their state_key with it", "callbacks", "Callback", "_generate_state_key",
-     ["self", "kwargs"]),
+    (
+        "LitTrainerCLI (lit_trainer.cli) overrides it",
+        "cli",
+        "LightningCLI",
+        "_instantiate_trainer",
+        ["self", "config", "callbacks"],
+    ),
+    (
+        "RunCSVLogger (lit_trainer.runs) overrides it to append to metrics.csv",
+        "loggers.csv_logs",
+        "ExperimentWriter",
+        "_check_log_dir_exists",
+        ["self"],
+    ),
+    (
+        "BEMA and NEFTune build their state_key with it",
+        "callbacks",
+        "Callback",
+        "_generate_state_key",
+        ["self", "kwargs"],
+    ),
 ]
 # (feature, dotted path from a fresh Trainer, expected type or None) - what the callbacks read on the trainer
 TRAINER_ATTRIBUTES = [
-    ("EvalOnStart (restores the logger state) and the step logging (lit_trainer.modules._step_logging)",
-     "_logger_connector", None),
+    (
+        "EvalOnStart (restores the logger state) and the step logging (lit_trainer.modules._step_logging)",
+        "_logger_connector",
+        None,
+    ),
     ("EvalOnStart restores it after its validation pass", "_logger_connector._first_loop_iter", None),
     ("EvalOnStart removes its step-0 metrics from it", "_logger_connector._callback_metrics", dict),
-    ("the step logging (lit_trainer.modules._step_logging) follows log_every_n_steps with it",
-     "_logger_connector.should_update_logs", bool),
+    (
+        "the step logging (lit_trainer.modules._step_logging) follows log_every_n_steps with it",
+        "_logger_connector.should_update_logs",
+        bool,
+    ),
     ("ExactResume (lit_trainer.callbacks.resume) wraps the training loaders in it", "fit_loop._combined_loader", None),
     ("ExactResume rebuilds the epoch iterator through it", "fit_loop._data_fetcher", None),
 ]
@@ -61,15 +87,18 @@ def _import(package: str, module: str) -> Any:
 
 def _message(feature: str, name: str, package: str) -> str:
     version = importlib.import_module(package.split(".")[0]).__version__
-    return (f"{feature}: it relies on the private Lightning name `{name}`, which {package} {version} no longer "
-            "provides as expected. lit_trainer pins lightning>=2.6,<2.7 (pyproject.toml) because of it; adapt that "
-            "feature before changing the pin.")
+    return (
+        f"{feature}: it relies on the private Lightning name `{name}`, which {package} {version} no longer "
+        "provides as expected. lit_trainer pins lightning>=2.6,<2.7 (pyproject.toml) because of it; adapt that "
+        "feature before changing the pin."
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 @pytest.mark.parametrize(("feature", "module", "owner", "name", "params"), METHODS)
-def test_private_methods_exist_with_their_signature(package: str, feature: str, module: str, owner: str, name: str,
-                                                     params: list[str]) -> None:
+def test_private_methods_exist_with_their_signature(
+    package: str, feature: str, module: str, owner: str, name: str, params: list[str]
+) -> None:
     cls = getattr(_import(package, module), owner)
     method = inspect.getattr_static(cls, name, None)
     assert callable(method), _message(feature, f"{owner}.{name}", package)
@@ -81,7 +110,8 @@ def test_private_callback_property_exists(package: str) -> None:
     callback = _import(package, "callbacks").Callback
     feature = "BEMA accepts checkpoints saved under its old state key"
     assert isinstance(inspect.getattr_static(callback, "_legacy_state_key", None), property), _message(
-        feature, "Callback._legacy_state_key", package)
+        feature, "Callback._legacy_state_key", package
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -102,8 +132,9 @@ def test_private_logger_attributes_exist(tmp_path: Path) -> None:
     feature = "RunCSVLogger (lit_trainer.runs) creates its appending writer through them"
     for name in ("_experiment", "_fs"):
         assert name in vars(logger), _message(feature, f"CSVLogger.{name}", "lightning.pytorch")
-    assert callable(getattr(logger._fs, "makedirs", None)), _message(feature, "CSVLogger._fs.makedirs",
-                                                                      "lightning.pytorch")
+    assert callable(getattr(logger._fs, "makedirs", None)), _message(
+        feature, "CSVLogger._fs.makedirs", "lightning.pytorch"
+    )
 
 
 def test_private_hyperparameter_dicts_exist() -> None:
@@ -115,28 +146,34 @@ def test_private_hyperparameter_dicts_exist() -> None:
     module = Module()
     feature = "BaseModule.save_hyperparameters (lit_trainer.modules.base) records peft_config in them"
     for name in ("_hparams", "_hparams_initial"):
-        assert dict(getattr(module, name, {})) == {"width": 3}, _message(feature, f"LightningModule.{name}",
-                                                                         "lightning.pytorch")
+        assert dict(getattr(module, name, {})) == {"width": 3}, _message(
+            feature, f"LightningModule.{name}", "lightning.pytorch"
+        )
 
 
 def test_private_distributed_checkpoint_helpers_exist() -> None:
     load = importlib.import_module("lightning.fabric.utilities.load")
-    feature = ("BestCheckpoint (load_best_at_end / export_hf) and BEMA.bema_weights_from_checkpoint read "
-               "ModelParallelStrategy checkpoint folders with them")
+    feature = (
+        "BestCheckpoint (load_best_at_end / export_hf) and BEMA.bema_weights_from_checkpoint read "
+        "ModelParallelStrategy checkpoint folders with them"
+    )
     assert load._METADATA_FILENAME == "meta.pt", _message(feature, "_METADATA_FILENAME", "lightning.fabric")
     params = list(inspect.signature(load._load_distributed_checkpoint).parameters)
     assert params == ["checkpoint_folder"], _message(feature, "_load_distributed_checkpoint", "lightning.fabric")
 
 
-@pytest.mark.parametrize(("distribution", "package"), [("lightning", "lightning"),
-                                                        ("pytorch-lightning", "pytorch_lightning")])
+@pytest.mark.parametrize(
+    ("distribution", "package"), [("lightning", "lightning"), ("pytorch-lightning", "pytorch_lightning")]
+)
 def test_the_pin_matches_the_installed_minor_version(distribution: str, package: str) -> None:
     requirements = re.findall(r'"([a-z-]+)((?:[<>=!~]=?[0-9.]+,?)+)"', (ROOT / "pyproject.toml").read_text())
     (pin,) = {spec for name, spec in requirements if name == distribution}  # the same pin wherever it is listed
     installed = Version(importlib.import_module(pytest.importorskip(package).__name__).__version__)
     assert pin == ">=2.6,<2.7", f"the {distribution} pin changed to {pin!r}: re-check every name in this file"
-    assert installed in SpecifierSet(pin), (f"{distribution} {installed} is installed, outside the pin {pin}: "
-                                            "the private names listed in this file are only checked for 2.6.x")
+    assert installed in SpecifierSet(pin), (
+        f"{distribution} {installed} is installed, outside the pin {pin}: "
+        "the private names listed in this file are only checked for 2.6.x"
+    )
 
 
 # ----------------------------------------------------------------- the public ModelCheckpoint flow BestCheckpoint uses
@@ -167,36 +204,58 @@ class _Rewrites(ModelCheckpoint):
 
 def test_model_checkpoint_names_and_scores_with_the_tensor_it_asks_about(tmp_path: Path) -> None:
     cb = _Rewrites(dirpath=tmp_path, filename="{val:.1f}", monitor="val", save_top_k=-1)
-    trainer = pl.Trainer(max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, callbacks=[cb],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=2,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     data = DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2)
     trainer.fit(_Scripted(), data, data)
-    message = ("BestCheckpoint (DDP agreement) writes rank 0's score into the tensor check_monitor_top_k receives, "
-               "expecting ModelCheckpoint to name the file and record the score from it")
+    message = (
+        "BestCheckpoint (DDP agreement) writes rank 0's score into the tensor check_monitor_top_k receives, "
+        "expecting ModelCheckpoint to name the file and record the score from it"
+    )
     assert float(cb.best_model_score) == 7.0 and cb.best_model_path.endswith("val=7.0.ckpt"), message
     saved = torch.load(cb.best_model_path, weights_only=True)["callbacks"][cb.state_key]
-    message = ("BestCheckpoint marks a distributed checkpoint folder as incomplete from on_save_checkpoint, "
-               "expecting ModelCheckpoint to set best_model_path to the file before writing it")
+    message = (
+        "BestCheckpoint marks a distributed checkpoint folder as incomplete from on_save_checkpoint, "
+        "expecting ModelCheckpoint to set best_model_path to the file before writing it"
+    )
     assert saved["best_model_path"] == cb.best_model_path, message
 
 
 def test_model_checkpoint_saves_only_from_the_hooks_best_checkpoint_wraps() -> None:
     hooks = {name for name in vars(ModelCheckpoint) if name.startswith("on_") or name in ("setup", "teardown")}
-    assert hooks == {"setup", "on_train_start", "on_train_batch_end", "on_train_epoch_end", "on_validation_end",
-                     "on_exception", "on_train_end"}, (
+    assert hooks == {
+        "setup",
+        "on_train_start",
+        "on_train_batch_end",
+        "on_train_epoch_end",
+        "on_validation_end",
+        "on_exception",
+        "on_train_end",
+    }, (
         f"ModelCheckpoint now implements the hooks {sorted(hooks)}: BestCheckpoint runs its after-save steps (rank "
         "agreement, export_hf, save_total_limit) after on_train_batch_end, on_train_epoch_end and "
-        "on_validation_end only; wrap any new hook that can save")
+        "on_validation_end only; wrap any new hook that can save"
+    )
 
 
 def test_best_checkpoint_uses_no_private_model_checkpoint_name() -> None:
     from lit_trainer.callbacks.checkpointing import _BestCheckpoint
 
-    private = {n for n in [*dir(ModelCheckpoint), *vars(ModelCheckpoint())] if n.startswith("_")
-               and not n.startswith("__")}
+    private = {
+        n for n in [*dir(ModelCheckpoint), *vars(ModelCheckpoint())] if n.startswith("_") and not n.startswith("__")
+    }
     source = (ROOT / "lit_trainer" / "callbacks" / "checkpointing.py").read_text()
     used = {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)}
     overridden = {n for n in vars(_BestCheckpoint) if n in private}
     assert not (used & private) and not overridden, (
         f"BestCheckpoint uses the private ModelCheckpoint names {sorted((used & private) | overridden)}; use "
-        "public extension points instead (check_monitor_top_k, the hooks, strategy.checkpoint_io)")
+        "public extension points instead (check_monitor_top_k, the hooks, strategy.checkpoint_io)"
+    )

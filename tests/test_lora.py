@@ -17,12 +17,12 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from conftest import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.models import tiny_llama
 from lit_trainer import CausalLMModule
 from lit_trainer.callbacks import BestCheckpoint, ExactResume, HFExport, JITCheckpoint
 from lit_trainer.data import SFTDataModule
@@ -31,8 +31,15 @@ from lit_trainer.modules import _adapter_checkpoint, _peft
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 ROWS = sft_rows("train").select(range(64))
-TRAINER = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu",
-           "devices": 1, "num_sanity_val_steps": 0, "limit_val_batches": 0}
+TRAINER = {
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "accelerator": "cpu",
+    "devices": 1,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
 
 
 def sft_data(rows: Dataset = ROWS, **kw: Any) -> SFTDataModule:
@@ -52,17 +59,30 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pl.seed_everything(0)
     base = CausalLMModule("tiny-64", learning_rate=3e-3, eval_exact_match=True, eval_max_new_tokens=4)
     pl.Trainer(max_steps=50, enable_checkpointing=False, callbacks=[HFExport(str(root / "base"))], **TRAINER).fit(
-        base, sft_data())
+        base, sft_data()
+    )
     pl.seed_everything(0)
-    module = CausalLMModule(str(root / "base"), peft_config=LORA, learning_rate=1e-2, eval_exact_match=True,
-                            eval_max_new_tokens=4)
+    module = CausalLMModule(
+        str(root / "base"), peft_config=LORA, learning_rate=1e-2, eval_exact_match=True, eval_max_new_tokens=4
+    )
     before = exact_match(module)
-    best = BestCheckpoint(dirpath=str(root / "ckpt"), monitor="train_loss", every_n_train_steps=50, export_hf=True,
-                          load_best_at_end=True)  # loads the adapter-only checkpoint back (non-strict)
-    best_merged = BestCheckpoint(dirpath=str(root / "ckpt_merged"), monitor="loss", every_n_train_steps=50,
-                                 export_hf=True, merge_adapters=True, mode="min")  # another monitor: own state key
-    callbacks = [HFExport(str(root / "adapter")), HFExport(str(root / "merged"), merge_adapters=True), best,
-                 best_merged]
+    best = BestCheckpoint(
+        dirpath=str(root / "ckpt"), monitor="train_loss", every_n_train_steps=50, export_hf=True, load_best_at_end=True
+    )  # loads the adapter-only checkpoint back (non-strict)
+    best_merged = BestCheckpoint(
+        dirpath=str(root / "ckpt_merged"),
+        monitor="loss",
+        every_n_train_steps=50,
+        export_hf=True,
+        merge_adapters=True,
+        mode="min",
+    )  # another monitor: own state key
+    callbacks = [
+        HFExport(str(root / "adapter")),
+        HFExport(str(root / "merged"), merge_adapters=True),
+        best,
+        best_merged,
+    ]
     pl.Trainer(max_steps=50, log_every_n_steps=10, callbacks=callbacks, **TRAINER).fit(module, sft_data())
     return {"root": root, "module": module, "before": before, "after": exact_match(module), "best": best}
 
@@ -79,8 +99,10 @@ def test_peft_config_forms_and_errors() -> None:
     assert module.hparams["peft_config"] == {"r": 4, "target_modules": ["q_proj", "v_proj"]}
     typed = CausalLMModule(tiny_llama(), peft_config=peft.LoraConfig(r=2, target_modules="all-linear"))
     assert typed.hparams["peft_config"]["r"] == 2 and typed.hparams["peft_config"]["peft_type"] == "LORA"
-    other = CausalLMModule(tiny_llama(), peft_config={"peft_type": "IA3", "target_modules": ["down_proj"],
-                                                      "feedforward_modules": ["down_proj"]})
+    other = CausalLMModule(
+        tiny_llama(),
+        peft_config={"peft_type": "IA3", "target_modules": ["down_proj"], "feedforward_modules": ["down_proj"]},
+    )
     assert isinstance(other.model.peft_config["default"], peft.IA3Config)
     with pytest.raises(ValueError, match="rank.*keyword arguments of peft.LoraConfig"):
         CausalLMModule(tiny_llama(), peft_config={"rank": 4})
@@ -96,14 +118,18 @@ def test_peft_config_forms_and_errors() -> None:
         _peft.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_lora_sft_raises_exact_match_and_changes_only_adapters(lora_run: dict[str, Any]) -> None:
     assert lora_run["after"] >= lora_run["before"] + 0.05, (lora_run["before"], lora_run["after"])
     module = lora_run["module"]
-    assert module.parameter_counts == (sum(p.numel() for p in module.model.parameters() if p.requires_grad),
-                                       sum(p.numel() for p in module.model.parameters()))
+    assert module.parameter_counts == (
+        sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        sum(p.numel() for p in module.model.parameters()),
+    )
     base = load_file(str(lora_run["root"] / "base" / "model.safetensors"))
-    live = {n.replace(".base_layer", ""): p for n, p in module.model.get_base_model().named_parameters()
-            if "lora_" not in n}
+    live = {
+        n.replace(".base_layer", ""): p for n, p in module.model.get_base_model().named_parameters() if "lora_" not in n
+    }
     assert base.keys() == live.keys() and not any(p.requires_grad for p in live.values())
     for name, tensor in base.items():
         assert torch.equal(live[name], tensor), name  # the base weights are bit-identical after training
@@ -154,12 +180,19 @@ class _SignalSelf(Callback):
 def _resume_run(tmp_path: Path, callbacks: list, ckpt_path: str | None = None) -> CausalLMModule:
     pl.seed_everything(7)
     module = CausalLMModule(tiny_llama(seed=3), peft_config={**LORA, "lora_dropout": 0.1}, learning_rate=1e-2)
-    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, enable_checkpointing=False,
-                         callbacks=[ExactResume(), *callbacks], default_root_dir=tmp_path, **TRAINER)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        enable_checkpointing=False,
+        callbacks=[ExactResume(), *callbacks],
+        default_root_dir=tmp_path,
+        **TRAINER,
+    )
     trainer.fit(module, sft_data(ROWS.select(range(32)), batch_size=4), ckpt_path=ckpt_path)
     return module
 
 
+@pytest.mark.slow
 def test_lora_resume_is_bit_exact(tmp_path: Path) -> None:
     reference = _resume_run(tmp_path / "a", [])
     jit = JITCheckpoint(kill_wait=0, dirpath=str(tmp_path / "jit"), exit_code=None)
@@ -178,8 +211,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(peft_config: dict | Non
     batch["attention_mask"], batch["labels"] = torch.ones_like(batch["input_ids"]), batch["input_ids"].clone()
     grads = []
     for checkpointing in (False, True):
-        module = CausalLMModule(tiny_llama(seed=5, layers=2), peft_config=peft_config,
-                                gradient_checkpointing=checkpointing)
+        module = CausalLMModule(
+            tiny_llama(seed=5, layers=2), peft_config=peft_config, gradient_checkpointing=checkpointing
+        )
         network = module.model
         if peft_config:  # a non-zero adapter, so the LoRA A matrices get gradients too
             torch.manual_seed(1)
@@ -196,8 +230,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(peft_config: dict | Non
 
 
 @pytest.mark.parametrize("recipe", ["sft_lora", "dpo_lora"])
-def test_lora_recipes_wrap_the_model_from_the_yaml_mapping(recipe: str, monkeypatch: pytest.MonkeyPatch,
-                                                           tmp_path: Path) -> None:
+def test_lora_recipes_wrap_the_model_from_the_yaml_mapping(
+    recipe: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from lit_trainer.cli import LitTrainerCLI
 
     monkeypatch.chdir(tmp_path)

@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from conftest import tiny_llama
 
+from helpers.models import tiny_llama
 from lit_trainer import CausalLMModule, DPOModule, GRPOModule
 from lit_trainer.callbacks import BEMA, NEFTune
 from lit_trainer.callbacks.neftune import find_input_embedding
@@ -21,8 +21,16 @@ from lit_trainer.models import build_tokenizer
 from lit_trainer.modules._peft import AdapterReference
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-           "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0, "limit_val_batches": 0}
+TRAINER = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "accelerator": "cpu",
+    "devices": 1,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
 
 
 def _pairs_batch() -> dict[str, torch.Tensor]:
@@ -88,11 +96,13 @@ def _preference_data() -> PreferenceDataModule:
     return PreferenceDataModule(tokenizer="tiny", dataset=rows, val_size=0, max_length=16, batch_size=8)
 
 
+@pytest.mark.slow
 def test_dpo_lora_precomputed_reference_equals_the_full_copy() -> None:
     values = []
     for peft_config in (None, LORA):
-        module = DPOModule(tiny_llama(seed=8), peft_config=peft_config, precompute_ref_log_probs=True,
-                           learning_rate=1e-2)
+        module = DPOModule(
+            tiny_llama(seed=8), peft_config=peft_config, precompute_ref_log_probs=True, learning_rate=1e-2
+        )
         data = _preference_data()
         pl.Trainer(max_steps=2, **TRAINER).fit(module, data)
         values.append(torch.tensor(data.split_dataset("train")[REF_CHOSEN_KEY]))
@@ -105,13 +115,28 @@ def _token_sum_reward(prompts: list, completions: list, completion_ids: list, **
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+@pytest.mark.slow
 def test_grpo_lora_rollouts_carry_the_base_model_reference_log_probs() -> None:
-    module = GRPOModule(tiny_llama(seed=9), tokenizer=build_tokenizer(), peft_config=LORA, beta=0.04,
-                        reward_funcs=[_token_sum_reward],
-                        num_generations=2, max_completion_length=4, learning_rate=1e-2, generation_seed=0)
+    module = GRPOModule(
+        tiny_llama(seed=9),
+        tokenizer=build_tokenizer(),
+        peft_config=LORA,
+        beta=0.04,
+        reward_funcs=[_token_sum_reward],
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        generation_seed=0,
+    )
     assert isinstance(module.ref_model, AdapterReference)
-    data = PromptDataModule(tokenizer="tiny", dataset=builtin.prompt_rows("train").select(range(8)), val_size=0,
-                            batch_size=4, max_length=16, sampling="sequential")
+    data = PromptDataModule(
+        tokenizer="tiny",
+        dataset=builtin.prompt_rows("train").select(range(8)),
+        val_size=0,
+        batch_size=4,
+        max_length=16,
+        sampling="sequential",
+    )
     pl.Trainer(max_steps=3, **TRAINER).fit(module, data)  # the adapters have moved before the last round
     base = tiny_llama(seed=9)
     rows = module._buffer.slices[0]
@@ -121,6 +146,7 @@ def test_grpo_lora_rollouts_carry_the_base_model_reference_log_probs() -> None:
     assert (policy - rows["ref_logps"]).abs().max() > 1e-4  # the reference is not the trained policy
 
 
+@pytest.mark.slow
 def test_bema_averages_the_adapters_and_refuses_updating_a_shared_reference(tmp_path: Path) -> None:
     rows = builtin.sft_rows("train").select(range(16))
     data = SFTDataModule(tokenizer="tiny", dataset=rows, val_size=0, max_length=16, batch_size=8)
@@ -132,7 +158,7 @@ def test_bema_averages_the_adapters_and_refuses_updating_a_shared_reference(tmp_
     assert all(".lora_" in name for name in weights)
     exported = peft.PeftModel.from_pretrained(tiny_llama(seed=10), str(tmp_path / "bema"))
     key = next(iter(weights))
-    torch.testing.assert_close(exported.get_parameter(key[len("model."):]), weights[key])  # the BEMA adapter
+    torch.testing.assert_close(exported.get_parameter(key[len("model.") :]), weights[key])  # the BEMA adapter
     dpo = DPOModule(tiny_llama(), peft_config=LORA)
     with pytest.raises(ValueError, match="adapters disabled"):
         pl.Trainer(max_steps=1, callbacks=[BEMA(update_ref_model=True)], **TRAINER).fit(dpo, _preference_data())
@@ -149,4 +175,3 @@ def test_neftune_finds_the_embedding_through_the_peft_wrapper() -> None:
     noisy = embedding(ids)
     neftune.detach()
     assert (noisy - clean).abs().max() > 0 and torch.equal(clean, embedding(ids))
-

@@ -5,14 +5,19 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from _accum_common import accum_datamodule
-from conftest import tiny_llama
 from transformers import get_scheduler
 
+from helpers.accumulation import accum_datamodule
+from helpers.models import tiny_llama
 from lit_trainer.modules.causal_lm import CausalLMModule
 
-QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-         "limit_val_batches": 0}
+QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "limit_val_batches": 0,
+}
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -57,8 +62,9 @@ def _fit(tokenizer, steps: int, **module_kwargs) -> tuple[list[float], list[floa
 def _hf_rates(name: str, warmup: int, total: int, kwargs: dict | None = None) -> list[float]:
     """The rates transformers' scheduler gives ``total`` optimizer steps (peak 1.0)."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total,
-                              scheduler_specific_kwargs=kwargs or {})
+    scheduler = get_scheduler(
+        name, optimizer, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=kwargs or {}
+    )
     rates = []
     for _ in range(total):
         rates.append(optimizer.param_groups[0]["lr"])
@@ -74,12 +80,15 @@ def test_logged_learning_rate_is_the_rate_each_step_used(tokenizer):
     assert logged == pytest.approx(used)
 
 
-@pytest.mark.parametrize(("name", "warmup", "kwargs"), [
-    ("cosine", 0.25, None),  # a fraction of the 8 steps: ceil(2.0) = 2 warmup steps
-    ("cosine_with_min_lr", 3, {"min_lr_rate": 0.1}),
-    ("warmup_stable_decay", 2, {"num_decay_steps": 3}),
-    ("polynomial", 1, {"power": 2.0, "lr_end": 0.05}),
-])
+@pytest.mark.parametrize(
+    ("name", "warmup", "kwargs"),
+    [
+        ("cosine", 0.25, None),  # a fraction of the 8 steps: ceil(2.0) = 2 warmup steps
+        ("cosine_with_min_lr", 3, {"min_lr_rate": 0.1}),
+        ("warmup_stable_decay", 2, {"num_decay_steps": 3}),
+        ("polynomial", 1, {"power": 2.0, "lr_end": 0.05}),
+    ],
+)
 def test_rates_per_step_equal_transformers_get_scheduler(tokenizer, name, warmup, kwargs):
     used, logged = _fit(tokenizer, 8, warmup_steps=warmup, scheduler=name, scheduler_kwargs=kwargs)
     expected = _hf_rates(name, 2 if warmup == 0.25 else warmup, 8, kwargs)
@@ -87,16 +96,19 @@ def test_rates_per_step_equal_transformers_get_scheduler(tokenizer, name, warmup
     assert logged == pytest.approx(expected, abs=1e-12)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"scheduler": "reduce_lr_on_plateau"}, "steps on a validation metric"),
-    ({"scheduler": "greedy"}, "steps on a validation metric"),
-    ({"scheduler": "cosine_annealing"}, "`scheduler='cosine_annealing'` is invalid"),
-    ({"scheduler": "constant", "warmup_steps": 10}, "use `scheduler='constant_with_warmup'`"),
-    ({"scheduler": "cosine_with_min_lr"}, r"needs `scheduler_kwargs` with one of \['min_lr', 'min_lr_rate'\]"),
-    ({"scheduler": "warmup_stable_decay"}, "num_decay_steps"),
-    ({"scheduler": "linear", "scheduler_kwargs": {"min_lr_rate": 0.1}}, "does not take"),
-    ({"warmup_steps": -1}, "`warmup_steps=-1` is invalid"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"scheduler": "reduce_lr_on_plateau"}, "steps on a validation metric"),
+        ({"scheduler": "greedy"}, "steps on a validation metric"),
+        ({"scheduler": "cosine_annealing"}, "`scheduler='cosine_annealing'` is invalid"),
+        ({"scheduler": "constant", "warmup_steps": 10}, "use `scheduler='constant_with_warmup'`"),
+        ({"scheduler": "cosine_with_min_lr"}, r"needs `scheduler_kwargs` with one of \['min_lr', 'min_lr_rate'\]"),
+        ({"scheduler": "warmup_stable_decay"}, "num_decay_steps"),
+        ({"scheduler": "linear", "scheduler_kwargs": {"min_lr_rate": 0.1}}, "does not take"),
+        ({"warmup_steps": -1}, "`warmup_steps=-1` is invalid"),
+    ],
+)
 def test_schedule_options_are_checked_when_the_module_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CausalLMModule(tiny_llama(), **kwargs)

@@ -12,48 +12,24 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader
 
+import helpers.modules
+from helpers.modules import TinyHF
 from lit_trainer.callbacks.neftune import NEFTune, draw_seed, find_input_embedding
 
 VOCAB, DIM, LEN = 16, 16, 8
 
 
-class TinyLM(pl.LightningModule):
-    """A plain embedding + linear next-token model (not from lit_trainer) that records the noise it sees."""
+class TinyLM(helpers.modules.TinyLM):
+    """The tests' next-token model, recording the noise it sees, optionally failing at one step."""
 
     def __init__(self, fail_at_step: int | None = None) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.head = nn.Linear(DIM, VOCAB)
+        super().__init__(vocab=VOCAB, dim=DIM, lr=0.1, optimizer="sgd", record_noise=True)
         self.fail_at_step = fail_at_step
-        self.seen: dict[str, list[float]] = {"train": [], "val": [], "predict": []}
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.embed(input_ids))
-
-    def _record(self, stage: str, ids: torch.Tensor) -> None:
-        # noisy (hooked) embedding minus the clean lookup computed without the module
-        self.seen[stage].append((self.embed(ids) - F.embedding(ids, self.embed.weight)).abs().max().item())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.fail_at_step is not None and self.global_step == self.fail_at_step:
             raise RuntimeError("boom")
-        self._record("train", batch)
-        logits = self(batch)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self._record("val", batch)
-        self.log("val_loss", F.cross_entropy(self(batch)[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1)))
-
-    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        self._record("predict", batch)
-        return self(batch)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return super().training_step(batch, batch_idx)
 
 
 def _loader() -> DataLoader:
@@ -61,8 +37,15 @@ def _loader() -> DataLoader:
 
 
 def _trainer(**kw) -> pl.Trainer:
-    base = dict(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0)
+    base = dict(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return pl.Trainer(**{**base, **kw})
 
 
@@ -180,30 +163,14 @@ def test_fit_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path) -> None:
     assert resumed.seen["train"] == straight.seen["train"][4:]
 
 
-class TinyLlamaModule(pl.LightningModule):
-    """A plain LightningModule wrapping a transformers model as `.model`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        config = transformers.LlamaConfig(
-            vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-            eos_token_id=1, bos_token_id=None,
-        )
-        torch.manual_seed(0)
-        self.model = transformers.LlamaForCausalLM(config)
-
-
 def _record_embedding_outputs(embedding: nn.Module) -> list[torch.Tensor]:
     outputs: list[torch.Tensor] = []
-    embedding.register_forward_hook(lambda mod, args, out: outputs.append((out - F.embedding(args[0], mod.weight))))
+    embedding.register_forward_hook(lambda mod, args, out: outputs.append(out - F.embedding(args[0], mod.weight)))
     return outputs
 
 
 def test_mask_padding_uses_forward_attention_mask_of_wrapped_hf_model() -> None:
-    module = TinyLlamaModule().train()
+    module = TinyHF().train()
     assert find_input_embedding(module) is module.model.model.embed_tokens
     cb = NEFTune(noise_alpha=5.0, mask_padding=True, seed=0)
     cb.attach(module)
@@ -224,8 +191,11 @@ def test_mask_padding_uses_forward_attention_mask_of_wrapped_hf_model() -> None:
     assert b1 * 0.99 <= stacked[:, 1].abs().max() <= b1 + 1e-6
     assert not cb._masks.stack  # every forward popped what it pushed
     cb.detach()
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.model.modules() if m is not
-                   module.model.get_input_embeddings())
+    assert not any(
+        m._forward_pre_hooks or m._forward_hooks
+        for m in module.model.modules()
+        if m is not module.model.get_input_embeddings()
+    )
 
 
 class BatchMaskLM(TinyLM):
@@ -279,10 +249,20 @@ def test_embedding_lookup_path_and_errors() -> None:
 
 def test_configurable_from_lightning_cli() -> None:
     cli = LightningCLI(
-        TinyLM, run=False,
-        args={"trainer": {"logger": False, "enable_progress_bar": False, "callbacks": [
-            {"class_path": "lit_trainer.callbacks.neftune.NEFTune",
-             "init_args": {"noise_alpha": 7.5, "mask_padding": True, "embedding_path": "embed"}}]}},
+        TinyLM,
+        run=False,
+        args={
+            "trainer": {
+                "logger": False,
+                "enable_progress_bar": False,
+                "callbacks": [
+                    {
+                        "class_path": "lit_trainer.callbacks.neftune.NEFTune",
+                        "init_args": {"noise_alpha": 7.5, "mask_padding": True, "embedding_path": "embed"},
+                    }
+                ],
+            }
+        },
     )
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, NEFTune)]
     assert (cb.noise_alpha, cb.mask_padding, cb.embedding_path, cb.seed) == (7.5, True, "embed", None)
@@ -309,10 +289,14 @@ def test_two_neftune_callbacks_keep_their_own_checkpoint_state(tmp_path) -> None
     trainer.save_checkpoint(tmp_path / "two.ckpt")
     states = torch.load(tmp_path / "two.ckpt", weights_only=True)["callbacks"]
     assert {k: v["seed"] for k, v in states.items() if k.startswith("NEFTune")} == {
-        "NEFTune{'embedding_path': 'embed'}": 1, "NEFTune{'embedding_path': 'extra'}": 2}
+        "NEFTune{'embedding_path': 'embed'}": 1,
+        "NEFTune{'embedding_path': 'extra'}": 2,
+    }
     resumed = list(reversed(callbacks()))
     for cb in resumed:
         cb.seed = None  # take the seed from the checkpoint
     _trainer(max_steps=2, callbacks=resumed).fit(TwoEmbeddings(), _loader(), ckpt_path=tmp_path / "two.ckpt")
     assert [(cb.embedding_path, cb.state_dict()["seed"], cb.state_dict()["draws"]) for cb in resumed] == [
-        ("extra", 2, first[1].state_dict()["draws"]), ("embed", 1, first[0].state_dict()["draws"])]
+        ("extra", 2, first[1].state_dict()["draws"]),
+        ("embed", 1, first[0].state_dict()["draws"]),
+    ]

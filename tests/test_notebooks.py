@@ -29,9 +29,12 @@ _LINE = re.compile(r"^(?P<key>[A-Z_]+)(?: (?P<name>[^:\n]+))?: (?P<value>\S+)$",
 class _ThisInterpreter(KernelSpecManager):
     """Every kernel name resolves to an IPython kernel run by the test's own interpreter."""
 
-    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002 - one kernel for every name
-        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                          display_name=f"Python ({sys.executable})", language="python")
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return KernelSpec(
+            argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            display_name=f"Python ({sys.executable})",
+            language="python",
+        )
 
 
 def _execute(name: str, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[nbformat.NotebookNode, str]:
@@ -42,9 +45,13 @@ def _execute(name: str, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple
     manager = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_ThisInterpreter())
     client = NotebookClient(nb, km=manager, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(workdir)}})
     client.execute()  # raises CellExecutionError (with the cell and traceback) if any cell fails
-    stdout = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
-                     for out in cell.get("outputs", []) if out.get("output_type") == "stream"
-                     and out.get("name") == "stdout")
+    stdout = "".join(
+        out.get("text", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream" and out.get("name") == "stdout"
+    )
     return nb, stdout
 
 
@@ -54,8 +61,12 @@ def _tagged(stdout: str, key: str) -> dict[str | None, str]:
 
 
 def _images(nb: nbformat.NotebookNode) -> int:
-    return sum("image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
-               for out in cell.get("outputs", []))
+    return sum(
+        "image/png" in out.get("data", {})
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
 
 
 @pytest.mark.parametrize("name", ["quickstart.ipynb", "callbacks_in_your_project.ipynb"])
@@ -69,11 +80,19 @@ def test_committed_notebooks_carry_no_outputs(name: str) -> None:
     assert "LIT_TRAINER_NOTEBOOK_FAST" in code[0].source, "the fast-mode switch must be read in the first code cell"
 
 
+@pytest.mark.slow
 def test_quickstart_runs_and_sft_beats_the_untrained_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb, stdout = _execute("quickstart.ipynb", tmp_path, monkeypatch)
     scores: dict[Any, float] = {name: float(value) for name, value in _tagged(stdout, "EXACT_MATCH").items()}
-    expected = {"untrained", "after SFT", "after DPO (sigmoid)", "after DPO (RPO)", "continued SFT (time of RPO)",
-                "after GRPO", "continued SFT (time of RPO + GRPO)"}
+    expected = {
+        "untrained",
+        "after SFT",
+        "after DPO (sigmoid)",
+        "after DPO (RPO)",
+        "continued SFT (time of RPO)",
+        "after GRPO",
+        "continued SFT (time of RPO + GRPO)",
+    }
     assert set(scores) == expected, stdout
     assert all(0.0 <= s <= 1.0 and math.isfinite(s) for s in scores.values()), scores
     # a randomly initialised model never produces "<sum></s>"; 150 SFT steps already solve a few percent
@@ -85,8 +104,9 @@ def test_quickstart_runs_and_sft_beats_the_untrained_model(tmp_path: Path, monke
         assert column in header, (run, header)
 
 
+@pytest.mark.slow
 def test_callbacks_notebook_runs_and_the_resumed_run_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    nb, stdout = _execute("callbacks_in_your_project.ipynb", tmp_path, monkeypatch)
+    _, stdout = _execute("callbacks_in_your_project.ipynb", tmp_path, monkeypatch)
     assert _tagged(stdout, "RESUMED_EQUALS_UNINTERRUPTED") == {None: "True"}, stdout
     assert _tagged(stdout, "EVAL_ON_START_STEP") == {None: "0"}, stdout
     kept = int(_tagged(stdout, "BEST_CHECKPOINTS_KEPT")[None])

@@ -1,10 +1,6 @@
 """Padding-free packing (SFT): bins, flattening, the unchanged loss and gradient, and the refusal of leaky models."""
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -13,8 +9,9 @@ import torch.nn.functional as F
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import tiny_llama
-from _accum_common import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
 from lit_trainer.data.sft import SFTDataModule
@@ -23,15 +20,31 @@ from lit_trainer.modules.causal_lm import CausalLMModule
 
 
 def _dm(tokenizer, packing, batch_size=2, **kw):
-    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0,
-                         batch_size=batch_size, max_length=64, sampling="sequential", packing=packing, **kw)
+    return SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        val_size=0,
+        batch_size=batch_size,
+        max_length=64,
+        sampling="sequential",
+        packing=packing,
+        **kw,
+    )
 
 
 def _fit(module, dm, accumulate, max_steps):
     capture = GradCapture()
-    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[capture], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=dm)
     return capture.grads
 
@@ -106,8 +119,10 @@ def test_bfd_bins_hold_every_row_and_give_the_full_batch_gradient(tokenizer):
 def test_bfd_micro_batch_is_one_row_per_bin_with_inert_end_padding(tokenizer):
     dm = _dm(tokenizer, "bfd", batch_size=2, max_tokens_per_batch=None)
     dm.tokenizer = tokenizer
-    bins = [{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2], "prompt_lengths": [0, 1]},
-            {"input_ids": [10, 11, 12], "seq_lengths": [3], "prompt_lengths": [0]}]
+    bins = [
+        {"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2], "prompt_lengths": [0, 1]},
+        {"input_ids": [10, 11, 12], "seq_lengths": [3], "prompt_lengths": [0]},
+    ]
     batch = dm._collate(bins, True)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
@@ -125,8 +140,9 @@ def test_packed_fit_trains_like_the_padded_fit(tokenizer):
     model = tiny_llama(seed=5)
     weights = []
     for packing in ("none", "padding_free"):
-        module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=1e-2,
-                                warmup_steps=0)
+        module = CausalLMModule(
+            copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=1e-2, warmup_steps=0
+        )
         _fit(module, _dm(tokenizer, packing), accumulate=2, max_steps=3)
         weights.append({n: p.detach().clone() for n, p in module.model.named_parameters()})
     moved = relative_error({n: p.detach() for n, p in model.named_parameters()}, weights[0])
@@ -139,7 +155,8 @@ def test_packed_batches_log_no_padding(tokenizer):
     module._reset_log_window()
     module._step_loss = 0.0
     batch = _dm(tokenizer, "padding_free")._collate(
-        [{"input_ids": [5, 6, 7], "prompt_length": 0}, {"input_ids": [8, 9], "prompt_length": 0}], True)
+        [{"input_ids": [5, 6, 7], "prompt_length": 0}, {"input_ids": [8, 9], "prompt_length": 0}], True
+    )
     module._track(torch.tensor(0.0), {}, batch)
     assert (int(module._log_real), module._log_padded, module._step_cost) == (5, 5, 5)
 
@@ -173,12 +190,15 @@ def test_refuses_an_attention_that_cannot_keep_rows_apart(tokenizer):
         _fit(module, _dm(tokenizer, "padding_free"), accumulate=1, max_steps=1)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"packing": "dense"}, "packing='dense'"),
-    ({"packing": "padding_free", "max_tokens_per_batch": 256}, "set packing='bfd'"),
-    ({"packing": "bfd", "max_tokens_per_batch": 32}, "below `max_length=64`"),
-    ({"packing": "bfd", "max_tokens_per_batch": 256, "batch_size": 4}, "set `batch_size=1`"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"packing": "dense"}, "packing='dense'"),
+        ({"packing": "padding_free", "max_tokens_per_batch": 256}, "set packing='bfd'"),
+        ({"packing": "bfd", "max_tokens_per_batch": 32}, "below `max_length=64`"),
+        ({"packing": "bfd", "max_tokens_per_batch": 256, "batch_size": 4}, "set `batch_size=1`"),
+    ],
+)
 def test_bad_packing_options_are_refused(tokenizer, kwargs, match):
     options = {"tokenizer": tokenizer, "max_length": 64, "batch_size": 1, **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -190,13 +210,29 @@ def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
     base = tiny_llama(seed=7)
 
     def run(ckpt=None, save=False):
-        dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS * 3}), val_size=0,
-                           batch_size=2, max_length=64, sampling="random", packing=packing)
+        dm = SFTDataModule(
+            tokenizer=tokenizer,
+            dataset=Dataset.from_dict({"text": TEXTS * 3}),
+            val_size=0,
+            batch_size=2,
+            max_length=64,
+            sampling="random",
+            packing=packing,
+        )
         module = CausalLMModule(copy.deepcopy(base), tokenizer=tokenizer, learning_rate=1e-2, scheduler="constant")
         saves = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)] if save else []
-        trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, logger=False, callbacks=[ExactResume(), *saves],
-                             enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+        trainer = pl.Trainer(
+            max_steps=4,
+            accumulate_grad_batches=2,
+            logger=False,
+            callbacks=[ExactResume(), *saves],
+            enable_checkpointing=save,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
         return {n: p.detach() for n, p in module.model.named_parameters()}
 
@@ -205,11 +241,10 @@ def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
     assert all(torch.equal(resumed[n], full[n]) for n in full)
 
 
+@pytest.mark.ddp
 def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, tokenizer):
-    script = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "-", "padding_free"], timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free")
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert all(batch.size(0) == 1 for r in ranks for batch in r["seen"])  # really packed
     dm = accum_datamodule(tokenizer)

@@ -5,23 +5,33 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from _accum_common import GradCapture, relative_error
-from conftest import tiny_llama
 from datasets import Dataset
 
+from helpers.accumulation import GradCapture, relative_error
+from helpers.models import tiny_llama
 from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.modules.dpo import DPOModule
 
 # uneven prompts and completions (so padding differs a lot between rows)
-UNEVEN = {"prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8=", "x=", "12+12=", "what is 3+4="],
-          "chosen": ["3", "300", "5", "ok", "15", "a longer chosen answer", "24", "7"],
-          "rejected": ["4", "301", "six", "not ok at all", "16", "b", "42", "seven"]}
+UNEVEN = {
+    "prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8=", "x=", "12+12=", "what is 3+4="],
+    "chosen": ["3", "300", "5", "ok", "15", "a longer chosen answer", "24", "7"],
+    "rejected": ["4", "301", "six", "not ok at all", "16", "b", "42", "seven"],
+}
 LOSSES = ["sigmoid", "sft", "ipo"]
 
 
 def _dm(tokenizer, packing: str, batch_size: int = 8, **kw) -> PreferenceDataModule:
-    return PreferenceDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict(UNEVEN), val_size=0, max_length=48,
-                                batch_size=batch_size, sampling="sequential", packing=packing, **kw)
+    return PreferenceDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict(UNEVEN),
+        val_size=0,
+        max_length=48,
+        batch_size=batch_size,
+        sampling="sequential",
+        packing=packing,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("ld_alpha", [None, 0.5])
@@ -52,9 +62,18 @@ def test_padding_free_loss_and_metrics_equal_padded(tokenizer, ld_alpha):
 def _step_gradient(tokenizer, packing: str, batch_size: int, accumulate: int) -> dict[str, torch.Tensor]:
     module = DPOModule(tiny_llama(0), loss_type=LOSSES, beta=0.1, learning_rate=1e-3)
     capture = GradCapture()
-    trainer = pl.Trainer(max_steps=1, callbacks=[capture], accumulate_grad_batches=accumulate, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[capture],
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=_dm(tokenizer, packing, batch_size=batch_size))
     return capture.grads[0]
 
@@ -75,7 +94,15 @@ def test_dpo_refuses_packing_on_a_leaky_attention(tokenizer):
     from test_packing import leaky_model
 
     module = DPOModule(leaky_model(), loss_type=LOSSES, beta=0.1)
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+    )
     with pytest.raises(ValueError, match=r"packing='padding_free'.*causal_only_test"):
         trainer.fit(module, datamodule=_dm(tokenizer, "padding_free"))

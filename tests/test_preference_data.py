@@ -15,8 +15,10 @@ from lit_trainer.data import builtin
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.preference import PreferenceDataModule, extract_prompt
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def ids(text: str) -> list[int]:
@@ -33,8 +35,12 @@ def make(tokenizer, rows: dict | list, **kw) -> PreferenceDataModule:
 
 
 def test_explicit_standard_rows_tokenize_and_collate_to_2b_rows(tokenizer):
-    dm = make(tokenizer, {"prompt": ["1+2=", "10+5="], "chosen": ["3", "15"], "rejected": ["4</s>", "16"]},
-              batch_size=2, max_length=32)
+    dm = make(
+        tokenizer,
+        {"prompt": ["1+2=", "10+5="], "chosen": ["3", "15"], "rejected": ["4</s>", "16"]},
+        batch_size=2,
+        max_length=32,
+    )
     row = dm.train_dataset[0]
     assert row["prompt_ids"] == [52, 46, 53, 64]  # "1+2=" without the EOS ByT5 appends to the bare prompt
     assert row["chosen_ids"] == [54, 1]  # "3" + EOS appended as a string (reference 1.2 step 2)
@@ -43,10 +49,18 @@ def test_explicit_standard_rows_tokenize_and_collate_to_2b_rows(tokenizer):
     batch = next(iter(dm.train_dataloader()))
     # rows: chosen 0, chosen 1, rejected 0, rejected 1; right-padded to 8 = len("10+5=") + len("15") + EOS
     assert batch["input_ids"].tolist() == [
-        ids("1+2=3") + [1, 0, 0], ids("10+5=15") + [1], ids("1+2=4") + [1, 0, 0], ids("10+5=16") + [1]]
+        ids("1+2=3") + [1, 0, 0],
+        ids("10+5=15") + [1],
+        ids("1+2=4") + [1, 0, 0],
+        ids("10+5=16") + [1],
+    ]
     assert batch["attention_mask"].tolist() == [[1] * 6 + [0, 0], [1] * 8, [1] * 6 + [0, 0], [1] * 8]
-    assert batch["completion_mask"].tolist() == [[0] * 4 + [1, 1, 0, 0], [0] * 5 + [1] * 3,
-                                                 [0] * 4 + [1, 1, 0, 0], [0] * 5 + [1] * 3]
+    assert batch["completion_mask"].tolist() == [
+        [0] * 4 + [1, 1, 0, 0],
+        [0] * 5 + [1] * 3,
+        [0] * 4 + [1, 1, 0, 0],
+        [0] * 5 + [1] * 3,
+    ]
     # PAIRS (not rows), and the chosen completion tokens after the causal shift (the "sft" term's count): 2 + 3
     assert batch[NUM_ITEMS_KEY].tolist() == [2, 5] and dm.count_items(batch).tolist() == [2, 5]
     assert "ref_chosen_logps" not in batch
@@ -66,31 +80,52 @@ def test_extract_prompt_edge_cases():
     # mismatch at 0 after a trailing space: TRL would read chosen[-1] == " " and split at -1; here the prompt is ""
     assert extract_prompt("a ", "b ") == ("", "a ", "b ")
     # conversations: whole messages
-    user, a, b = {"role": "user", "content": "q"}, {"role": "assistant", "content": "A"}, {"role": "assistant",
-                                                                                           "content": "B"}
+    user, a, b = (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "A"},
+        {"role": "assistant", "content": "B"},
+    )
     assert extract_prompt([user, a], [user, b]) == ([user], [a], [b])
 
 
 def test_conversational_rows_use_the_chat_template(tokenizer):
     tokenizer.chat_template = TEMPLATE
     user = [{"role": "user", "content": "1+2="}]
-    explicit = make(tokenizer, {"prompt": [user], "chosen": [[{"role": "assistant", "content": "3"}]],
-                                "rejected": [[{"role": "assistant", "content": "4"}]]}, max_length=64)
+    explicit = make(
+        tokenizer,
+        {
+            "prompt": [user],
+            "chosen": [[{"role": "assistant", "content": "3"}]],
+            "rejected": [[{"role": "assistant", "content": "4"}]],
+        },
+        max_length=64,
+    )
     row = explicit.train_dataset[0]
     # prompt rendered with the generation prompt; completions = what follows it, ending with the template's EOS
     assert row["prompt_ids"] == ids("<|user|>1+2=") + [1] + ids("<|assistant|>")
     assert row["chosen_ids"] == ids("3") + [1]
     assert row["rejected_ids"] == ids("4") + [1]
-    implicit = make(tokenizer, {"chosen": [user + [{"role": "assistant", "content": "3"}]],
-                                "rejected": [user + [{"role": "assistant", "content": "4"}]]}, max_length=64)
+    implicit = make(
+        tokenizer,
+        {
+            "chosen": [user + [{"role": "assistant", "content": "3"}]],
+            "rejected": [user + [{"role": "assistant", "content": "4"}]],
+        },
+        max_length=64,
+    )
     assert implicit.train_dataset[0] == row
 
 
 def test_conversational_rows_without_chat_template_fail_clearly(tokenizer):
     with pytest.raises(ValueError, match="no chat template"):
-        make(tokenizer, {"prompt": [[{"role": "user", "content": "q"}]],
-                         "chosen": [[{"role": "assistant", "content": "a"}]],
-                         "rejected": [[{"role": "assistant", "content": "b"}]]})
+        make(
+            tokenizer,
+            {
+                "prompt": [[{"role": "user", "content": "q"}]],
+                "chosen": [[{"role": "assistant", "content": "a"}]],
+                "rejected": [[{"role": "assistant", "content": "b"}]],
+            },
+        )
 
 
 def test_keep_start_drops_long_prompts_and_truncates_the_rest(tokenizer):
@@ -138,10 +173,16 @@ def test_malformed_rows_name_the_row_and_the_column(tokenizer, rows, column, pro
 
 def test_non_string_content_is_rejected(tokenizer):
     tokenizer.chat_template = TEMPLATE
-    rows = [{"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-             "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
-            {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-             "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}]
+    rows = [
+        {
+            "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+        },
+        {
+            "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}],
+        },
+    ]
     with pytest.raises(ValueError, match=r"row 1 of the train data, column 'rejected'.*non-string content"):
         make(tokenizer, rows)
     with pytest.raises(ValueError, match=r"row 0 of the train data, column 'chosen'.*expected a string"):
@@ -186,9 +227,11 @@ def test_builtin_addition_preferences(tokenizer):
 
 # ------------------------------------------------------------------------------ identical pairs (zero DPO gradient)
 def test_identical_pairs_after_tokenization_are_counted_warned_once_and_dropped(tokenizer):
-    rows = {"prompt": ["1+1=", "2+2=", "3+3=", "4+4="],
-            "chosen": ["2", "4</s>", "6", "8"],
-            "rejected": ["2", "4", "7", "9"]}  # row 0: same text; row 1: the same ids once EOS is appended
+    rows = {
+        "prompt": ["1+1=", "2+2=", "3+3=", "4+4="],
+        "chosen": ["2", "4</s>", "6", "8"],
+        "rejected": ["2", "4", "7", "9"],
+    }  # row 0: same text; row 1: the same ids once EOS is appended
     with pytest.warns(UserWarning) as record:
         dm = make(tokenizer, rows, max_length=32)
     messages = [str(w.message) for w in record if "identical" in str(w.message)]
@@ -217,6 +260,7 @@ def test_only_identical_pairs_is_an_error_naming_the_option(tokenizer):
         make(tokenizer, {"prompt": ["1+1="], "chosen": ["2"], "rejected": ["2"]})
 
 
+@pytest.mark.slow
 def test_builtin_addition_has_no_identical_pairs(tokenizer):
     dm = PreferenceDataModule(tokenizer=tokenizer, max_length=32)
     dm.setup("fit")

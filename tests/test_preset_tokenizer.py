@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
-from _readme_example import run_readme_generate
 from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer
 
+from helpers.readme import run_readme_generate
 from lit_trainer.data import PreferenceDataModule, PromptDataModule, SFTDataModule
 from lit_trainer.models import load_model, load_tokenizer
 
@@ -56,6 +56,7 @@ def test_saved_tokenizer_reloads_with_auto_tokenizer_without_remote_code(tmp_pat
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (1, 0)
 
 
+@pytest.mark.slow
 def test_builtin_sft_rows_are_the_same_token_ids_as_with_byt5():
     new, old = (SFTDataModule(tokenizer=t, max_length=32) for t in (load_tokenizer("tiny"), ByT5Tokenizer()))
     for dm in (new, old):
@@ -68,6 +69,7 @@ def test_builtin_sft_rows_are_the_same_token_ids_as_with_byt5():
     assert first["input_ids"][-1] == 1 and 1 not in prompt  # "a+b=" then the sum then EOS, added by SFTDataModule
 
 
+@pytest.mark.slow
 def test_builtin_preference_rows_are_the_same_token_ids_as_with_byt5():
     new, old = (PreferenceDataModule(tokenizer=t, max_length=32) for t in (load_tokenizer("tiny"), ByT5Tokenizer()))
     for dm in (new, old):
@@ -78,6 +80,7 @@ def test_builtin_preference_rows_are_the_same_token_ids_as_with_byt5():
     assert first["chosen_ids"][-1] == 1 and first["rejected_ids"][-1] == 1 and 1 not in first["prompt_ids"]
 
 
+@pytest.mark.slow
 def test_grpo_prompts_have_no_trailing_eos_and_match_byt5():
     new, old = (PromptDataModule(tokenizer=t, max_length=16) for t in (load_tokenizer("tiny"), ByT5Tokenizer()))
     for dm in (new, old):

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 pl = pytest.importorskip("pytorch_lightning")  # the test extra installs it; the lightning-only tests live elsewhere
 
 import lit_trainer.callbacks as lightning_callbacks  # noqa: E402
+from helpers.modules import TinyHF, TinyLM, on_pytorch_lightning  # noqa: E402
 from lit_trainer.callbacks import pytorch_lightning as plc  # noqa: E402
 from lit_trainer.callbacks._namespace import twin  # noqa: E402
 from lit_trainer.data.batch_sampler import ShardedBatchSampler  # noqa: E402
@@ -26,7 +27,11 @@ NAMES = ["BEMA", "BestCheckpoint", "EvalOnStart", "ExactResume", "HFExport", "JI
 
 
 class Regressor(pl.LightningModule):
-    """A user's module written against `pytorch_lightning` (dropout: the RNG matters for resume)."""
+    """A user's module written against `pytorch_lightning` (dropout: the RNG matters for resume).
+
+    Not `helpers.modules.Regressor`: an embedding regressor, so NEFTune has an input embedding to noise, and it
+    counts its training forwards (a refused callback must stop the fit before any).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,14 +65,22 @@ def _loaders() -> tuple[DataLoader, DataLoader]:
 
 
 def _trainer(root: Path, callbacks: list, max_steps: int = 8, **kw) -> pl.Trainer:
-    base = dict(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=0, default_root_dir=root, accelerator="cpu")
+    base = dict(
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        accelerator="cpu",
+    )
     return pl.Trainer(callbacks=callbacks, **{**base, **kw})
 
 
 def _val_loss(module: pl.LightningModule, val: DataLoader) -> float:
-    return pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      accelerator="cpu").validate(module, val, verbose=False)[0]["val_loss"]
+    return pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").validate(
+        module, val, verbose=False
+    )[0]["val_loss"]
 
 
 def test_each_namespace_gets_its_own_classes() -> None:
@@ -86,8 +99,9 @@ def test_each_namespace_gets_its_own_classes() -> None:
 
 
 @pytest.mark.parametrize("with_bema", [False, True], ids=["alone", "with_bema"])
-def test_best_checkpoint_is_the_trainers_checkpoint_and_the_best_weights_are_loaded(tmp_path: Path,
-                                                                                    with_bema: bool) -> None:
+def test_best_checkpoint_is_the_trainers_checkpoint_and_the_best_weights_are_loaded(
+    tmp_path: Path, with_bema: bool
+) -> None:
     train, val = _loaders()
     best = plc.BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_loss", load_best_at_end=True)
     bema = [plc.BEMA(update_freq=1, lag=1.0, evaluate_with_bema=True, export_hf=False)] if with_bema else []
@@ -104,8 +118,9 @@ def test_best_checkpoint_is_the_trainers_checkpoint_and_the_best_weights_are_loa
 def test_eval_on_start_logs_step0_and_no_checkpoint_sees_it(tmp_path: Path) -> None:
     train, val = _loaders()
     initial = _val_loss(Regressor(), val)
-    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_loss",
-                                         save_top_k=-1)
+    saver = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_loss", save_top_k=-1
+    )
     logger = pl.loggers.CSVLogger(tmp_path, name="csv")
     _trainer(tmp_path, [plc.EvalOnStart(), saver], max_steps=4, logger=logger).fit(Regressor(), train, val)
     with open(Path(logger.log_dir) / "metrics.csv") as f:
@@ -137,14 +152,16 @@ def _resume_run(root: Path, ckpt: Path | None, max_steps: int, extra: list) -> R
     pl.seed_everything(0)
     module = Regressor()
     _trainer(root, [plc.ExactResume(), *extra], max_steps=max_steps, limit_val_batches=0).fit(
-        module, train, ckpt_path=ckpt)
+        module, train, ckpt_path=ckpt
+    )
     return module
 
 
 def test_exact_resume_restores_the_dropout_stream(tmp_path: Path) -> None:
     full = _resume_run(tmp_path / "a", None, 6, [])
-    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3,
-                                         save_top_k=-1)
+    saver = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1
+    )
     _resume_run(tmp_path / "b", None, 3, [saver])
     resumed = _resume_run(tmp_path / "c", tmp_path / "ckpt" / "step=3.ckpt", 6, [])
     for name, value in full.state_dict().items():
@@ -168,29 +185,14 @@ def test_jit_checkpoint_saves_on_sigterm_and_stops(tmp_path: Path) -> None:
     assert ckpt["global_step"] == 4 and Path(jit.checkpoint_path).parent == tmp_path / "jit"
 
 
-class TinyHF(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def test_hf_export_writes_the_trained_model_and_refuses_a_plain_module(tmp_path: Path) -> None:
     import transformers
 
     ids = DataLoader(TensorDataset(torch.randint(1, 32, (8, 6), generator=torch.Generator().manual_seed(0))), 4)
-    module = TinyHF()
+    module = on_pytorch_lightning(TinyHF)(vocab=32, hidden=8, positions=16, tie=False, seed=None)
     _trainer(tmp_path, [plc.HFExport(dirpath=tmp_path / "hf")], max_steps=2, enable_checkpointing=False).fit(
-        module, ids)
+        module, ids
+    )
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     for name, value in module.model.state_dict().items():
         torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
@@ -203,9 +205,22 @@ def test_hf_export_writes_the_trained_model_and_refuses_a_plain_module(tmp_path:
 def test_configurable_from_a_pytorch_lightning_cli() -> None:
     from pytorch_lightning.cli import LightningCLI
 
-    cli = LightningCLI(Regressor, run=False, args={"trainer": {"logger": False, "enable_progress_bar": False,
-                       "callbacks": [{"class_path": "lit_trainer.callbacks.pytorch_lightning.BestCheckpoint",
-                                      "init_args": {"monitor": "val_loss", "save_total_limit": 2}}]}})
+    cli = LightningCLI(
+        Regressor,
+        run=False,
+        args={
+            "trainer": {
+                "logger": False,
+                "enable_progress_bar": False,
+                "callbacks": [
+                    {
+                        "class_path": "lit_trainer.callbacks.pytorch_lightning.BestCheckpoint",
+                        "init_args": {"monitor": "val_loss", "save_total_limit": 2},
+                    }
+                ],
+            }
+        },
+    )
     assert isinstance(cli.trainer.checkpoint_callback, plc.BestCheckpoint)
     assert cli.trainer.checkpoint_callback.save_total_limit == 2
 
@@ -215,22 +230,18 @@ def test_a_callback_of_the_other_package_is_refused_with_the_import_to_use(tmp_p
     args = {"NEFTune": {"noise_alpha": 1.0}}.get(name, {})
     train, val = _loaders()
     module = Regressor()
-    with pytest.raises(TypeError, match=r"is a `lightning.pytorch` callback.*import it from "
-                                        r"`lit_trainer.callbacks.pytorch_lightning`"):
+    with pytest.raises(
+        TypeError,
+        match=r"is a `lightning.pytorch` callback.*import it from "
+        r"`lit_trainer.callbacks.pytorch_lightning`",
+    ):
         _trainer(tmp_path, [getattr(lightning_callbacks, name)(**args)]).fit(module, train, val)
     with pytest.raises(TypeError, match=r"is a `pytorch_lightning` callback.*import it from `lit_trainer.callbacks`"):
-        L.Trainer(callbacks=[getattr(plc, name)(**args)], max_steps=1, logger=False, enable_progress_bar=False,
-                  default_root_dir=tmp_path).fit(LightningRegressor(), train, val)
+        L.Trainer(
+            callbacks=[getattr(plc, name)(**args)],
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+        ).fit(TinyLM(), train, val)
     assert module.forwards == 0
-
-
-class LightningRegressor(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 1)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.lin(batch[0].float()).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)

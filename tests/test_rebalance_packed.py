@@ -8,18 +8,15 @@ so the padded cost model applies to the bin lengths.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from datasets import Dataset
 
-from conftest import tiny_llama
-from _accum_common import TEXTS, accum_datamodule, full_batch_gradient, relative_error
+from helpers.accumulation import TEXTS, accum_datamodule, full_batch_gradient, relative_error
+from helpers.ddp import output_tail, run_script
+from helpers.models import tiny_llama
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.rebalance import balance_packed_step, balance_step
 from lit_trainer.data.samplers import BatchRebalanceSampler
@@ -57,14 +54,26 @@ def test_packed_split_hand_case_uses_every_row_once():
 
 def test_packed_cost_model_balances_each_slot_better_than_a_random_split():
     lengths = corpus_lengths()
-    samplers = [BatchRebalanceSampler(lengths, BATCH, num_replicas=WORLD, rank=r, accumulate_grad_batches=ACCUMULATE,
-                                      seed=0, cost_model="packed") for r in range(WORLD)]
+    samplers = [
+        BatchRebalanceSampler(
+            lengths, BATCH, num_replicas=WORLD, rank=r, accumulate_grad_batches=ACCUMULATE, seed=0, cost_model="packed"
+        )
+        for r in range(WORLD)
+    ]
     packed = [list(s) for s in samplers]
     assert sorted(i for rank in packed for mb in rank for i in mb) == list(range(len(lengths)))
-    randoms = [list(ShardedBatchSampler(len(lengths), BATCH, shuffle=True, seed=0, num_replicas=WORLD, rank=r))
-               for r in range(WORLD)]
-    padded = [list(BatchRebalanceSampler(lengths, BATCH, num_replicas=WORLD, rank=r,
-                                         accumulate_grad_batches=ACCUMULATE, seed=0)) for r in range(WORLD)]
+    randoms = [
+        list(ShardedBatchSampler(len(lengths), BATCH, shuffle=True, seed=0, num_replicas=WORLD, rank=r))
+        for r in range(WORLD)
+    ]
+    padded = [
+        list(
+            BatchRebalanceSampler(
+                lengths, BATCH, num_replicas=WORLD, rank=r, accumulate_grad_batches=ACCUMULATE, seed=0
+            )
+        )
+        for r in range(WORLD)
+    ]
     ours, rand, pad = (packed_stragglers(p, lengths) for p in (packed, randoms, padded))
     assert len(ours) == len(rand)
     assert all(a <= b for a, b in zip(ours, rand))  # every step, never worse than the plain random split
@@ -86,11 +95,17 @@ def test_padded_model_is_unchanged_by_default():
         BatchRebalanceSampler(lengths, BATCH, cost_model="dense")
 
 
-@pytest.mark.parametrize(("packing", "cost_model"), [("none", "padded"), ("padding_free", "packed"),
-                                                     ("bfd", "padded")])
+@pytest.mark.parametrize(("packing", "cost_model"), [("none", "padded"), ("padding_free", "packed"), ("bfd", "padded")])
 def test_data_module_picks_the_cost_model_from_packing(tokenizer, packing, cost_model):
-    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0, batch_size=2,
-                       max_length=64, sampling="batch_rebalance", packing=packing)
+    dm = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        val_size=0,
+        batch_size=2,
+        max_length=64,
+        sampling="batch_rebalance",
+        packing=packing,
+    )
     dm.setup("fit")
     sampler = dm.train_dataloader().batch_sampler
     assert isinstance(sampler, BatchRebalanceSampler) and sampler.cost_model == cost_model
@@ -100,37 +115,55 @@ def test_data_module_picks_the_cost_model_from_packing(tokenizer, packing, cost_
 @pytest.mark.parametrize("packing", ["padding_free", "bfd"])
 def test_packed_batch_rebalance_fit_runs(tokenizer, packing):
     model = tiny_llama(seed=3)
-    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS * 2}), val_size=0, batch_size=2,
-                       max_length=64, sampling="batch_rebalance", packing=packing)
+    dm = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS * 2}),
+        val_size=0,
+        batch_size=2,
+        max_length=64,
+        sampling="batch_rebalance",
+        packing=packing,
+    )
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=1e-2, warmup_steps=0)
-    trainer = pl.Trainer(max_steps=2, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 2
     moved = sum(float((p.detach() - q).abs().sum()) for p, q in zip(module.model.parameters(), model.parameters()))
     assert moved > 0
 
 
+@pytest.mark.ddp
 def test_ddp_padding_free_batch_rebalance_is_balanced_and_exact(tmp_path, tokenizer):
     """2 ranks (gloo), accumulate 2, batch_size 2: the one step holds all 8 rows. Each rank trains the packed
     sampler's micro-batches, and the step gradient equals the full-batch token-mean gradient."""
-    script = Path(__file__).parent / "scripts" / "ddp_grad_accum.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "-", "padding_free", "batch_rebalance"],
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free", "batch_rebalance")
+    assert proc.returncode == 0, output_tail(proc)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")
     lengths = dm.lengths()
     for r, facts in enumerate(ranks):
-        plan = BatchRebalanceSampler(lengths, 2, num_replicas=2, rank=r, accumulate_grad_batches=2,
-                                     seed=dm.hparams.seed, cost_model="packed")
+        plan = BatchRebalanceSampler(
+            lengths, 2, num_replicas=2, rank=r, accumulate_grad_batches=2, seed=dm.hparams.seed, cost_model="packed"
+        )
         assert [b.shape for b in facts["seen"]] == [(1, sum(lengths[i] for i in mb)) for mb in plan]
     totals = [[b.size(1) for b in facts["seen"]] for facts in ranks]
-    random_split = [[sum(lengths[i] for i in mb) for mb in ShardedBatchSampler(8, 2, shuffle=True, seed=dm.hparams.seed,
-                                                                               num_replicas=2, rank=r)]
-                    for r in (0, 1)]
+    random_split = [
+        [
+            sum(lengths[i] for i in mb)
+            for mb in ShardedBatchSampler(8, 2, shuffle=True, seed=dm.hparams.seed, num_replicas=2, rank=r)
+        ]
+        for r in (0, 1)
+    ]
     assert sum(map(max, zip(*totals))) < sum(map(max, zip(*random_split)))  # straggler tokens: 77 vs 118
     reference = full_batch_gradient(tiny_llama(seed=1), dm, list(range(8)))
     for facts in ranks:

@@ -34,8 +34,10 @@ def test_long_tailed_steps_pad_no_more_than_the_reference_at_a_lower_straggler_c
     ours, reference = [0, 0.0], [0, 0.0]
     for _ in range(24):  # 24 optimizer steps of 8 ranks x 4 micro-batches x 8 samples, log-normal lengths
         lengths = [min(4096, max(8, int(rng.lognormvariate(5.5, 0.8)))) for _ in range(world * slots * 8)]
-        for total, plan in ((ours, balance_step(lengths, world, slots)), (reference, _reference_plan(lengths, world,
-                                                                                                       slots))):
+        for total, plan in (
+            (ours, balance_step(lengths, world, slots)),
+            (reference, _reference_plan(lengths, world, slots)),
+        ):
             waste, straggler = _waste_and_straggler(lengths, plan)
             total[0] += waste
             total[1] += straggler

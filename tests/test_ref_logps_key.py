@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_llama
 from test_dpo_module import BETA, datamodule, trainer
 from transformers import LlamaForCausalLM
 
+from helpers.models import tiny_llama
 from lit_trainer.modules import _ref_logps
 from lit_trainer.modules.dpo import DPOModule
 
@@ -33,16 +33,20 @@ def test_reference_fingerprint_covers_config_attention_and_precision():
     eager = copy.deepcopy(model)
     eager.config._attn_implementation = "eager"
     assert _ref_logps.state_dict_sha256(rope) == _ref_logps.state_dict_sha256(model)
-    others = [_ref_logps.reference_sha256(rope, "32-true"), _ref_logps.reference_sha256(eager, "32-true"),
-              _ref_logps.reference_sha256(model, "bf16-mixed"), _ref_logps.reference_sha256(model.to(torch.float64),
-                                                                                            "32-true")]
+    others = [
+        _ref_logps.reference_sha256(rope, "32-true"),
+        _ref_logps.reference_sha256(eager, "32-true"),
+        _ref_logps.reference_sha256(model, "bf16-mixed"),
+        _ref_logps.reference_sha256(model.to(torch.float64), "32-true"),
+    ]
     assert len({key, *others}) == 5
 
 
 def test_a_reference_with_another_config_recomputes(tokenizer, tmp_path, monkeypatch):
     def run(model: torch.nn.Module) -> None:
-        module = DPOModule(model, learning_rate=1e-3, beta=BETA, precompute_ref_log_probs=True,
-                           ref_logps_cache_dir=str(tmp_path))
+        module = DPOModule(
+            model, learning_rate=1e-3, beta=BETA, precompute_ref_log_probs=True, ref_logps_cache_dir=str(tmp_path)
+        )
         trainer(1).fit(module, datamodule=datamodule(tokenizer))
 
     model = tiny_llama(0)

@@ -9,11 +9,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _accum_common import TEXTS
-from conftest import tiny_llama
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.accumulation import TEXTS
+from helpers.models import tiny_llama
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.callbacks._window_grads import mid_window_validation_error
 from lit_trainer.data.loader import NUM_ITEMS_KEY
@@ -30,16 +30,29 @@ class _Seen(pl.Callback):
 
 
 def _run(tokenizer: Any, root: Path, base: torch.nn.Module, extra: tuple = (), ckpt: Path | None = None):
-    dm = SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS * 2}),
-                       validation_dataset=Dataset.from_dict({"text": TEXTS[:2]}), batch_size=2, max_length=64,
-                       sampling="random")
+    dm = SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS * 2}),
+        validation_dataset=Dataset.from_dict({"text": TEXTS[:2]}),
+        batch_size=2,
+        max_length=64,
+        sampling="random",
+    )
     module = CausalLMModule(copy.deepcopy(base), tokenizer=tokenizer, learning_rate=1e-2, scheduler="constant")
     seen = _Seen()
     pl.seed_everything(0)
-    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, val_check_interval=3, logger=False,
-                         callbacks=[ExactResume(), seen, *extra], enable_checkpointing=bool(extra),
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         default_root_dir=root)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        val_check_interval=3,
+        logger=False,
+        callbacks=[ExactResume(), seen, *extra],
+        enable_checkpointing=bool(extra),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
     return module, seen.rows
 

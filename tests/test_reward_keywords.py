@@ -19,11 +19,25 @@ class CurriculumReward:
     def __init__(self) -> None:
         self.states: list[tuple[int, float, int, int, bool]] = []
 
-    def __call__(self, completions: list, completion_ids: list, trainer_state: Any, log_metric: Any, log_extra: Any,
-                 **kwargs: Any) -> list[float]:
+    def __call__(
+        self,
+        completions: list,
+        completion_ids: list,
+        trainer_state: Any,
+        log_metric: Any,
+        log_extra: Any,
+        **kwargs: Any,
+    ) -> list[float]:
         assert isinstance(trainer_state, transformers.TrainerState)
-        self.states.append((trainer_state.global_step, trainer_state.epoch, trainer_state.max_steps,
-                            trainer_state.num_train_epochs, trainer_state.is_world_process_zero))
+        self.states.append(
+            (
+                trainer_state.global_step,
+                trainer_state.epoch,
+                trainer_state.max_steps,
+                trainer_state.num_train_epochs,
+                trainer_state.is_world_process_zero,
+            )
+        )
         log_metric("curriculum/stage", 10.0 + trainer_state.global_step)
         log_metric("curriculum/stage", 12.0 + trainer_state.global_step)  # two calls in one scoring: their mean
         log_extra("n_ids", [len(ids) for ids in completion_ids])

@@ -30,8 +30,14 @@ class _OtherNet(_Net):
 
 
 def _trainer(tmp_path, name: str, steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_steps=steps, logger=CSVLogger(tmp_path, name=name, version=0),
-                     callbacks=[RunIdentity()], enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=CSVLogger(tmp_path, name=name, version=0),
+        callbacks=[RunIdentity()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def test_record_is_written_and_the_same_run_resumes(tmp_path):
@@ -39,8 +45,12 @@ def test_record_is_written_and_the_same_run_resumes(tmp_path):
     first.fit(_Net())
     ckpt = tmp_path / "a" / "version_0" / "checkpoints" / "epoch=0-step=2.ckpt"
     record = torch.load(ckpt, weights_only=False)["lit_trainer_run"]
-    assert record == {"module": f"{__name__}._Net", "datamodule": None, "run_name": "a",
-                      "run_dir": str(tmp_path / "a" / "version_0")}
+    assert record == {
+        "module": f"{__name__}._Net",
+        "datamodule": None,
+        "run_name": "a",
+        "run_dir": str(tmp_path / "a" / "version_0"),
+    }
     again = _trainer(tmp_path, "a", 3)
     again.fit(_Net(), ckpt_path=ckpt)
     assert again.global_step == 3

@@ -42,7 +42,8 @@ class ReversedPairs:
 
     def __iter__(self) -> Iterator[list[int]]:
         start, self.start = self.start, 0
-        for self.position, batch in enumerate(self._batches()[start:], start=start + 1):
+        for position, batch in enumerate(self._batches()[start:], start=start + 1):
+            self.position = position
             yield batch
 
     def __len__(self) -> int:
@@ -84,8 +85,16 @@ def test_registry_and_literal_list_the_same_strategies():
 
 @pytest.mark.parametrize("sampling", get_args(Sampling))
 def test_every_registered_strategy_builds_a_batch_sampler(sampling):
-    sampler = make_batch_sampler(sampling, num_samples=12, lengths=lambda: list(range(1, 13)), batch_size=2, seed=0,
-                                 num_replicas=2, rank=1, accumulate_grad_batches=2)
+    sampler = make_batch_sampler(
+        sampling,
+        num_samples=12,
+        lengths=lambda: list(range(1, 13)),
+        batch_size=2,
+        seed=0,
+        num_replicas=2,
+        rank=1,
+        accumulate_grad_batches=2,
+    )
     assert isinstance(sampler, BatchSampler)
     sampler.set_epoch(1)
     batches = list(sampler)

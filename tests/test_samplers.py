@@ -46,7 +46,7 @@ def brute_force(lengths: list[int], replicas: int, slots: int) -> tuple[float, f
     best_max = best_sum = float("inf")
     for cuts in itertools.combinations(range(1, m), k - 1):
         bounds = (0, *cuts, m)
-        costs = sorted((microbatch_cost(b - a, ordered[a]) for a, b in zip(bounds, bounds[1:])), reverse=True)
+        costs = sorted((microbatch_cost(b - a, ordered[a]) for a, b in itertools.pairwise(bounds)), reverse=True)
         best_max = min(best_max, costs[0])
         # dealing groups to slots by descending cost is optimal for a sum of slot maxima
         best_sum = min(best_sum, sum(costs[::replicas]))
@@ -57,8 +57,15 @@ def epoch_batches(lengths, batch_size, replicas, slots, *, epoch=0, seed=0, drop
     """Every rank's micro-batches for one epoch."""
     out = []
     for rank in range(replicas):
-        sampler = BatchRebalanceSampler(lengths, batch_size, num_replicas=replicas, rank=rank,
-                                        accumulate_grad_batches=slots, seed=seed, drop_last=drop_last)
+        sampler = BatchRebalanceSampler(
+            lengths,
+            batch_size,
+            num_replicas=replicas,
+            rank=rank,
+            accumulate_grad_batches=slots,
+            seed=seed,
+            drop_last=drop_last,
+        )
         sampler.set_epoch(epoch)
         out.append(list(sampler))
         assert len(out[-1]) == len(sampler)
@@ -283,8 +290,12 @@ def test_length_grouped_hand_case_and_resume():
 
 def test_group_by_length_batches_dealt_round_robin():
     n, batch_size, replicas, slots = 61, 3, 2, 2
-    samplers = [make_length_grouped_batch_sampler(TOY[:n], batch_size=batch_size, seed=1, num_replicas=replicas,
-                                                  rank=r, accumulate_grad_batches=slots) for r in range(replicas)]
+    samplers = [
+        make_length_grouped_batch_sampler(
+            TOY[:n], batch_size=batch_size, seed=1, num_replicas=replicas, rank=r, accumulate_grad_batches=slots
+        )
+        for r in range(replicas)
+    ]
     # mega-batch: min(61 // 12, 50 steps * 4 micro-batches) = 5 micro-batches = 15 samples
     assert samplers[0].index_sampler.mega_batch_mult == 5
     for s in samplers:

@@ -22,8 +22,11 @@ from lit_trainer.data.chat import assistant_tokens, render
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import CHAT_TEMPLATE, build_preset_model, build_tokenizer
 
-SYSTEM, USER1, ANSWER1 = ({"role": "system", "content": "Add."}, {"role": "user", "content": "1+2=?"},
-                          {"role": "assistant", "content": "3"})
+SYSTEM, USER1, ANSWER1 = (
+    {"role": "system", "content": "Add."},
+    {"role": "user", "content": "1+2=?"},
+    {"role": "assistant", "content": "3"},
+)
 USER2, ANSWER2 = {"role": "user", "content": "4+5=?"}, {"role": "assistant", "content": "9"}
 TWO_TURNS = [SYSTEM, USER1, ANSWER1, USER2, ANSWER2]
 # "<|system|>\nAdd.\n" = 0..15, "<|user|>\n1+2=?\n" = 16..30, "<|assistant|>\n" = 31..44, "3" = 45, "</s>" = 46,
@@ -35,9 +38,14 @@ NO_MARKERS = re.sub(r"\{% (end)?generation %\}", "", CHAT_TEMPLATE)
 
 def setup_dm(rows: dict | Dataset, tokenizer=None, **kwargs) -> SFTDataModule:
     data = rows if isinstance(rows, Dataset) else Dataset.from_dict(rows)
-    dm = SFTDataModule(tokenizer=tokenizer or build_tokenizer(), dataset=data, val_size=0,
-                       batch_size=kwargs.pop("batch_size", 2),
-                       max_length=kwargs.pop("max_length", 128), **kwargs)
+    dm = SFTDataModule(
+        tokenizer=tokenizer or build_tokenizer(),
+        dataset=data,
+        val_size=0,
+        batch_size=kwargs.pop("batch_size", 2),
+        max_length=kwargs.pop("max_length", 128),
+        **kwargs,
+    )
     dm.setup("fit")
     return dm
 
@@ -85,11 +93,14 @@ def test_tools_and_chat_template_kwargs_columns_reach_the_template():
     tokenizer = build_tokenizer()
     tokenizer.chat_template = "{{ note if note is defined else '' }}" + CHAT_TEMPLATE
     tools = [{"type": "function", "function": {"name": "add"}}]
-    dm = setup_dm({"messages": [[USER1, ANSWER1]], "tools": [json.dumps(tools)],
-                   "chat_template_kwargs": [{"note": "N:"}]}, tokenizer)
+    dm = setup_dm(
+        {"messages": [[USER1, ANSWER1]], "tools": [json.dumps(tools)], "chat_template_kwargs": [{"note": "N:"}]},
+        tokenizer,
+    )
     text = tokenizer.decode(dm.train_dataset[0]["input_ids"])
-    assert text == ('N:<|tools|>\n[{"type": "function", "function": {"name": "add"}}]\n'
-                    "<|user|>\n1+2=?\n<|assistant|>\n3</s>")
+    assert text == (
+        'N:<|tools|>\n[{"type": "function", "function": {"name": "add"}}]\n<|user|>\n1+2=?\n<|assistant|>\n3</s>'
+    )
 
 
 def test_assistant_only_loss_refuses_a_template_without_markers_whose_turns_are_not_prefixes():

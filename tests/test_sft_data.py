@@ -4,8 +4,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.batch_sampler import ShardedBatchSampler
+from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.sft import SFTDataModule
 
 
@@ -64,7 +64,10 @@ def test_invalid_options_name_the_field(tokenizer, kwargs, message):
 
 
 def test_missing_columns_and_empty_data(tokenizer):
-    with pytest.raises(ValueError, match=r"no 'text' column, no 'messages' column and no 'prompt' \+ 'completion' columns \(it has 'body'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no 'text' column, no 'messages' column and no 'prompt' \+ 'completion' columns \(it has 'body'\)",
+    ):
         _dm(tokenizer, {"body": ["x"]})
     with pytest.raises(ValueError, match="empty"):
         _dm(tokenizer, {"text": []})
@@ -95,8 +98,9 @@ def test_local_files(tokenizer, tmp_path, ext):
     else:
         Dataset.from_list(rows).to_parquet(str(path))
     dm = _dm_path(tokenizer, str(path))
-    assert sorted(bytes(t - 3 for t in ids[:-1]).decode() for ids in dm.train_dataset["input_ids"]) == \
-        [f"row {i}" for i in range(5)]
+    assert sorted(bytes(t - 3 for t in ids[:-1]).decode() for ids in dm.train_dataset["input_ids"]) == [
+        f"row {i}" for i in range(5)
+    ]
 
 
 def test_directory_with_validation_file(tokenizer, tmp_path):
@@ -106,6 +110,7 @@ def test_directory_with_validation_file(tokenizer, tmp_path):
     assert len(dm.train_dataset) == 6 and len(dm.val_dataset) == 1
 
 
+@pytest.mark.slow
 def test_builtin_split_is_held_out(tokenizer):
     dm = SFTDataModule(tokenizer=tokenizer, max_length=32)
     dm.setup("fit")
@@ -121,16 +126,21 @@ def test_val_size_split(tokenizer):
 
 def test_train_loader_resumes_mid_epoch_exactly():
     rows = [{"x": i} for i in range(11)]
-    collate = lambda b: {"x": torch.tensor([r["x"] for r in b])}  # noqa: E731
+    collate = lambda b: {"x": torch.tensor([r["x"] for r in b])}
 
     def make():
-        return TrainLoader(rows, ShardedBatchSampler(11, 2, seed=5), collate, count_items=lambda b: len(b["x"]),
-                           accumulate_grad_batches=2)
+        return TrainLoader(
+            rows,
+            ShardedBatchSampler(11, 2, seed=5),
+            collate,
+            count_items=lambda b: len(b["x"]),
+            accumulate_grad_batches=2,
+        )
 
     full = make()
     full.set_epoch(3)
     expected = [b["x"].tolist() for b in full]
-    assert sorted(sum(expected, [])) == list(range(11))
+    assert sorted(i for batch in expected for i in batch) == list(range(11))
     partial = make()
     partial.set_epoch(3)
     it = iter(partial)
@@ -151,11 +161,16 @@ def test_train_loader_resumes_mid_epoch_exactly():
 
 def test_window_counts_and_rank_sharding():
     rows = [{"x": i} for i in range(10)]
-    collate = lambda b: {"x": torch.tensor([r["x"] for r in b])}  # noqa: E731
+    collate = lambda b: {"x": torch.tensor([r["x"] for r in b])}
     per_rank = []
     for rank in (0, 1):
-        loader = TrainLoader(rows, ShardedBatchSampler(10, 2, seed=0, num_replicas=2, rank=rank), collate,
-                             count_items=lambda b: len(b["x"]), accumulate_grad_batches=2)
+        loader = TrainLoader(
+            rows,
+            ShardedBatchSampler(10, 2, seed=0, num_replicas=2, rank=rank),
+            collate,
+            count_items=lambda b: len(b["x"]),
+            accumulate_grad_batches=2,
+        )
         batches = list(loader)
         per_rank.append(batches)
         # windows of 2 micro-batches; the last window holds 1 micro-batch (3 batches per rank)
@@ -174,8 +189,9 @@ def test_hub_dataset_names_go_to_load_dataset(tokenizer, monkeypatch):
 
     def fake_load_dataset(name, *args, **kwargs):
         calls.append(name)
-        return DatasetDict({"train": Dataset.from_dict({"text": ["a", "b", "c"]}),
-                            "test": Dataset.from_dict({"text": ["d"]})})
+        return DatasetDict(
+            {"train": Dataset.from_dict({"text": ["a", "b", "c"]}), "test": Dataset.from_dict({"text": ["d"]})}
+        )
 
     monkeypatch.setattr(sources, "load_dataset", fake_load_dataset)
     dm = _dm_path(tokenizer, "someorg/some-dataset")

@@ -6,11 +6,15 @@ through the CLI, with only the progress bar turned off.
 
 from pathlib import Path
 
-from _readme_example import run_readme_generate
+import pytest
 
+from helpers.readme import run_readme_generate
 from lit_trainer.callbacks import HFExport
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import builtin
+
+pytestmark = pytest.mark.slow
+
 
 SFT = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import tiny_llama
 from datasets import Dataset
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from helpers.models import tiny_llama
 from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.data.sft import SFTDataModule
@@ -26,11 +26,18 @@ from lit_trainer.modules.causal_lm import CausalLMModule
 from lit_trainer.modules.dpo import DPOModule
 from lit_trainer.modules.grpo import GRPOModule
 
-QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
-         "enable_checkpointing": False}
-PAIRS = {"prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8="],
-         "chosen": ["3", "300", "5", "ok", "15"],
-         "rejected": ["4", "301", "six", "not ok at all", "16"]}
+QUIET = {
+    "accelerator": "cpu",
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+PAIRS = {
+    "prompt": ["1+2=", "100+200=", "5=", "a much longer prompt=", "7+8="],
+    "chosen": ["3", "300", "5", "ok", "15"],
+    "rejected": ["4", "301", "six", "not ok at all", "16"],
+}
 
 
 # ------------------------------------------------------------------------------------------------ the container
@@ -83,8 +90,12 @@ def test_causal_lm_logs_a_single_user_metric_by_its_class_name_and_no_exact_matc
     rows = Dataset.from_dict({"text": ["12+34=46", "5+5=10", "1+1=2", "40+2=42"]})
     dm = SFTDataModule(tokenizer=tokenizer, dataset=rows, validation_dataset=rows, batch_size=2, max_length=16)
     accuracy = MulticlassAccuracy(num_classes=384, ignore_index=-100, average="micro")
-    module = CausalLMModule(tiny_llama(1), tokenizer=tokenizer, eval_metrics=accuracy,
-                            preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    module = CausalLMModule(
+        tiny_llama(1),
+        tokenizer=tokenizer,
+        eval_metrics=accuracy,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+    )
     logged = pl.Trainer(**QUIET).validate(module, datamodule=dm, verbose=False)[0]
     assert set(logged) == {"val_loss", "val_perplexity", "val_token_accuracy", "val_multiclassaccuracy"}
     assert logged["val_perplexity"] == pytest.approx(torch.tensor(logged["val_loss"]).exp().item(), rel=1e-6)
@@ -92,16 +103,21 @@ def test_causal_lm_logs_a_single_user_metric_by_its_class_name_and_no_exact_matc
 
 def test_dpo_validation_loss_adds_the_weighted_chosen_token_nll_and_logs_no_helper_metric():
     tokenizer = transformers.ByT5Tokenizer()
-    dm = PreferenceDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict(PAIRS),
-                              validation_dataset=Dataset.from_dict(PAIRS), batch_size=2, eval_batch_size=2,
-                              max_length=32)
+    dm = PreferenceDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict(PAIRS),
+        validation_dataset=Dataset.from_dict(PAIRS),
+        batch_size=2,
+        eval_batch_size=2,
+        max_length=32,
+    )
     policy, ref, beta, sft_weight = tiny_llama(0), tiny_llama(1), 0.1, 2.0
-    module = DPOModule(policy, ref_model=ref, loss_type=["sigmoid", "sft"], loss_weights=[1.0, sft_weight],
-                       beta=beta)
+    module = DPOModule(policy, ref_model=ref, loss_type=["sigmoid", "sft"], loss_weights=[1.0, sft_weight], beta=beta)
     logged = pl.Trainer(**QUIET).validate(module, datamodule=dm, verbose=False)[0]
     assert "val_sft_nll" not in logged and "val_sft__nll" not in logged
     assert {f"val_{n}" for n in ("rewards/chosen", "rewards/accuracies", "logps/rejected", "logits/chosen")} <= set(
-        logged)
+        logged
+    )
     # independent: every validation pair in one batch, a full log-softmax
     dm.setup("validate")
     data = dm.split_dataset("validation")
@@ -132,13 +148,25 @@ def odd_answer_or_none(prompts: list, completions: list, completion_ids: list, a
 
 
 def test_grpo_validation_reward_is_the_weighted_nan_sum_and_per_function_means_ignore_none():
-    prompts = Dataset.from_dict({"prompt": [f"{10 + i}+11=" for i in range(4)],
-                                 "answer": [str(21 + i) for i in range(4)]})
-    dm = PromptDataModule(tokenizer=transformers.ByT5Tokenizer(), dataset=prompts, validation_dataset=prompts,
-                          batch_size=4, eval_batch_size=2, max_length=16)
-    module = GRPOModule(tiny_llama(0), tokenizer=transformers.ByT5Tokenizer(),
-                        reward_funcs=[constant_two, odd_answer_or_none], reward_weights=[1.0, 3.0],
-                        num_generations=2, max_completion_length=2)
+    prompts = Dataset.from_dict(
+        {"prompt": [f"{10 + i}+11=" for i in range(4)], "answer": [str(21 + i) for i in range(4)]}
+    )
+    dm = PromptDataModule(
+        tokenizer=transformers.ByT5Tokenizer(),
+        dataset=prompts,
+        validation_dataset=prompts,
+        batch_size=4,
+        eval_batch_size=2,
+        max_length=16,
+    )
+    module = GRPOModule(
+        tiny_llama(0),
+        tokenizer=transformers.ByT5Tokenizer(),
+        reward_funcs=[constant_two, odd_answer_or_none],
+        reward_weights=[1.0, 3.0],
+        num_generations=2,
+        max_completion_length=2,
+    )
     logged = pl.Trainer(**QUIET).validate(module, datamodule=dm, verbose=False)[0]
     # answers 21, 23 (odd): 2 + 3 * 1 = 5; answers 22, 24: 2 (None is skipped by the weighted sum)
     assert logged["val_reward"] == pytest.approx(3.5)

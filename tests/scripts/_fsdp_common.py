@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,14 +10,13 @@ import lightning.pytorch as pl
 import torch
 from datasets import Dataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from conftest import tiny_llama
-
+from helpers.models import tiny_llama
 from lit_trainer.modules import _sharding
 
 # 16 rows of uneven length: per-device batch 2 x 2 ranks x accumulate 2 = 8 rows per optimizer step (2 per epoch)
-TEXTS = [("short " if i % 3 else "a much longer row of text with many more tokens in it ") * (1 + i % 4)
-         for i in range(16)]
+TEXTS = [
+    ("short " if i % 3 else "a much longer row of text with many more tokens in it ") * (1 + i % 4) for i in range(16)
+]
 STEPS, ACCUMULATE, MAX_GRAD_NORM = 20, 2, 0.05
 DPO_STEPS = 10
 
@@ -26,16 +24,28 @@ DPO_STEPS = 10
 def sft_datamodule(tokenizer: Any, batch_size: int, val_size: int = 0) -> Any:
     from lit_trainer.data.sft import SFTDataModule
 
-    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=val_size,
-                         batch_size=batch_size, max_length=64, sampling="sequential")
+    return SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        val_size=val_size,
+        batch_size=batch_size,
+        max_length=64,
+        sampling="sequential",
+    )
 
 
 def dpo_datamodule(tokenizer: Any, batch_size: int) -> Any:
     from lit_trainer.data import builtin
     from lit_trainer.data.preference import PreferenceDataModule
 
-    return PreferenceDataModule(tokenizer=tokenizer, dataset=builtin.preference_rows("train").select(range(16)),
-                                val_size=0, batch_size=batch_size, max_length=32, sampling="sequential")
+    return PreferenceDataModule(
+        tokenizer=tokenizer,
+        dataset=builtin.preference_rows("train").select(range(16)),
+        val_size=0,
+        batch_size=batch_size,
+        max_length=32,
+        sampling="sequential",
+    )
 
 
 def model_parallel(devices: int = 2) -> Any:
@@ -46,9 +56,19 @@ def model_parallel(devices: int = 2) -> Any:
 
 def trainer(strategy: Any, devices: int, max_steps: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
     options = {"limit_val_batches": 0, "enable_checkpointing": False, **kwargs}
-    return pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=max_steps,
-                      accumulate_grad_batches=ACCUMULATE, callbacks=callbacks, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **options)
+    return pl.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        devices=devices,
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **options,
+    )
 
 
 def full_weights(module: pl.LightningModule, attribute: str = "model") -> dict[str, torch.Tensor]:
@@ -78,8 +98,14 @@ class ClipRecorder(pl.Callback):
 def dpo_module(tokenizer: Any) -> Any:
     from lit_trainer.modules.dpo import DPOModule
 
-    return DPOModule(tiny_llama(seed=2, layers=2), tokenizer=tokenizer, loss_type=["sigmoid", "sft"],
-                     learning_rate=1e-3, beta=0.1, max_grad_norm=1.0)
+    return DPOModule(
+        tiny_llama(seed=2, layers=2),
+        tokenizer=tokenizer,
+        loss_type=["sigmoid", "sft"],
+        learning_rate=1e-3,
+        beta=0.1,
+        max_grad_norm=1.0,
+    )
 
 
 def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
@@ -96,9 +122,19 @@ def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
     model = build_model()
     with torch.no_grad():
         model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
-    module = GRPOModule(model, tokenizer=tokenizer, reward_funcs=[length_reward], num_generations=6,
-                        steps_per_generation=3, max_completion_length=12, learning_rate=1e-2, scheduler="constant",
-                        beta=0.04, max_grad_norm=1.0, generation_seed=0)
+    module = GRPOModule(
+        model,
+        tokenizer=tokenizer,
+        reward_funcs=[length_reward],
+        num_generations=6,
+        steps_per_generation=3,
+        max_completion_length=12,
+        learning_rate=1e-2,
+        scheduler="constant",
+        beta=0.04,
+        max_grad_norm=1.0,
+        generation_seed=0,
+    )
     longest: list[int] = []
     inner = module._score
 
@@ -107,8 +143,14 @@ def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
         return inner(batch, completions)
 
     module._score = score
-    dm = PromptDataModule(tokenizer=tokenizer, batch_size=3, max_length=16, val_size=0, sampling="sequential",
-                          dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}))
+    dm = PromptDataModule(
+        tokenizer=tokenizer,
+        batch_size=3,
+        max_length=16,
+        val_size=0,
+        sampling="sequential",
+        dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}),
+    )
     clip = ClipRecorder()
     trainer(strategy, 2, 4, [clip]).fit(module, datamodule=dm)
     return module, longest, clip
@@ -149,12 +191,14 @@ def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, ou
 
     tokenizer = ByT5Tokenizer()
     module = CausalLMModule(tiny_llama(seed=4, layers=2), tokenizer=tokenizer, learning_rate=1e-2)
-    bema = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True,
-                export_dir=os.path.join(out, "bema_export"))
+    bema = BEMA(
+        update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True, export_dir=os.path.join(out, "bema_export")
+    )
     best, losses = BestCheckpoint(dirpath=os.path.join(out, "bema_best"), load_best_at_end=True), ValLosses()
     dm = sft_datamodule(tokenizer, batch_size, val_size=8)
-    fitter = trainer(strategy(), devices, BEMA_STEPS, [bema, best, losses], enable_checkpointing=True,
-                     limit_val_batches=None)
+    fitter = trainer(
+        strategy(), devices, BEMA_STEPS, [bema, best, losses], enable_checkpointing=True, limit_val_batches=None
+    )
     fitter.fit(module, datamodule=dm)
     weights = {k: v.clone().cpu() for k, v in bema.bema_state_dict().items()}
     after_fit = {"model." + k: v for k, v in full_weights(module).items()}
@@ -166,8 +210,17 @@ def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, ou
     step2 = next(path for path in best.best_k_models if "step=2" in path)
     trainer(strategy(), devices, BEMA_STEPS, [resumed]).fit(
         CausalLMModule(tiny_llama(seed=4, layers=2), tokenizer=tokenizer, learning_rate=1e-2),
-        datamodule=sft_datamodule(tokenizer, batch_size, val_size=8), ckpt_path=step2)
-    return {"bema": weights, "export": bema.export_dir, "val_losses": losses.values,
-            "best_score": float(best.best_model_score), "best_path": best.best_model_path, "after_fit": after_fit,
-            "validated": float(validated), "round_trip": {k: v.clone().cpu() for k, v in again.bema_state_dict().items()},
-            "resumed": {k: v.clone().cpu() for k, v in resumed.bema_state_dict().items()}}
+        datamodule=sft_datamodule(tokenizer, batch_size, val_size=8),
+        ckpt_path=step2,
+    )
+    return {
+        "bema": weights,
+        "export": bema.export_dir,
+        "val_losses": losses.values,
+        "best_score": float(best.best_model_score),
+        "best_path": best.best_model_path,
+        "after_fit": after_fit,
+        "validated": float(validated),
+        "round_trip": {k: v.clone().cpu() for k, v in again.bema_state_dict().items()},
+        "resumed": {k: v.clone().cpu() for k, v in resumed.bema_state_dict().items()},
+    }

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -62,6 +61,8 @@ def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class TinyLM(nn.Module):
+    """A plain torch model (not a LightningModule): the script also runs it in float64 for the reference gradient."""
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -74,8 +75,9 @@ class TinyLM(nn.Module):
 
 def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(batch["input_ids"])
-    return nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100,
-                                       reduction="sum")
+    return nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def full_batch_gradient(params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
@@ -107,34 +109,52 @@ if __name__ == "__main__":
         @override
         def train_dataloader(self) -> TrainLoader:
             sampler = BatchRebalanceSampler(row_lengths(), BATCH_SIZE, accumulate_grad_batches=ACCUMULATE, seed=SEED)
-            self.loader = TrainLoader(Rows(), sampler, collate, count_items=count_items,
-                                      accumulate_grad_batches=ACCUMULATE, seed=SEED)
+            self.loader = TrainLoader(
+                Rows(), sampler, collate, count_items=count_items, accumulate_grad_batches=ACCUMULATE, seed=SEED
+            )
             return self.loader
 
         @override
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             window = self.trainer.strategy.reduce(batch["num_items_in_batch"].to(torch.float64), reduce_op="sum")
-            self.records.append({"epoch": self.current_epoch, "step": self.global_step, "batch_idx": batch_idx,
-                                 "idx": batch["idx"].tolist()})
+            self.records.append(
+                {
+                    "epoch": self.current_epoch,
+                    "step": self.global_step,
+                    "batch_idx": batch_idx,
+                    "idx": batch["idx"].tolist(),
+                }
+            )
             return token_loss_sum(self.model, batch) / window * self.trainer.world_size * ACCUMULATE
 
         @override
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
             if self.global_rank == 0:
-                self.captures.append({
-                    "step": self.global_step,
-                    "params": [p.detach().clone() for p in self.model.parameters()],
-                    "grads": [p.grad.detach().clone() for p in self.model.parameters()],
-                })
+                self.captures.append(
+                    {
+                        "step": self.global_step,
+                        "params": [p.detach().clone() for p in self.model.parameters()],
+                        "grads": [p.grad.detach().clone() for p in self.model.parameters()],
+                    }
+                )
 
         @override
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
     out_dir = sys.argv[1]
-    trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=2, precision="64-true", max_epochs=EPOCHS,
-                        accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False, logger=False,
-                        enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        precision="64-true",
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     module = Recorder()
     trainer.fit(module)
     loader = trainer.train_dataloader
@@ -154,12 +174,9 @@ if __name__ == "__main__":
         json.dump(facts, f)
     os.replace(path + ".tmp", path)
 
-    if rank == 0:  # wait for rank 1's record, then compute the full-batch gradients of every step
-        other = os.path.join(out_dir, "rank1.json")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(other) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with open(other) as f:
+    trainer.strategy.barrier()  # rank 1's record is written
+    if rank == 0:  # compute the full-batch gradients of every step
+        with open(os.path.join(out_dir, "rank1.json")) as f:
             records = module.records + json.load(f)["records"]
         results = []
         for capture in module.captures:

@@ -10,11 +10,9 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_bema import LinearSGD, coefficients  # tests/ is on PYTHONPATH (helpers.ddp.script_env)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_bema import LinearSGD, coefficients  # noqa: E402
-
-from lit_trainer.callbacks.bema import BEMA  # noqa: E402
+from lit_trainer.callbacks.bema import BEMA
 
 CONFIG = dict(update_freq=2, update_after=1, lag=1, ema_power=0.6, bias_power=0.25)
 STEPS = 10
@@ -29,9 +27,19 @@ class RankLinearSGD(LinearSGD):
 
 
 def trainer(callbacks: list) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=STEPS, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                      val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    return pl.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+    )
 
 
 if __name__ == "__main__":
@@ -46,11 +54,15 @@ if __name__ == "__main__":
     second = trainer([resumed])
     second.fit(RankLinearSGD(), ckpt_path=out / "ckpt" / "step=4.ckpt")
 
-    torch.save({
-        "config": CONFIG, "steps": STEPS,
-        "bema": {k: v.clone() for k, v in bema.bema_state_dict().items()},
-        "resumed_bema": {k: v.clone() for k, v in resumed.bema_state_dict().items()},
-        "live": {k: v.detach().clone() for k, v in module.named_parameters() if v.requires_grad},
-        "val": [(int(s), float(v)) for s, v in module.val_records],
-    }, out / f"rank{first.global_rank}.pt")
+    torch.save(
+        {
+            "config": CONFIG,
+            "steps": STEPS,
+            "bema": {k: v.clone() for k, v in bema.bema_state_dict().items()},
+            "resumed_bema": {k: v.clone() for k, v in resumed.bema_state_dict().items()},
+            "live": {k: v.detach().clone() for k, v in module.named_parameters() if v.requires_grad},
+            "val": [(int(s), float(v)) for s, v in module.val_records],
+        },
+        out / f"rank{first.global_rank}.pt",
+    )
     assert np.isfinite([v for _, v in module.val_records]).all()

@@ -15,12 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import ByT5Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import tiny_llama  # noqa: E402
-
-from lit_trainer.data import builtin  # noqa: E402
-from lit_trainer.data.preference import PreferenceDataModule  # noqa: E402
-from lit_trainer.modules.dpo import DPOModule  # noqa: E402
+from helpers.models import tiny_llama
+from lit_trainer.data import builtin
+from lit_trainer.data.preference import PreferenceDataModule
+from lit_trainer.modules.dpo import DPOModule
 
 TRAIN, VALIDATION = 21, 5
 
@@ -34,10 +32,14 @@ class Losses(Callback):
 
 
 def datamodule() -> PreferenceDataModule:
-    return PreferenceDataModule(tokenizer=ByT5Tokenizer(),
-                                dataset=builtin.preference_rows("train").select(range(TRAIN)),
-                                validation_dataset=builtin.preference_rows("validation").select(range(VALIDATION)),
-                                batch_size=4, eval_batch_size=2, max_length=32)
+    return PreferenceDataModule(
+        tokenizer=ByT5Tokenizer(),
+        dataset=builtin.preference_rows("train").select(range(TRAIN)),
+        validation_dataset=builtin.preference_rows("validation").select(range(VALIDATION)),
+        batch_size=4,
+        eval_batch_size=2,
+        max_length=32,
+    )
 
 
 if __name__ == "__main__":
@@ -46,27 +48,57 @@ if __name__ == "__main__":
         pl.seed_everything(0)
         module = DPOModule(tiny_llama(0), learning_rate=1e-3, beta=0.1, precompute_ref_log_probs=precompute)
         dm, losses = datamodule(), Losses()
-        trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[losses], val_check_interval=3, check_val_every_n_epoch=None,
-                             num_sanity_val_steps=0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            strategy="ddp",
+            devices=2,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[losses],
+            val_check_interval=3,
+            check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
+        )
         trainer.fit(module, datamodule=dm)
-        result[name] = {"losses": losses.values, "ref_model_freed": module.ref_model is None,
-                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+        result[name] = {
+            "losses": losses.values,
+            "ref_model_freed": module.ref_model is None,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        }
         if precompute:
-            result["ref_columns"] = {split: [list(ds["ref_chosen_logps"]), list(ds["ref_rejected_logps"])]
-                                     for split, ds in (("train", dm.train_dataset), ("validation", dm.val_dataset))}
+            result["ref_columns"] = {
+                split: [list(ds["ref_chosen_logps"]), list(ds["ref_rejected_logps"])]
+                for split, ds in (("train", dm.train_dataset), ("validation", dm.val_dataset))
+            }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     lora = DPOModule(tiny_llama(0), peft_config={"r": 4, "target_modules": "all-linear"}, learning_rate=1e-2, beta=0.1)
-    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(lora, datamodule=datamodule())
     trainer.save_checkpoint(out / "lora.ckpt")
     base = dict(tiny_llama(0).named_parameters())
-    frozen = {n.replace(".base_layer", ""): p for n, p in lora.model.get_base_model().named_parameters()
-              if "lora_" not in n}
-    (out / f"lora_rank{trainer.global_rank}.json").write_text(json.dumps({
-        "adapters": {n: p.detach().double().sum().item() for n, p in lora.trainable_parameters()},
-        "base_unchanged": all(torch.equal(frozen[n], p) for n, p in base.items()),
-        "reference": type(lora.ref_model).__name__}))
+    frozen = {
+        n.replace(".base_layer", ""): p for n, p in lora.model.get_base_model().named_parameters() if "lora_" not in n
+    }
+    (out / f"lora_rank{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "adapters": {n: p.detach().double().sum().item() for n, p in lora.trainable_parameters()},
+                "base_unchanged": all(torch.equal(frozen[n], p) for n, p in base.items()),
+                "reference": type(lora.ref_model).__name__,
+            }
+        )
+    )

@@ -26,27 +26,14 @@ from typing import Any
 import torch
 import transformers
 
+from helpers.models import tiny_llama
+
 PROMPTS, BATCH, G, ACCUMULATE, SPG, STEPS = 16, 3, 8, 2, 4, 4
 
 
 def build_model() -> transformers.LlamaForCausalLM:
     """The tests' tiny Llama with an EOS-favouring output bias (varied completion lengths); seeded."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    model.generation_config.bos_token_id = None
-    head = torch.nn.Linear(32, 384, bias=True)
-    head.weight = model.lm_head.weight
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[1] = 3.0
-    model.lm_head = head
-    return model
+    return tiny_llama(0, eos_bias=3.0)
 
 
 def length_reward(prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float]:
@@ -75,13 +62,24 @@ if __name__ == "__main__":
 
         def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
             if trainer.global_step == 0:
-                self.step0 = {"grads": {n: p.grad.clone() for n, p in pl_module.model.named_parameters()},
-                              "slices": [dict(s) for s in pl_module._buffer.slices]}
+                self.step0 = {
+                    "grads": {n: p.grad.clone() for n, p in pl_module.model.named_parameters()},
+                    "slices": [dict(s) for s in pl_module._buffer.slices],
+                }
 
     def run(phase: str, ckpt_path: str | None, max_steps: int) -> None:
-        module = GRPOModule(build_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward],
-                            num_generations=G, steps_per_generation=SPG, max_completion_length=4, learning_rate=1e-2,
-                            scheduler="constant", max_grad_norm=0.0, generation_seed=0)
+        module = GRPOModule(
+            build_model(),
+            tokenizer=transformers.ByT5Tokenizer(),
+            reward_funcs=[length_reward],
+            num_generations=G,
+            steps_per_generation=SPG,
+            max_completion_length=4,
+            learning_rate=1e-2,
+            scheduler="constant",
+            max_grad_norm=0.0,
+            generation_seed=0,
+        )
         calls: list[list[str]] = []
         rounds: list[dict[str, Any]] = []
         inner_generate, inner_score = module.model.generate, module._score
@@ -90,36 +88,62 @@ if __name__ == "__main__":
             ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
             calls.append(module.tokenizer.batch_decode([r[m.bool()] for r, m in zip(ids, mask)]))
             out = inner_generate(*args, **kwargs)
-            rounds.append({"completion_ids": out[:, ids.shape[1]:].clone()})
+            rounds.append({"completion_ids": out[:, ids.shape[1] :].clone()})
             return out
 
         def score(batch: dict, completions: Any) -> Any:
             advantages, metrics = inner_score(batch, completions)
-            rounds[-1].update(advantages=advantages.clone(), ids=completions.ids.clone(), mask=completions.mask.clone(),
-                              reward=metrics["reward"].clone())
+            rounds[-1].update(
+                advantages=advantages.clone(),
+                ids=completions.ids.clone(),
+                mask=completions.mask.clone(),
+                reward=metrics["reward"].clone(),
+            )
             return advantages, metrics
 
         module.model.generate, module._score = generate, score
-        dm = PromptDataModule(tokenizer=transformers.ByT5Tokenizer(), batch_size=BATCH, max_length=16, val_size=0,
-                              sampling="sequential",
-                              dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * PROMPTS}))
+        dm = PromptDataModule(
+            tokenizer=transformers.ByT5Tokenizer(),
+            batch_size=BATCH,
+            max_length=16,
+            val_size=0,
+            sampling="sequential",
+            dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * PROMPTS}),
+        )
         recorder = Recorder()
         callbacks: list[L.Callback] = [recorder]
         if phase == "full":
-            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=1,
-                                             save_top_k=-1))
-        trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=max_steps,
-                            accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False, logger=False,
-                            enable_model_summary=False, enable_checkpointing=phase == "full", callbacks=callbacks,
-                            num_sanity_val_steps=0, limit_val_batches=0)
+            callbacks.append(
+                ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=1, save_top_k=-1)
+            )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            strategy="ddp",
+            devices=2,
+            max_steps=max_steps,
+            accumulate_grad_batches=ACCUMULATE,
+            enable_progress_bar=False,
+            logger=False,
+            enable_model_summary=False,
+            enable_checkpointing=phase == "full",
+            callbacks=callbacks,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
         rank = trainer.global_rank
         weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-        torch.save({"rounds": rounds, "step0": recorder.step0, "weights": weights},
-                   os.path.join(out_dir, f"{phase}_rank{rank}.pt"))
-        facts = {"calls": calls, "global_step": trainer.global_step, "world_size": trainer.world_size,
-                 "loader": type(trainer.train_dataloader).__name__,
-                 "sampler_rank": trainer.train_dataloader.batch_sampler.sampler.rank}
+        torch.save(
+            {"rounds": rounds, "step0": recorder.step0, "weights": weights},
+            os.path.join(out_dir, f"{phase}_rank{rank}.pt"),
+        )
+        facts = {
+            "calls": calls,
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+            "loader": type(trainer.train_dataloader).__name__,
+            "sampler_rank": trainer.train_dataloader.batch_sampler.sampler.rank,
+        }
         with open(os.path.join(out_dir, f"{phase}_rank{rank}.json"), "w") as f:
             json.dump(facts, f)
 

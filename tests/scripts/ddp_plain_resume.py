@@ -61,18 +61,31 @@ if __name__ == "__main__":
         seen = Seen(save_mid_window=phase == "full")
         callbacks: list[pl.Callback] = [ExactResume(), seen]
         if phase == "full":
-            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out_dir, "ck"), every_n_train_steps=1,
-                                             save_top_k=-1))
-        trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=EPOCHS,
-                             accumulate_grad_batches=ACCUMULATE, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, enable_checkpointing=phase == "full", callbacks=callbacks,
-                             default_root_dir=out_dir)
+            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out_dir, "ck"), every_n_train_steps=1, save_top_k=-1))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            strategy="ddp",
+            devices=2,
+            max_epochs=EPOCHS,
+            accumulate_grad_batches=ACCUMULATE,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=phase == "full",
+            callbacks=callbacks,
+            default_root_dir=out_dir,
+        )
         pl.seed_everything(trainer.global_rank)
         module = Plain()
-        trainer.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True),
-                    ckpt_path=os.path.join(out_dir, ckpt) if ckpt else None)
-        torch.save({"weights": module.state_dict(), "targets": seen.targets, "step": trainer.global_step},
-                   os.path.join(out_dir, f"{phase}_rank{trainer.global_rank}.pt"))
+        trainer.fit(
+            module,
+            DataLoader(data, batch_size=BATCH, shuffle=True),
+            ckpt_path=os.path.join(out_dir, ckpt) if ckpt else None,
+        )
+        torch.save(
+            {"weights": module.state_dict(), "targets": seen.targets, "step": trainer.global_step},
+            os.path.join(out_dir, f"{phase}_rank{trainer.global_rank}.pt"),
+        )
 
     run("full", None)
     for name, path in PHASES.items():

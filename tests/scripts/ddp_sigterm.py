@@ -1,8 +1,8 @@
 """Real 2-process DDP (CPU, gloo) SIGTERM runs for tests/test_jit_checkpoint.py.
 
-Tiny LM (embedding -> dropout -> linear) with NEFTune, 32 samples, micro-batch 2 per rank, ``accumulate_grad_batches=2``:
-8 micro-batches and 4 optimizer steps per epoch, 2 epochs. Each rank seeds its generators with ``100 + rank``, so
-the ranks draw different dropout masks and a resume that restored one rank's RNG state on both would not be exact.
+Tiny LM (embedding -> dropout -> linear) with NEFTune, 32 samples, micro-batch 2 per rank,
+``accumulate_grad_batches=2``: 8 micro-batches and 4 optimizer steps per epoch, 2 epochs. Each rank seeds its
+generators with ``100 + rank``, so the ranks draw different dropout masks and a resume that restored one rank's RNG state on both would not be exact.
 
     python ddp_sigterm.py OUT
 
@@ -32,9 +32,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers.modules import TinyLM
 from lit_trainer.callbacks import ExactResume, resolve_resume
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint
 from lit_trainer.callbacks.neftune import NEFTune
@@ -43,28 +43,6 @@ from lit_trainer.data.loader import TrainLoader
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 _PHASE_ENV = "DDP_SIGTERM_PHASE"
-
-
-class LM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.drop, self.head = nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.drop(self.embed(ids[:, :-1])))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch["input_ids"])
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch["input_ids"]), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class Probe(Callback):
@@ -90,12 +68,27 @@ class Probe(Callback):
             time.sleep(0.002)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._write("stop", {"exception": type(exception).__name__, "code": getattr(exception, "code", None),
-                             "step": trainer.global_step, "checkpoint": self.jit.checkpoint_path, "time": time.time()})
+        self._write(
+            "stop",
+            {
+                "exception": type(exception).__name__,
+                "code": getattr(exception, "code", None),
+                "step": trainer.global_step,
+                "checkpoint": self.jit.checkpoint_path,
+                "time": time.time(),
+            },
+        )
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._write("stop", {"exception": None, "step": trainer.global_step, "checkpoint": self.jit.checkpoint_path,
-                             "should_stop": trainer.should_stop})
+        self._write(
+            "stop",
+            {
+                "exception": None,
+                "step": trainer.global_step,
+                "checkpoint": self.jit.checkpoint_path,
+                "should_stop": trainer.should_stop,
+            },
+        )
 
 
 def data() -> tuple[TrainLoader, DataLoader]:
@@ -118,12 +111,22 @@ def fit(out: Path, name: str, resume: str, pause: tuple[int, int] | None, exit_c
     # while only rank 0's is checkpointed (reported to the NEFTune owner)
     callbacks = [ExactResume(), NEFTune(noise_alpha=5.0, seed=7), Probe(name, out, jit, pause), jit]
     trainer = L.Trainer(
-        accelerator="cpu", strategy="ddp", devices=2, max_epochs=2, accumulate_grad_batches=2,
-        val_check_interval=4, callbacks=callbacks, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        num_sanity_val_steps=0, default_root_dir=str(out),
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(out),
     )
-    module = LM()
+    module = TinyLM(vocab=64, dim=16, dropout=0.2, lr=1e-2, optimizer="adamw")
     train, val = data()
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume_path(out, resume))
     if trainer.state.status == "finished" and not trainer.should_stop:

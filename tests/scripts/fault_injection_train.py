@@ -44,9 +44,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers.modules import TinyHF, TinyLM
 from lit_trainer.callbacks import ExactResume, resolve_resume
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.callbacks.neftune import NEFTune
@@ -56,40 +56,27 @@ from lit_trainer.data.loader import TrainLoader
 N_TRAIN, N_VAL, TOTAL_STEPS = 24, 4, 12
 
 
-class LM(L.LightningModule):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        if kind == "llama":
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            cfg = LlamaConfig(vocab_size=384, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-                              max_position_embeddings=128, attention_dropout=0.1, pad_token_id=0, eos_token_id=1,
-                              bos_token_id=None)
-            self.model = LlamaForCausalLM(cfg)
-        else:
-            self.embed, self.drop, self.head = nn.Embedding(64, 16), nn.Dropout(0.1), nn.Linear(16, 64)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings() if self.kind == "llama" else self.embed
-
-    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.kind == "llama":
-            return self.model(input_ids=ids, labels=ids).loss
-        logits = self.head(self.drop(self.embed(ids[:, :-1])))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch["input_ids"])
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch["input_ids"]))
+class _Schedule:
+    """AdamW with a per-step linearly decaying learning rate."""
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (TOTAL_STEPS + 1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class TinyScheduled(_Schedule, TinyLM):
+    pass
+
+
+class LlamaScheduled(_Schedule, TinyHF):
+    pass
+
+
+def build_module(kind: str) -> L.LightningModule:
+    if kind == "llama":
+        return LlamaScheduled(seed=None, hidden=128, layers=2, heads=4, intermediate=512, dropout=0.1)
+    return TinyScheduled(vocab=64, dim=16, dropout=0.1)
 
 
 class Pause(Callback):
@@ -114,8 +101,9 @@ class Pause(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.last_train_batch = batch_idx
 
-    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         here = ("val", str(trainer.current_epoch), str(self.last_train_batch), str(batch_idx))
         if not trainer.sanity_checking and self.spec == here:
             self._wait()
@@ -160,8 +148,9 @@ def build_data(kind: str) -> tuple[TrainLoader, DataLoader]:
     def collate(batch: list[dict]) -> dict:
         return {"input_ids": torch.stack([r["input_ids"] for r in batch])}
 
-    train = TrainLoader(rows[:N_TRAIN], ShardedBatchSampler(N_TRAIN, 2, seed=1), collate,
-                        accumulate_grad_batches=2, seed=1)
+    train = TrainLoader(
+        rows[:N_TRAIN], ShardedBatchSampler(N_TRAIN, 2, seed=1), collate, accumulate_grad_batches=2, seed=1
+    )
     return train, DataLoader(rows[N_TRAIN:], batch_size=2, collate_fn=collate)
 
 
@@ -174,24 +163,47 @@ def run(spec: dict[str, Any], out: Path) -> None:
     train, val = build_data(kind)
     jit = JITCheckpoint(kill_wait=0.0, dirpath=spec["ckpt_dir"])
     recorder = Recorder()
-    callbacks = [Pause(spec.get("pause"), jit, out), jit, NEFTune(noise_alpha=5.0), EMAWeightAveraging(decay=0.9),
-                 recorder, ExactResume()]
+    callbacks = [
+        Pause(spec.get("pause"), jit, out),
+        jit,
+        NEFTune(noise_alpha=5.0),
+        EMAWeightAveraging(decay=0.9),
+        recorder,
+        ExactResume(),
+    ]
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2, val_check_interval=3,
-        callbacks=callbacks, plugins=[SlowIO(out)] if spec.get("slow_save") else None, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, default_root_dir=str(out),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        val_check_interval=3,
+        callbacks=callbacks,
+        plugins=[SlowIO(out)] if spec.get("slow_save") else None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=str(out),
     )
-    module = LM(kind)
+    module = build_module(kind)
     ckpt_path = resolve_resume(spec.get("resume", "never"), spec["ckpt_dir"], trainer)
-    result: dict[str, Any] = {"resumed_from": ckpt_path, "pid": os.getpid(),
-                              "order": [type(cb).__name__ for cb in trainer.callbacks]}
+    result: dict[str, Any] = {
+        "resumed_from": ckpt_path,
+        "pid": os.getpid(),
+        "order": [type(cb).__name__ for cb in trainer.callbacks],
+    }
     try:
         trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
     except JITCheckpointExit as stop:
-        result.update(exit=stop.code, checkpoint=stop.checkpoint_path, step=trainer.global_step,
-                      save_seconds=jit.save_seconds, events=recorder.events,
-                      order=[type(cb).__name__ for cb in trainer.callbacks])
+        result.update(
+            exit=stop.code,
+            checkpoint=stop.checkpoint_path,
+            step=trainer.global_step,
+            save_seconds=jit.save_seconds,
+            events=recorder.events,
+            order=[type(cb).__name__ for cb in trainer.callbacks],
+        )
         (out / "result.json").write_text(json.dumps(result))
         raise
     torch.save(module.state_dict(), out / "final.pt")
@@ -242,8 +254,13 @@ def main() -> None:
         return
     if args.ckpt_dir is None:
         parser.error("--ckpt-dir is required without --plan")
-    spec = {"ckpt_dir": args.ckpt_dir, "resume": args.resume, "pause": args.pause, "slow_save": args.slow_save,
-            "model": args.model}
+    spec = {
+        "ckpt_dir": args.ckpt_dir,
+        "resume": args.resume,
+        "pause": args.pause,
+        "slow_save": args.slow_save,
+        "model": args.model,
+    }
     run(spec, out)
 
 

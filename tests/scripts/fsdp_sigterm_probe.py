@@ -31,5 +31,7 @@ class SigtermOneRank(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         weights = {n: _sharding.full(p.detach()).clone() for n, p in pl_module.model.named_parameters()}
         resumed = trainer.ckpt_path is not None
-        torch.save({"weights": weights, "step": trainer.global_step, "resumed": resumed},
-                   os.path.join(self.out, f"final_{'resumed' if resumed else 'fresh'}_rank{trainer.global_rank}.pt"))
+        torch.save(
+            {"weights": weights, "step": trainer.global_step, "resumed": resumed},
+            os.path.join(self.out, f"final_{'resumed' if resumed else 'fresh'}_rank{trainer.global_rank}.pt"),
+        )

@@ -2,9 +2,9 @@
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
-with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint, with NEFTune),
-``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit, BestCheckpoint(load_best_at_end=True),
-``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with BEMA(update_ref_model=True);
+with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint, with
+NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit,
+BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
@@ -12,38 +12,49 @@ Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 if __name__ == "__main__":
     import _fsdp_common as common
     import torch
-    from conftest import tiny_llama
     from transformers import ByT5Tokenizer
 
+    from helpers.models import tiny_llama
     from lit_trainer.callbacks import BestCheckpoint, HFExport, NEFTune
     from lit_trainer.modules.causal_lm import CausalLMModule
 
     out = sys.argv[1]
     torch.set_num_threads(1)
     tokenizer = ByT5Tokenizer()
-    module = CausalLMModule(tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3,
-                            max_grad_norm=common.MAX_GRAD_NORM)
+    module = CausalLMModule(
+        tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3, max_grad_norm=common.MAX_GRAD_NORM
+    )
     clip = common.ClipRecorder()
-    trainer = common.trainer(common.model_parallel(), 2, common.STEPS,
-                             [clip, HFExport(os.path.join(out, "sft_export"))])
+    trainer = common.trainer(
+        common.model_parallel(), 2, common.STEPS, [clip, HFExport(os.path.join(out, "sft_export"))]
+    )
     trainer.fit(module, datamodule=common.sft_datamodule(tokenizer, 2))
     weights = common.full_weights(module)
     optimizer = trainer.optimizers[0]
-    facts = {"weights": weights, "pre": clip.pre, "post": clip.post,
-             "param_type": type(next(module.model.parameters())).__name__,
-             "fused": optimizer.defaults.get("fused"), "foreach": optimizer.defaults.get("foreach")}
+    facts = {
+        "weights": weights,
+        "pre": clip.pre,
+        "post": clip.post,
+        "param_type": type(next(module.model.parameters())).__name__,
+        "fused": optimizer.defaults.get("fused"),
+        "foreach": optimizer.defaults.get("foreach"),
+    }
     if trainer.is_global_zero:
         torch.save(facts, os.path.join(out, "sft.pt"))
 
-    checkpointed = CausalLMModule(tiny_llama(seed=1, layers=2), tokenizer=tokenizer, learning_rate=1e-3,
-                                  max_grad_norm=common.MAX_GRAD_NORM, gradient_checkpointing=True)
+    checkpointed = CausalLMModule(
+        tiny_llama(seed=1, layers=2),
+        tokenizer=tokenizer,
+        learning_rate=1e-3,
+        max_grad_norm=common.MAX_GRAD_NORM,
+        gradient_checkpointing=True,
+    )
     common.trainer(common.model_parallel(), 2, common.STEPS, []).fit(
-        checkpointed, datamodule=common.sft_datamodule(tokenizer, 2))
+        checkpointed, datamodule=common.sft_datamodule(tokenizer, 2)
+    )
     checkpointed_weights = common.full_weights(checkpointed)
     if trainer.is_global_zero:
         torch.save(checkpointed_weights, os.path.join(out, "sft_checkpointed.pt"))
@@ -51,19 +62,36 @@ if __name__ == "__main__":
     best = BestCheckpoint(dirpath=os.path.join(out, "best_ckpt"), monitor="val_loss", export_hf=True)
     scored = CausalLMModule(tiny_llama(seed=3, layers=2), tokenizer=tokenizer, learning_rate=1e-3)
     neftune = NEFTune(noise_alpha=5.0, seed=7)  # on the sharded model's input embedding
-    common.trainer(common.model_parallel(), 2, 1, [best, neftune], enable_checkpointing=True, limit_val_batches=None,
-                   val_check_interval=2, check_val_every_n_epoch=None).fit(
-        scored, datamodule=common.sft_datamodule(tokenizer, 2, val_size=4))
+    common.trainer(
+        common.model_parallel(),
+        2,
+        1,
+        [best, neftune],
+        enable_checkpointing=True,
+        limit_val_batches=None,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+    ).fit(scored, datamodule=common.sft_datamodule(tokenizer, 2, val_size=4))
     scored_weights = common.full_weights(scored)  # the only (so the best) checkpoint: after step 1
     if trainer.is_global_zero:
-        torch.save({"weights": scored_weights, "export": best.hf_export_dir, "checkpoint": best.best_model_path,
-                    "neftune_draws": neftune._draws}, os.path.join(out, "best.pt"))
+        torch.save(
+            {
+                "weights": scored_weights,
+                "export": best.hf_export_dir,
+                "checkpoint": best.best_model_path,
+                "neftune_draws": neftune._draws,
+            },
+            os.path.join(out, "best.pt"),
+        )
 
     dpo = common.dpo_module(tokenizer)
     trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [common.dpo_bema()])
     trainer.fit(dpo, datamodule=common.dpo_datamodule(tokenizer, 2))
-    dpo_facts = {"weights": common.full_weights(dpo), "ref": common.full_weights(dpo, "ref_model"),
-                 "ref_types": {type(p).__name__ for p in dpo.ref_model.parameters()}}
+    dpo_facts = {
+        "weights": common.full_weights(dpo),
+        "ref": common.full_weights(dpo, "ref_model"),
+        "ref_types": {type(p).__name__ for p in dpo.ref_model.parameters()},
+    }
     if trainer.is_global_zero:
         torch.save(dpo_facts, os.path.join(out, "dpo.pt"))
 

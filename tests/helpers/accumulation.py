@@ -1,4 +1,4 @@
-"""Shared by the single-process and DDP gradient-accumulation tests: uneven rows and a full-batch reference."""
+"""Gradient accumulation tests, single-process and DDP: uneven rows and a full-batch reference."""
 
 from __future__ import annotations
 
@@ -10,14 +10,28 @@ from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
 
 # 8 rows of very uneven length; with batch_size=2 and sequential order: micro-batches of 2 rows each
-TEXTS = ["ab", "a long row with many many tokens in it, really long", "xyz", "mid-sized row here",
-         "q", "another fairly long row of text to train on", "hi", "row 8 is short-ish"]
+TEXTS = [
+    "ab",
+    "a long row with many many tokens in it, really long",
+    "xyz",
+    "mid-sized row here",
+    "q",
+    "another fairly long row of text to train on",
+    "hi",
+    "row 8 is short-ish",
+]
 
 
 def accum_datamodule(tokenizer, batch_size: int = 2, **kwargs) -> SFTDataModule:
-    return SFTDataModule(tokenizer=tokenizer, dataset=Dataset.from_dict({"text": TEXTS}), val_size=0,
-                         batch_size=batch_size, max_length=64, sampling=kwargs.pop("sampling", "sequential"),
-                         **kwargs)
+    return SFTDataModule(
+        tokenizer=tokenizer,
+        dataset=Dataset.from_dict({"text": TEXTS}),
+        val_size=0,
+        batch_size=batch_size,
+        max_length=64,
+        sampling=kwargs.pop("sampling", "sequential"),
+        **kwargs,
+    )
 
 
 def full_batch_gradient(model: torch.nn.Module, dm: SFTDataModule, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -38,8 +52,13 @@ class GradCapture(pl.Callback):
         self.grads: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads.append({n.removeprefix("model."): p.grad.detach().clone()
-                           for n, p in pl_module.named_parameters() if p.grad is not None})
+        self.grads.append(
+            {
+                n.removeprefix("model."): p.grad.detach().clone()
+                for n, p in pl_module.named_parameters()
+                if p.grad is not None
+            }
+        )
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
