@@ -2,7 +2,8 @@
 
 Tiny LM (embedding -> dropout -> linear) with NEFTune, 32 samples, micro-batch 2 per rank,
 ``accumulate_grad_batches=2``: 8 micro-batches and 4 optimizer steps per epoch, 2 epochs. Each rank seeds its
-generators with ``100 + rank``, so the ranks draw different dropout masks and a resume that restored one rank's RNG state on both would not be exact.
+generators with ``100 + rank``, so the ranks draw different dropout masks and a resume that restored one rank's RNG
+state on both would not be exact.
 
     python ddp_sigterm.py OUT
 

@@ -4,7 +4,8 @@ Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file 
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
 with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint, with
 NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit,
-BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with BEMA(update_ref_model=True);
+BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
+BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
