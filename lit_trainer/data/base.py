@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from datasets import Dataset
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data.batch_sampler import BatchSampler
@@ -104,6 +104,20 @@ class BaseDataModule(pl.LightningDataModule):
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         """Validate and tokenize raw rows; the result must have a ``length`` column. Updates ``self.stats``."""
         raise NotImplementedError
+
+    @staticmethod
+    def _require_rows(rows: Dataset, split: str) -> None:
+        """Raise a ValueError when the ``split`` data has no row at all."""
+        if len(rows) == 0:
+            raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
+
+    def _count_filtered(self, split: str, truncated: int, dropped: tuple[str, int], message: str) -> None:
+        """Record ``<split>_rows_truncated`` and ``<split>_rows_<dropped name>`` in ``self.stats``; warn with
+        ``message`` when any row was truncated or dropped."""
+        self.stats[f"{split}_rows_truncated"] = truncated
+        self.stats[f"{split}_rows_{dropped[0]}"] = dropped[1]
+        if truncated or dropped[1]:
+            rank_zero_warn(f"[lit_trainer] {split}: {message}")
 
     def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
         """Validate raw rows before any split or tokenization; name a bad row with ``where(index)`` (its file and

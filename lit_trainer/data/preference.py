@@ -282,8 +282,7 @@ class PreferenceDataModule(BaseDataModule):
                 f"{describe_columns(rows)}); preference data needs 'chosen' and 'rejected' columns "
                 "and optionally 'prompt'. Rename your columns."
             )
-        if len(rows) == 0:
-            raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
+        self._require_rows(rows, split)
         explicit = "prompt" in rows.column_names
         keep = ["answer"] if "answer" in rows.column_names else []
         with warnings.catch_warnings():
@@ -301,15 +300,13 @@ class PreferenceDataModule(BaseDataModule):
         dropped = len(data) - len(usable)
         usable, identical = self._identical_pairs(usable, split)
         truncated = sum(usable["truncated"])
-        self.stats[f"{split}_rows_truncated"] = truncated
-        self.stats[f"{split}_rows_dropped_prompt_too_long"] = dropped
-        if truncated or dropped:
-            rank_zero_warn(
-                f"[lit_trainer] {split}: {truncated} preference rows longer than "
-                f"max_length={self.hparams.max_length} are truncated "
-                f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length "
-                "were dropped."
-            )
+        self._count_filtered(
+            split,
+            truncated,
+            ("dropped_prompt_too_long", dropped),
+            f"{truncated} preference rows longer than max_length={self.hparams.max_length} are truncated "
+            f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length were dropped.",
+        )
         if len(usable) == 0:
             raise ValueError(
                 f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "

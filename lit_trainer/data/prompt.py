@@ -151,8 +151,7 @@ class PromptDataModule(BaseDataModule):
                 f"The {split} data has no {column!r} column (it has {describe_columns(rows)}). Rename "
                 "your prompt column or set `prompt_column`."
             )
-        if len(rows) == 0:
-            raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
+        self._require_rows(rows, split)
         self.conversational = is_conversation(rows[0][column])
         if self.conversational:
             require_chat_template(self.tokenizer, f"The {split} prompt data")

@@ -35,17 +35,14 @@ class SamplerRequest(NamedTuple):
 SamplerFactory = Callable[[SamplerRequest], BatchSampler]
 
 
+def _placement(r: SamplerRequest) -> dict[str, int | bool]:
+    """The arguments every sampler takes alike: seed, ranks and the incomplete-batch rule."""
+    return {"seed": r.seed, "num_replicas": r.num_replicas, "rank": r.rank, "drop_last": r.drop_last}
+
+
 def _sharded(shuffle: bool) -> SamplerFactory:
     def build(r: SamplerRequest) -> BatchSampler:
-        return ShardedBatchSampler(
-            r.num_samples,
-            r.batch_size,
-            shuffle=shuffle,
-            seed=r.seed,
-            num_replicas=r.num_replicas,
-            rank=r.rank,
-            drop_last=r.drop_last,
-        )
+        return ShardedBatchSampler(r.num_samples, r.batch_size, shuffle=shuffle, **_placement(r))
 
     return build
 
@@ -54,23 +51,14 @@ SAMPLERS: dict[str, SamplerFactory] = {
     "random": _sharded(shuffle=True),
     "sequential": _sharded(shuffle=False),
     "group_by_length": lambda r: make_length_grouped_batch_sampler(
-        r.lengths(),
-        batch_size=r.batch_size,
-        seed=r.seed,
-        num_replicas=r.num_replicas,
-        rank=r.rank,
-        accumulate_grad_batches=r.accumulate_grad_batches,
-        drop_last=r.drop_last,
+        r.lengths(), batch_size=r.batch_size, accumulate_grad_batches=r.accumulate_grad_batches, **_placement(r)
     ),
     "batch_rebalance": lambda r: BatchRebalanceSampler(
         r.lengths(),
         r.batch_size,
-        num_replicas=r.num_replicas,
-        rank=r.rank,
         accumulate_grad_batches=r.accumulate_grad_batches,
-        seed=r.seed,
-        drop_last=r.drop_last,
         cost_model=r.cost_model,
+        **_placement(r),
     ),
 }
 if set(SAMPLERS) != set(get_args(Sampling)):  # one table: a strategy missing from either side fails at import

@@ -6,7 +6,6 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from datasets import Dataset
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data import builtin
@@ -193,8 +192,7 @@ class SFTDataModule(BaseDataModule):
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         fmt = self._row_format(rows, split)
-        if len(rows) == 0:
-            raise ValueError(f"The {split} data is empty: nothing to {'train' if split == 'train' else 'evaluate'} on.")
+        self._require_rows(rows, split)
         keep = ["answer"] if "answer" in rows.column_names else []
         data = rows.map(
             lambda b: self._tokenize(b, fmt),
@@ -205,13 +203,13 @@ class SFTDataModule(BaseDataModule):
         truncated = sum(data["truncated"])
         usable = data.filter(lambda b: [n > 0 for n in b["targets"]], batched=True)
         dropped = len(data) - len(usable)
-        self.stats[f"{split}_rows_truncated"] = truncated
-        self.stats[f"{split}_rows_dropped_without_target"] = dropped
-        if truncated or dropped:
-            rank_zero_warn(
-                f"[lit_trainer] {split}: {truncated} rows longer than max_length={self.hparams.max_length} "
-                f"were truncated; {dropped} rows had no completion token left and were dropped."
-            )
+        self._count_filtered(
+            split,
+            truncated,
+            ("dropped_without_target", dropped),
+            f"{truncated} rows longer than max_length={self.hparams.max_length} were truncated; {dropped} rows had "
+            "no completion token left and were dropped.",
+        )
         if len(usable) == 0:
             raise ValueError(
                 f"No {split} row has a completion token within max_length={self.hparams.max_length}: "

@@ -86,22 +86,12 @@ class GRPORolloutMixin:
             rank_zero_warn(
                 "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
             )
-        weights = hp.reward_weights
+        scoring = {"reward_weights": hp.reward_weights, "scale_rewards": hp.scale_rewards}  # shared by both calls
         advantages = grpo_advantages(
-            all_rewards,
-            hp.num_generations,
-            reward_weights=weights,
-            scale_rewards=hp.scale_rewards,
-            aggregation=hp.multi_objective_aggregation,
+            all_rewards, hp.num_generations, aggregation=hp.multi_objective_aggregation, **scoring
         )
         rows = rewards.shape[0]
-        metrics = grpo_reward_metrics(
-            all_rewards,
-            hp.num_generations,
-            reward_weights=weights,
-            scale_rewards=hp.scale_rewards,
-            reward_names=self.reward_names,
-        )
+        metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_names=self.reward_names, **scoring)
         metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
         metrics.update(logged)
         return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
