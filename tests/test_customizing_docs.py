@@ -54,3 +54,10 @@ def test_the_check_catches_a_changed_line(tmp_path):
     changed = code.replace("torch.relu(-u_chosen)", "torch.relu(u_chosen)")
     assert changed != code and _normalised(changed) != _normalised(code)
     assert _normalised("f(a,\n  b,\n)") == _normalised("f(a, b)")
+
+
+def test_examples_import_only_public_modules():
+    """The examples are what a contributor copies: they must not teach imports of private (``_``) modules."""
+    private = re.compile(r"^\s*(?:from|import)\s+(lit_trainer\S*\._\w+)", re.MULTILINE)
+    found = {p.name: private.findall(p.read_text()) for p in EXAMPLES if p.suffix == ".py"}
+    assert not {name: mods for name, mods in found.items() if mods}, found

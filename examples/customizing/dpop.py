@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_trainer import DPOModule
-from lit_trainer.modules._dpo_scoring import Scores
+from lit_trainer.modules.dpo import Scores
 
 
 def dpop_loss(

@@ -29,6 +29,7 @@ from lit_trainer.losses.dpo import (
 from lit_trainer.models import load_model
 from lit_trainer.modules import _ref_logps, _sharding
 from lit_trainer.modules._dpo_scoring import DPOScoringMixin
+from lit_trainer.modules._dpo_scoring import Scores as Scores  # public here: `pair_losses(scores, ...)` of a subclass
 from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
