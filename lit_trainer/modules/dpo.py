@@ -28,13 +28,15 @@ from lit_trainer.losses.dpo import (
 )  # fmt: skip
 from lit_trainer.models import load_model
 from lit_trainer.modules import _ref_logps, _sharding
-from lit_trainer.modules._dpo_scoring import DPOScoringMixin
-from lit_trainer.modules._dpo_scoring import Scores as Scores  # public here: `pair_losses(scores, ...)` of a subclass
+from lit_trainer.modules._dpo_scoring import DPOScoringMixin, Scores
 from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
 
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)  # nested Literals flatten: the DPO loss types, then "sft"
+# `Scores` is public here: it is the type of `pair_losses(scores, ...)`, which a subclass overrides
+__all__ = ["METRIC_NAMES", "DPOModule", "Scores"]
+
 _SFT_NLL = "sft_nll"
 METRIC_NAMES = (
     "rewards/chosen",
