@@ -151,6 +151,16 @@ def test_strategies_that_would_drop_a_feature_are_refused():
         _sharding.check_strategy(_fake_trainer(name), 1.0)
 
 
+def test_deepspeed_is_not_taken_for_ddp_though_it_subclasses_it():
+    # Lightning's DeepSpeedStrategy subclasses DDPStrategy but keeps its gradients in its engine, not `param.grad`
+    from lightning.pytorch.strategies import DDPStrategy
+
+    deepspeed = type("DeepSpeedStrategy", (DDPStrategy,), {})()
+    assert _sharding.has_local_grads(DDPStrategy()) and not _sharding.has_local_grads(deepspeed)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0.*gradient_clip_val=1.0"):
+        _sharding.check_strategy(SimpleNamespace(strategy=deepspeed, gradient_clip_val=None), 1.0)
+
+
 def test_block_classes_come_from_no_split_modules_or_the_override():
     from helpers.models import tiny_llama
 

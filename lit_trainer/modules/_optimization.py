@@ -98,7 +98,7 @@ class OptimizationMixin:
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        local_grads = _sharding.strategy_is(self.trainer.strategy, _sharding.LOCAL_GRAD_STRATEGIES)
+        local_grads = _sharding.has_local_grads(self.trainer.strategy)
         if gradient_clip_algorithm not in (None, "norm") or not local_grads:
             # value clipping, and DeepSpeed (it clips in its engine with the Trainer's value: see `setup`)
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

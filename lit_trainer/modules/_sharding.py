@@ -24,6 +24,8 @@ ParamDtype = Literal["float32", "bfloat16", "float16"]
 # strategies whose (reduced) gradients are in ``param.grad`` after ``backward``: plain tensors, or FSDP2's DTensor
 # shards; the modules clip and rescale those themselves
 LOCAL_GRAD_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
+# subclasses of those that keep the gradients in their own engine (Lightning's DeepSpeedStrategy is a DDPStrategy)
+_ENGINE_GRAD_STRATEGIES = ("DeepSpeedStrategy",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert set(_DTYPES) == set(get_args(ParamDtype)), "ParamDtype and _DTYPES list the same dtypes"
 
@@ -161,6 +163,13 @@ def strategy_is(strategy: Any, names: Iterable[str]) -> bool:
     return bool({cls.__name__ for cls in type(strategy).__mro__} & set(names))
 
 
+def has_local_grads(strategy: Any) -> bool:
+    """Whether ``strategy`` leaves the reduced gradients in ``param.grad`` after ``backward`` (one of
+    :data:`LOCAL_GRAD_STRATEGIES`, DeepSpeed excluded although it subclasses ``DDPStrategy``): the modules then clip
+    and rescale them themselves."""
+    return strategy_is(strategy, LOCAL_GRAD_STRATEGIES) and not strategy_is(strategy, _ENGINE_GRAD_STRATEGIES)
+
+
 def check_strategy(trainer: Any, max_grad_norm: float | None) -> None:
     """Refuse the strategies under which the modules would silently lose a feature.
 
@@ -180,7 +189,7 @@ def check_strategy(trainer: Any, max_grad_norm: float | None) -> None:
             "`lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "
             "tensor_parallel_size=1)`, under which the modules shard themselves with FSDP2."
         )
-    if max_grad_norm and not strategy_is(strategy, LOCAL_GRAD_STRATEGIES) and not trainer.gradient_clip_val:
+    if max_grad_norm and not has_local_grads(strategy) and not trainer.gradient_clip_val:
         raise ValueError(
             f"`max_grad_norm={max_grad_norm}` cannot be applied by the module under {name} (the strategy "
             "clips gradients itself, only with the Trainer's value): set "

@@ -43,10 +43,6 @@ from lit_trainer.modules._optimization import OptimizationMixin
 from lit_trainer.modules._schedules import SchedulerName, check_schedule
 from lit_trainer.modules._step_logging import StepLoggingMixin
 
-# strategies whose gradients are in ``param.grad`` once ``backward`` returns: plain tensors, or DTensor shards (FSDP2
-# under ModelParallelStrategy); the module also clips those itself
-GRAD_RESCALE_STRATEGIES = _sharding.LOCAL_GRAD_STRATEGIES
-
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """An in-memory, eval-mode, gradient-free copy of ``model`` (the DPO/GRPO reference model)."""
@@ -282,10 +278,10 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         (FSDP2 keeps the reduced gradient shards as DTensors in ``param.grad``) only; DeepSpeed keeps them elsewhere.
         """
         strategy = type(self.trainer.strategy).__name__
-        if not _sharding.strategy_is(self.trainer.strategy, GRAD_RESCALE_STRATEGIES):
+        if not _sharding.has_local_grads(self.trainer.strategy):
             raise ValueError(
                 f"A step normaliser known only at the step's end needs the gradients in `param.grad`; "
-                f"{strategy} keeps them elsewhere. Use one of {GRAD_RESCALE_STRATEGIES}."
+                f"{strategy} keeps them elsewhere. Use one of {_sharding.LOCAL_GRAD_STRATEGIES}."
             )
         self._pending_rescale = factor.detach()
         self._log_loss = self._log_loss + (factor.detach() - 1.0) * self._step_loss

@@ -313,7 +313,7 @@ class DPOModule(DPOScoringMixin, BaseModule):
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if not _sharding.strategy_is(self.trainer.strategy, _sharding.LOCAL_GRAD_STRATEGIES):
+        if not _sharding.has_local_grads(self.trainer.strategy):
             raise ValueError(
                 f"DPOModule runs on one device, under DDP or ModelParallelStrategy (FSDP2); "
                 f"{type(self.trainer.strategy).__name__} is not supported: the frozen reference, TR-DPO "

@@ -54,7 +54,7 @@ from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
 from lit_trainer.modules._grpo_rollouts import GRPORolloutMixin, _conversational
 from lit_trainer.modules._reward_calls import score_completions
 from lit_trainer.modules._rollout_buffer import RolloutBuffer
-from lit_trainer.modules.base import GRAD_RESCALE_STRATEGIES, BaseModule
+from lit_trainer.modules.base import BaseModule
 from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
@@ -210,7 +210,7 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         if (
             hp.loss_type in _TOKEN_NORMALISED
             and spg % self.trainer.accumulate_grad_batches
-            and (strategy not in GRAD_RESCALE_STRATEGIES)
+            and not _sharding.has_local_grads(self.trainer.strategy)
         ):
             raise ValueError(
                 f"GRPOModule(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
