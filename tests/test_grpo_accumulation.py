@@ -60,3 +60,18 @@ def test_a_step_correction_outside_param_grad_is_refused_at_setup():
     )
     with pytest.raises(ValueError, match="steps_per_generation=3 not a multiple of accumulate_grad_batches=2"):
         module.setup("fit")
+
+
+def test_step_normaliser_sums_the_step_slices_or_estimates_across_rounds():
+    from lit_trainer.modules._grpo_normaliser import StepNormaliser
+
+    tokens = torch.tensor([3.0, 5.0, 7.0])  # three slices per round
+    inside = StepNormaliser.start(tokens, position=4, length=2, round_length=6)  # slices 1, 2 of the second pass
+    assert inside.exact and inside.provisional.item() == 12.0 and inside.correction() is None
+    wrapped = StepNormaliser.start(tokens, position=2, length=3, round_length=6)  # slices 2, 0, 1
+    assert wrapped.exact and wrapped.provisional.item() == 15.0
+    spanning = StepNormaliser.start(tokens, position=2, length=2, round_length=3)  # reaches the next round
+    assert not spanning.exact and spanning.provisional.item() == 10.0  # 15 tokens x 2 / 3 slices
+    spanning.add(tokens[2])
+    spanning.add(torch.tensor(8.0))
+    assert spanning.correction().item() == pytest.approx(10.0 / 15.0)

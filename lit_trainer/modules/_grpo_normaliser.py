@@ -44,7 +44,8 @@ class StepNormaliser:
         """
         spg = slice_tokens.numel()
         if position + length <= round_length:
-            return cls(sum(slice_tokens[(position + k) % spg] for k in range(length)), True)
+            served = (position + torch.arange(length, device=slice_tokens.device)) % spg  # the step's slices
+            return cls(slice_tokens[served].sum(), True)
         return cls(slice_tokens.sum() * length / spg, False)
 
     def add(self, tokens: Tensor) -> None:
