@@ -136,3 +136,13 @@ def test_scheduler_warmup_then_cosine_per_optimizer_step(tokenizer):
     # 0.5*(1+cos(pi*1/2)) = 0.5
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.5])
     assert [g["weight_decay"] for g in trainer.optimizers[0].param_groups] == [0.0, 0.0]
+
+
+def test_default_optimizer_decays_matrices_only_not_biases_or_norms():
+    module = CausalLMModule(tiny_llama(), tokenizer=None, weight_decay=0.1)
+    optimizer = module.create_optimizer(list(module.trainable_parameters()))
+    names = {id(p): n for n, p in module.named_parameters()}
+    decay, no_decay = ([names[id(p)] for p in g["params"]] for g in optimizer.param_groups)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert decay and all("norm" not in n and "bias" not in n for n in decay)
+    assert "model.model.norm.weight" in no_decay and all("norm" in n or "bias" in n for n in no_decay)

@@ -73,8 +73,9 @@ class OptimizationMixin:
         learning-rate schedule is then applied to the optimizer it returns."""
         if self._optimizer_fn is not None:
             return self._optimizer_fn([p for _, p in named])
-        decay = [p for n, p in named if not any(k in n.lower() for k in _NO_DECAY) and p.ndim > 1]
-        no_decay = [p for n, p in named if any(k in n.lower() for k in _NO_DECAY) or p.ndim <= 1]
+        decays = [p.ndim > 1 and not any(k in n.lower() for k in _NO_DECAY) for n, p in named]
+        decay = [p for (_, p), d in zip(named, decays) if d]
+        no_decay = [p for (_, p), d in zip(named, decays) if not d]
         groups = [
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
