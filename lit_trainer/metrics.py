@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
-from lit_trainer.losses.logprobs import IGNORE_INDEX
+from lit_trainer.losses.causal_lm import causal_lm_loss
+from lit_trainer.losses.logprobs import IGNORE_INDEX, shift_for_next_token
 
 M = TypeVar("M", bound=Metric | MetricCollection)
 
@@ -90,13 +90,10 @@ def token_loss_and_accuracy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Ten
     """Next-token cross entropy and accuracy of ``(B, T, V)`` logits against unshifted labels, each a mean over the
     target tokens (``labels != -100`` after the shift), and that token count: update a ``MeanMetric`` with
     ``weight=count`` for the evaluation set's token mean (not the HF Trainer's mean of per-batch means)."""
-    shifted = logits[:, :-1].float()
-    targets = labels[:, 1:]
+    shifted, targets = shift_for_next_token(logits, labels)
     mask = targets != IGNORE_INDEX
     count = mask.sum()
-    loss_sum = F.cross_entropy(
-        shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    loss_sum = causal_lm_loss(logits, labels, num_items_in_batch=1)  # the summed cross entropy (float32)
     correct = ((shifted.argmax(-1) == targets) & mask).sum()
     return loss_sum / count, correct / count, count
 

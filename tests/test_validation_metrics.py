@@ -6,6 +6,7 @@ Expected values are computed independently here (a full log-softmax for DPO, han
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -172,3 +173,14 @@ def test_grpo_validation_reward_is_the_weighted_nan_sum_and_per_function_means_i
     assert logged["val_reward"] == pytest.approx(3.5)
     assert logged["val_rewards/constant_two/mean"] == pytest.approx(2.0)
     assert logged["val_rewards/odd_answer_or_none/mean"] == pytest.approx(1.0)
+
+
+def test_token_loss_and_accuracy_are_means_over_the_shifted_targets():
+    from lit_trainer.metrics import token_loss_and_accuracy
+
+    logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [5.0, 5.0]], [[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])
+    labels = torch.tensor([[7, 0, 1], [-100, -100, -100]])  # targets 0 (uniform logits), 1 (logits 2, 0); no others
+    loss, accuracy, count = token_loss_and_accuracy(logits, labels)
+    assert count.item() == 2
+    assert loss.item() == pytest.approx((math.log(2.0) + math.log(1.0 + math.e**2)) / 2, rel=1e-6)
+    assert accuracy.item() == 0.5  # argmax 0 is right for the first target, wrong for the second
