@@ -344,3 +344,10 @@ def test_padding_stats_and_cost_spread_hand_checked():
     assert float(default["padding_fraction"]) == 0
     assert float(cost_spread(torch.tensor([18.108, 12.0, 9.054]))) == pytest.approx(0.5)  # (18.108-9.054)/18.108
     assert float(cost_spread(torch.tensor([0.0, 0.0]))) == 0
+
+
+def test_cost_spread_per_column_of_a_window():
+    # (world=3, steps=2): step 0 spreads (10 - 4) / 10, step 1 (5 - 0) / 5; a 1-D input is one column
+    spreads = cost_spread(torch.tensor([[10.0, 5.0], [8.0, 5.0], [4.0, 0.0]]))
+    assert spreads.tolist() == pytest.approx([0.6, 1.0])
+    assert cost_spread(torch.zeros(2, 3)).tolist() == [0.0, 0.0, 0.0]  # empty steps: no spread, no division by 0

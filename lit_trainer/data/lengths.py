@@ -119,11 +119,12 @@ def cost_spread(costs: torch.Tensor) -> torch.Tensor:
     """Relative spread ``(max - min) / max`` of the ranks' micro-batch costs (0 = balanced; 0.5 = half idle).
 
     Args:
-        costs: ``(W,)`` one ``padding_stats(...)["cost"]`` per rank, e.g. ``LightningModule.all_gather(cost)``.
+        costs: ``(W,)`` one ``padding_stats(...)["cost"]`` per rank, e.g. ``LightningModule.all_gather(cost)``, or
+            ``(W, S)``: one spread per column (the training module's per-step costs of a logging window).
 
     Example:
         >>> round(float(cost_spread(torch.tensor([100.0, 80.0]))), 6)
         0.2
     """
-    top = costs.max()
-    return (top - costs.min()) / top.clamp_min(torch.finfo(costs.dtype).tiny)
+    top = costs.max(dim=0).values
+    return (top - costs.min(dim=0).values) / top.clamp_min(torch.finfo(costs.dtype).tiny)
