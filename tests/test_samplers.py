@@ -9,15 +9,10 @@ import datasets
 import pytest
 import torch
 
+from lit_trainer.data.lengths import cost_spread, padding_stats, require_lengths
 from lit_trainer.data.rebalance import balance_step, microbatch_cost
-from lit_trainer.data.samplers import (
-    BatchRebalanceSampler,
-    LengthGroupedSampler,
-    cost_spread,
-    make_length_grouped_batch_sampler,
-    padding_stats,
-    require_lengths,
-)
+from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
+from lit_trainer.data.samplers import LengthGroupedSampler, make_length_grouped_batch_sampler
 
 _rng = random.Random(0)
 TOY = [_rng.randint(5, 500) for _ in range(64)]  # the 64 lengths of the reference's toy run
@@ -349,3 +344,10 @@ def test_padding_stats_and_cost_spread_hand_checked():
     assert float(default["padding_fraction"]) == 0
     assert float(cost_spread(torch.tensor([18.108, 12.0, 9.054]))) == pytest.approx(0.5)  # (18.108-9.054)/18.108
     assert float(cost_spread(torch.tensor([0.0, 0.0]))) == 0
+
+
+def test_cost_spread_per_column_of_a_window():
+    # (world=3, steps=2): step 0 spreads (10 - 4) / 10, step 1 (5 - 0) / 5; a 1-D input is one column
+    spreads = cost_spread(torch.tensor([[10.0, 5.0], [8.0, 5.0], [4.0, 0.0]]))
+    assert spreads.tolist() == pytest.approx([0.6, 1.0])
+    assert cost_spread(torch.zeros(2, 3)).tolist() == [0.0, 0.0, 0.0]  # empty steps: no spread, no division by 0

@@ -34,14 +34,6 @@ from lit_trainer.callbacks._window_grads import (
 )
 
 
-def _flat_loaders(loaders: Any) -> list[Any]:
-    if isinstance(loaders, Mapping):
-        return [x for v in loaders.values() for x in _flat_loaders(v)]
-    if isinstance(loaders, (list, tuple)):
-        return [x for v in loaders for x in _flat_loaders(v)]
-    return [] if loaders is None else [loaders]
-
-
 def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
@@ -138,9 +130,10 @@ class _ExactResume(PackageBound):
         if refusal:
             raise ValueError(refusal)
         self._install_replay(trainer, rebuild_iterator=True)
+        combined = trainer.fit_loop._combined_loader  # its flat list of the training loaders, as Lightning keeps it
         unresumable = [
             type(x).__name__
-            for x in _flat_loaders(trainer.train_dataloader)
+            for x in (combined.flattened if combined is not None else [])
             if not _is_stateful(x) and not isinstance(x, DataLoader)
         ]
         if unresumable:

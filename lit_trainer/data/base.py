@@ -17,9 +17,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data.batch_sampler import BatchSampler
+from lit_trainer.data.lengths import require_lengths
 from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
 from lit_trainer.data.rebalance import CostModel
-from lit_trainer.data.samplers import require_lengths
 from lit_trainer.data.sampling import Sampling, check_sampling, make_batch_sampler
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows

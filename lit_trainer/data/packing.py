@@ -30,9 +30,10 @@ from typing import Any, Literal, get_args
 import torch
 from datasets import Dataset
 
+from lit_trainer.losses.logprobs import IGNORE_INDEX
+
 Packing = Literal["none", "padding_free", "bfd"]
 PACKING_CHOICES: tuple[str, ...] = get_args(Packing)
-IGNORE_INDEX = -100
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

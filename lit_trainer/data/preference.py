@@ -8,10 +8,8 @@ template with ``add_generation_prompt=True`` for the prompt, when rows are conve
 prefix. With ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and
 counted; pairs whose chosen and rejected rows are the same tokens (zero gradient) are counted and, by default, dropped.
 
-Collation (as TRL's, docs/design.md#trl-dpo): a micro-batch of B pairs becomes 2B right-padded rows, chosen rows
-``0..B-1`` then rejected rows ``B..2B-1``, each truncated to ``max_length`` on its own (first or last tokens), with
-``input_ids``, ``attention_mask`` and the unshifted ``completion_mask``; precomputed reference log-probs travel along
-as ``ref_chosen_logps``/``ref_rejected_logps`` (B,) when the dataset has them (see :meth:`set_reference_logps`).
+Collation: :class:`~lit_trainer.data.preference_collate.PreferenceCollator`; precomputed reference log-probs are
+stored as dataset columns by :meth:`PreferenceDataModule.set_reference_logps`.
 """
 
 from __future__ import annotations
@@ -30,17 +28,21 @@ from typing_extensions import override
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import render, require_chat_template, template_options
-from lit_trainer.data.collate import common_prefix_len, pad_right
+from lit_trainer.data.collate import common_prefix_len
 from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.packing import check_packing_options, row_completion_mask
 from lit_trainer.data.preference_checks import RowProblem, check_row, value_problem
+from lit_trainer.data.preference_collate import (
+    REF_CHOSEN_KEY,
+    REF_REJECTED_KEY,
+    PreferenceCollator,
+    TruncationMode,
+    same_model_inputs,
+)
 from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
-TruncationMode = Literal["keep_start", "keep_end"]
 PreferencePacking = Literal["none", "padding_free"]  # packing values that apply to pairs ("bfd" is for SFT rows)
-REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-_TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:]}
 _DOUBLE_EOS_WARNING = r"This sequence already has"  # ByT5's notice when the text already ends with "</s>"
 
 
@@ -63,82 +65,6 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
                 i -= 1
             break
     return chosen[:i], chosen[i:], rejected[i:]
-
-
-def same_model_inputs(
-    prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, truncation_mode: TruncationMode
-) -> bool:
-    """Whether a pair's chosen and rejected rows are the same model inputs once truncated as the collator does.
-
-    Such a pair has a zero DPO gradient: both log-probabilities, and both reference log-probabilities, are equal.
-
-    Example:
-        >>> same_model_inputs([7], [5, 1], [5, 1], 8, "keep_start")
-        True
-        >>> same_model_inputs([7], [5, 1, 9], [5, 1, 8], 2, "keep_start")  # both rows are cut to [7, 5]
-        True
-    """
-    cut = _TRUNCATE[truncation_mode]
-    chosen_row, rejected_row = (
-        (cut(prompt + c, max_length), cut([0] * len(prompt) + [1] * len(c), max_length)) for c in (chosen, rejected)
-    )
-    return chosen_row == rejected_row
-
-
-def packed_pairs(ids: list[list[int]], masks: list[list[int]]) -> dict[str, torch.Tensor]:
-    """The 2B rows (chosen then rejected) as one packed row: ``input_ids``, ``position_ids`` (restarting per row)
-    and ``completion_mask`` of shape ``(1, total)``, and the rows' ``seq_lengths`` ``(2B,)`` that
-    :func:`~lit_trainer.data.packing.unpack_rows` splits per-token values back into rows with."""
-    return {
-        "input_ids": torch.tensor([[t for row in ids for t in row]], dtype=torch.long),
-        "position_ids": torch.tensor([[p for row in ids for p in range(len(row))]], dtype=torch.long),
-        "completion_mask": torch.tensor([[m for row in masks for m in row]], dtype=torch.long),
-        "seq_lengths": torch.tensor([len(row) for row in ids], dtype=torch.long),
-    }
-
-
-class PreferenceCollator:
-    """Collate preference rows into one batch of 2B rows (chosen then rejected), right-padded.
-
-    Args:
-        pad_token_id: id used for padding ``input_ids`` (masked out by ``attention_mask``).
-        max_length: per-row token budget, applied to each of the 2B rows on its own.
-        truncation_mode: ``keep_start`` keeps a row's first ``max_length`` tokens, ``keep_end`` its last.
-        pad_to_multiple_of: round the padded length up.
-        packed: flatten the 2B rows into ONE padding-free row instead (:func:`packed_pairs`).
-    """
-
-    def __init__(
-        self,
-        pad_token_id: int,
-        max_length: int,
-        truncation_mode: TruncationMode = "keep_start",
-        pad_to_multiple_of: int | None = None,
-        packed: bool = False,
-    ) -> None:
-        self.pad_token_id, self.max_length, self.packed = pad_token_id, max_length, packed
-        self.truncate, self.pad_to_multiple_of = _TRUNCATE[truncation_mode], pad_to_multiple_of
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        ids, masks = [], []
-        for key in ("chosen_ids", "rejected_ids"):
-            for row in rows:
-                prompt, completion = row["prompt_ids"], row[key]
-                ids.append(self.truncate(prompt + completion, self.max_length))
-                masks.append(self.truncate([0] * len(prompt) + [1] * len(completion), self.max_length))
-        batch = (
-            packed_pairs(ids, masks)
-            if self.packed
-            else {
-                "input_ids": pad_right(ids, self.pad_token_id, self.pad_to_multiple_of),
-                "attention_mask": pad_right([[1] * len(s) for s in ids], 0, self.pad_to_multiple_of),
-                "completion_mask": pad_right(masks, 0, self.pad_to_multiple_of),
-            }
-        )
-        if all(REF_CHOSEN_KEY in row for row in rows):
-            batch[REF_CHOSEN_KEY] = torch.tensor([row[REF_CHOSEN_KEY] for row in rows], dtype=torch.float32)
-            batch[REF_REJECTED_KEY] = torch.tensor([row[REF_REJECTED_KEY] for row in rows], dtype=torch.float32)
-        return batch
 
 
 class PreferenceDataModule(BaseDataModule):
@@ -241,7 +167,7 @@ class PreferenceDataModule(BaseDataModule):
         tok, eos = self.tokenizer, self.tokenizer.eos_token
         if eos:  # reference 1.2 step 2: standard rows end with the EOS string
             chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
-        return [tok(text)["input_ids"] for text in (prompt, prompt + chosen, prompt + rejected)]
+        return tok([prompt, prompt + chosen, prompt + rejected])["input_ids"]  # one call: ~3x faster than three
 
     def _encode_chat(self, row: dict[str, Any], prompt: list, chosen: list, rejected: list) -> list[list[int]]:
         tok, options = self.tokenizer, template_options(row)

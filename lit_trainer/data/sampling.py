@@ -13,7 +13,8 @@ from typing import Literal, NamedTuple, get_args
 
 from lit_trainer.data.batch_sampler import BatchSampler, ShardedBatchSampler
 from lit_trainer.data.rebalance import CostModel
-from lit_trainer.data.samplers import BatchRebalanceSampler, make_length_grouped_batch_sampler
+from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
+from lit_trainer.data.samplers import make_length_grouped_batch_sampler
 
 Sampling = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
 

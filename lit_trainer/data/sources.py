@@ -98,17 +98,6 @@ def load_located_rows(
     return _pick_splits({name: Located(rows, None) for name, rows in load_dataset(source).items()}, split)
 
 
-def load_rows(
-    source: str | Dataset | DatasetDict,
-    builtin: dict[str, Callable[[str], Dataset]],
-    *,
-    split: str | None = None,
-) -> tuple[Dataset, Dataset | None]:
-    """:func:`load_located_rows` without the locators: ``(train, validation-or-None)`` datasets."""
-    train, validation = load_located_rows(source, builtin, split=split)
-    return train.rows, validation.rows if validation is not None else None
-
-
 def _pick_splits(data: dict[str, Located], split: str | None) -> tuple[Located, Located | None]:
     train_split = split or "train"
     if train_split not in data:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_trainer.data.lengths import cost_spread
 from lit_trainer.data.rebalance import microbatch_cost
 
 
@@ -146,9 +147,7 @@ class StepLoggingMixin:
     def _cost_spread(self) -> Tensor:
         """Mean over the window's steps of the ranks' relative spread of padded-token cost, ``(max - min) / max``."""
         costs = torch.tensor(self._step_costs, dtype=torch.float32, device=self.device)
-        gathered = self.trainer.strategy.all_gather(costs)  # (world, steps)
-        top = gathered.max(dim=0).values
-        return ((top - gathered.min(dim=0).values) / top.clamp(min=1.0)).mean()
+        return cost_spread(self.trainer.strategy.all_gather(costs)).mean()  # all_gather: (world, steps)
 
     @override
     def on_validation_start(self) -> None:
