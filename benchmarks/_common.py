@@ -1,4 +1,4 @@
-"""Code shared by the DPO and LoRA throughput benchmarks: the same pair batches and the same timed step loop."""
+"""Code shared by the DPO and LoRA throughput benchmarks: the same pair batches and the same timed steps."""
 
 from __future__ import annotations
 
@@ -49,3 +49,27 @@ def run_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer, data: l
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def interleaved_rounds(
+    modules: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    data: dict[str, list[dict]],
+    repeats: int,
+    device: str,
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """A warm-up of two steps per variant (it also creates the optimizer states), then ``repeats`` rounds that time one
+    pass of every variant in turn (so machine load hits all alike); ``(seconds per pass per variant, peak CUDA bytes
+    per variant, empty off CUDA)``."""
+    for v in modules:
+        run_steps(modules[v], optimizers[v], data[v][:2], device)
+    times: dict[str, list[float]] = {v: [] for v in modules}
+    peaks: dict[str, int] = {}
+    for _ in range(repeats):
+        for v in modules:
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            times[v].append(run_steps(modules[v], optimizers[v], data[v], device))
+            if device.startswith("cuda"):
+                peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated())
+    return times, peaks

@@ -26,7 +26,7 @@ import sys
 import time
 
 import torch
-from _common import pair_batches, run_steps
+from _common import interleaved_rounds, pair_batches, run_steps
 
 from lit_trainer.models import load_model
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -151,17 +151,7 @@ def main() -> None:
     optimizers = {
         v: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for v, m in modules.items()
     }
-    for v in VARIANTS:  # warm-up
-        run_steps(modules[v], optimizers[v], data[v][:2], args.device)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    peaks: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for v in VARIANTS:
-            if args.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            times[v].append(run_steps(modules[v], optimizers[v], data[v], args.device))
-            if args.device.startswith("cuda"):
-                peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated())
+    times, peaks = interleaved_rounds(modules, optimizers, data, args.repeats, args.device)
     rss = memory(args) if args.memory else {}
     tokens = {v: sum(int(b["attention_mask"].sum()) for b in data[v]) for v in VARIANTS}
     rows = {v: sum(b["input_ids"].size(0) for b in data[v]) for v in VARIANTS}

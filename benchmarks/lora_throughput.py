@@ -23,7 +23,7 @@ import statistics
 import sys
 
 import torch
-from _common import pair_batches, run_steps
+from _common import interleaved_rounds, pair_batches
 
 from lit_trainer.models import load_model
 from lit_trainer.modules.causal_lm import CausalLMModule
@@ -94,17 +94,7 @@ def main() -> None:
     feeds = {v: data[v[:3]] for v in VARIANTS}
     optimizers = {v: torch.optim.AdamW([p for _, p in m.trainable_parameters()], lr=1e-4) for v, m in modules.items()}
     activations = {v: saved_activation_mib(m, feeds[v][0]) for v, m in modules.items()}
-    for v in VARIANTS:  # warm-up (also creates the optimizer states)
-        run_steps(modules[v], optimizers[v], feeds[v][:2], args.device)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    peaks: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for v in VARIANTS:
-            if args.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            times[v].append(run_steps(modules[v], optimizers[v], feeds[v], args.device))
-            if args.device.startswith("cuda"):
-                peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated())
+    times, peaks = interleaved_rounds(modules, optimizers, feeds, args.repeats, args.device)
     tokens = {v: sum(int(b["attention_mask"].sum()) for b in feeds[v]) for v in VARIANTS}
     params = sum(p.numel() for p in modules["sft_full"].parameters())
     trainable = sum(p.numel() for _, p in modules["sft_lora"].trainable_parameters())
