@@ -26,12 +26,9 @@ import sys
 import time
 
 import torch
-from datasets import Dataset
+from _common import interleaved_rounds, pair_batches, run_steps
 
-from lit_trainer.data import builtin
-from lit_trainer.data.preference import PreferenceDataModule
-from lit_trainer.data.sft import SFTDataModule
-from lit_trainer.models import build_tokenizer, load_model
+from lit_trainer.models import load_model
 from lit_trainer.modules.causal_lm import CausalLMModule
 from lit_trainer.modules.dpo import DPOModule
 
@@ -53,22 +50,8 @@ def parse() -> argparse.Namespace:
 
 def batches(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """``(preference batches, SFT batches)``: the same pairs, chosen completions only for SFT."""
-    rows = builtin.preference_rows("train").select(range(args.pairs * args.steps))
-    tokenizer = build_tokenizer()
-    pref = PreferenceDataModule(
-        tokenizer=tokenizer, dataset=rows, val_size=0, batch_size=args.pairs, max_length=32, sampling="sequential"
-    )
-    sft_rows = Dataset.from_dict({"prompt": rows["prompt"], "completion": rows["chosen"]})
-    sft = SFTDataModule(
-        tokenizer=tokenizer, dataset=sft_rows, val_size=0, batch_size=args.pairs, max_length=32, sampling="sequential"
-    )
-    out = []
-    for dm in (pref, sft):
-        dm.setup("fit")
-        out.append(
-            [{k: v.to(args.device) for k, v in b.items() if k != "num_items_in_batch"} for b in dm.train_dataloader()]
-        )
-    return out[0], out[1]
+    data = pair_batches(args.pairs, args.steps, args.device)
+    return data["dpo"], data["sft"]
 
 
 def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
@@ -93,19 +76,6 @@ def precompute(reference: torch.nn.Module, scorer: DPOModule, pref: list[dict]) 
         half = seq.numel() // 2
         out.append({**batch, "ref_chosen_logps": seq[:half], "ref_rejected_logps": seq[half:]})
     return out, time.perf_counter() - start
-
-
-def run_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[dict], device: str) -> float:
-    module.train()
-    start = time.perf_counter()
-    for batch in data:
-        loss, _ = module.compute_loss(dict(batch), None)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def held_bytes(module: torch.nn.Module) -> int:
@@ -181,17 +151,7 @@ def main() -> None:
     optimizers = {
         v: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for v, m in modules.items()
     }
-    for v in VARIANTS:  # warm-up
-        run_steps(modules[v], optimizers[v], data[v][:2], args.device)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    peaks: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for v in VARIANTS:
-            if args.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            times[v].append(run_steps(modules[v], optimizers[v], data[v], args.device))
-            if args.device.startswith("cuda"):
-                peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated())
+    times, peaks = interleaved_rounds(modules, optimizers, data, args.repeats, args.device)
     rss = memory(args) if args.memory else {}
     tokens = {v: sum(int(b["attention_mask"].sum()) for b in data[v]) for v in VARIANTS}
     rows = {v: sum(b["input_ids"].size(0) for b in data[v]) for v in VARIANTS}

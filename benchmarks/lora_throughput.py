@@ -21,15 +21,11 @@ import argparse
 import io
 import statistics
 import sys
-import time
 
 import torch
-from datasets import Dataset
+from _common import interleaved_rounds, pair_batches
 
-from lit_trainer.data import builtin
-from lit_trainer.data.preference import PreferenceDataModule
-from lit_trainer.data.sft import SFTDataModule
-from lit_trainer.models import build_tokenizer, load_model
+from lit_trainer.models import load_model
 from lit_trainer.modules.causal_lm import CausalLMModule
 from lit_trainer.modules.dpo import DPOModule
 
@@ -48,30 +44,6 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def batches(args: argparse.Namespace) -> dict[str, list[dict]]:
-    """``{"sft": ..., "dpo": ...}``: the same problems; SFT trains on the chosen completions."""
-    rows = builtin.preference_rows("train").select(range(args.rows * args.steps))
-    tokenizer = build_tokenizer()
-    common = {
-        "tokenizer": tokenizer,
-        "val_size": 0,
-        "batch_size": args.rows,
-        "max_length": 32,
-        "sampling": "sequential",
-    }
-    sft_rows = Dataset.from_dict({"prompt": rows["prompt"], "completion": rows["chosen"]})
-    out = {}
-    for name, dm in (
-        ("dpo", PreferenceDataModule(dataset=rows, **common)),
-        ("sft", SFTDataModule(dataset=sft_rows, **common)),
-    ):
-        dm.setup("fit")
-        out[name] = [
-            {k: v.to(args.device) for k, v in b.items() if k != "num_items_in_batch"} for b in dm.train_dataloader()
-        ]
-    return out
-
-
 def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
     torch.manual_seed(0)
     lora = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": "all-linear"} if "lora" in variant else None
@@ -79,19 +51,6 @@ def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
     if variant.startswith("sft"):
         return CausalLMModule(load_model(args.preset), **kw).to(args.device)
     return DPOModule(load_model(args.preset), loss_type=["sigmoid", "sft"], **kw).to(args.device)
-
-
-def run_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[dict], device: str) -> float:
-    module.train()
-    start = time.perf_counter()
-    for batch in data:
-        loss, _ = module.compute_loss(dict(batch), None)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def mib(tensors: list[torch.Tensor]) -> float:
@@ -130,22 +89,12 @@ def saved_activation_mib(module: torch.nn.Module, batch: dict) -> float:
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
-    data = batches(args)
+    data = pair_batches(args.rows, args.steps, args.device)
     modules = {v: build(args, v) for v in VARIANTS}
     feeds = {v: data[v[:3]] for v in VARIANTS}
     optimizers = {v: torch.optim.AdamW([p for _, p in m.trainable_parameters()], lr=1e-4) for v, m in modules.items()}
     activations = {v: saved_activation_mib(m, feeds[v][0]) for v, m in modules.items()}
-    for v in VARIANTS:  # warm-up (also creates the optimizer states)
-        run_steps(modules[v], optimizers[v], feeds[v][:2], args.device)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    peaks: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for v in VARIANTS:
-            if args.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            times[v].append(run_steps(modules[v], optimizers[v], feeds[v], args.device))
-            if args.device.startswith("cuda"):
-                peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated())
+    times, peaks = interleaved_rounds(modules, optimizers, feeds, args.repeats, args.device)
     tokens = {v: sum(int(b["attention_mask"].sum()) for b in feeds[v]) for v in VARIANTS}
     params = sum(p.numel() for p in modules["sft_full"].parameters())
     trainable = sum(p.numel() for _, p in modules["sft_lora"].trainable_parameters())

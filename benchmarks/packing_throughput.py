@@ -41,9 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sft_throughput as harness
 
 from lit_trainer.data.packing import pack_dataset
-from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.models import load_model, load_tokenizer
-from lit_trainer.modules.causal_lm import CausalLMModule
 
 FIRST_BYTE_ID, LAST_BYTE_ID = 3, 258
 
@@ -59,11 +57,9 @@ def corpus(low: int, high: int, rows: int, seed: int) -> Dataset:
 def make_setup(args: argparse.Namespace, rows: Dataset, batch_size: int) -> harness.Setup:
     step_args = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
     timed = rows.select(range(args.warmup * batch_size, (args.warmup + args.steps) * batch_size))["length"]
-    padded = sum(
-        max(timed[i : i + batch_size]) * len(timed[i : i + batch_size]) for i in range(0, len(timed), batch_size)
-    )
     torch.manual_seed(args.seed)
     weights = {k: v.clone() for k, v in load_model(args.model).state_dict().items()}
+    padded = harness.padded_tokens(timed, batch_size)
     return harness.Setup(step_args, load_tokenizer("tiny"), rows, weights, sum(timed), padded)
 
 
@@ -74,26 +70,9 @@ def fresh_model(setup: harness.Setup) -> torch.nn.Module:
 
 
 def run_ours(setup: harness.Setup, packing: str) -> harness.Result:
-    args = setup.args
-    module = CausalLMModule(
-        fresh_model(setup),
-        tokenizer=setup.tokenizer,
-        learning_rate=harness.LR,
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_steps=0,
-        max_grad_norm=harness.CLIP,
-    )
-    dm = SFTDataModule(
-        tokenizer=setup.tokenizer,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        sampling="sequential",
-        val_size=0,
-        packing=packing,
-    )
-    dm.train_dataset, dm.val_dataset = setup.dataset, None  # already tokenized (and binned), in order
-    timer = harness.LightningTimer(args.warmup)
+    module = harness.ours_module(setup, fresh_model(setup))
+    dm = harness.ours_datamodule(setup, packing=packing)  # rows already tokenized (and binned), in order
+    timer = harness.LightningTimer(setup.args.warmup)
     with tempfile.TemporaryDirectory() as logdir:
         trainer = harness.lightning_trainer(setup, timer, logdir, None)
         trainer.fit(module, datamodule=dm)
@@ -101,37 +80,15 @@ def run_ours(setup: harness.Setup, packing: str) -> harness.Result:
 
 
 def run_hf(setup: harness.Setup, flatten: bool) -> harness.Result:
-    args, model = setup.args, fresh_model(setup)
+    model = fresh_model(setup)
     collator = (
         transformers.DataCollatorWithFlattening() if flatten else harness.pad_collate(setup.tokenizer.pad_token_id)
     )
     if flatten:
         model.config.use_cache = False
-    timer = harness.HFTimer(args.warmup)
+    timer = harness.HFTimer(setup.args.warmup)
     with tempfile.TemporaryDirectory() as out:
-        training_args = transformers.TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=args.batch_size,
-            max_steps=args.warmup + args.steps,
-            learning_rate=harness.LR,
-            adam_beta1=harness.BETAS[0],
-            adam_beta2=harness.BETAS[1],
-            adam_epsilon=harness.EPS,
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_grad_norm=harness.CLIP,
-            logging_steps=harness.LOG_EVERY,
-            report_to="none",
-            use_cpu=True,
-            dataloader_num_workers=0,
-            save_strategy="no",
-            eval_strategy="no",
-            remove_unused_columns=False,
-            train_sampling_strategy="sequential",
-            disable_tqdm=True,
-            seed=args.seed,
-        )
+        training_args = harness.hf_training_args(setup, out)
         dataset = setup.dataset.remove_columns(["prompt_length", "length"]) if flatten else setup.dataset
         trainer = transformers.Trainer(
             model=model, args=training_args, train_dataset=dataset, data_collator=collator, callbacks=[timer]

@@ -131,13 +131,16 @@ def build_setup(args: argparse.Namespace) -> Setup:
         order += torch.randperm(len(rows), generator=generator).tolist()
     dataset = rows.select(order[:total]).flatten_indices()
     timed = dataset.select(range(args.warmup * args.batch_size, total))["length"]
-    padded = sum(
-        max(timed[i : i + args.batch_size]) * len(timed[i : i + args.batch_size])
-        for i in range(0, len(timed), args.batch_size)
-    )
     torch.manual_seed(args.seed)
     weights = copy.deepcopy(load_model("tiny").state_dict())
-    return Setup(args, tokenizer, dataset, weights, sum(timed), padded)
+    return Setup(args, tokenizer, dataset, weights, sum(timed), padded_tokens(timed, args.batch_size))
+
+
+def padded_tokens(lengths: list[int], batch_size: int) -> int:
+    """Tokens of ``lengths`` taken ``batch_size`` rows at a time, each batch padded to its longest row."""
+    return sum(
+        max(lengths[i : i + batch_size]) * len(lengths[i : i + batch_size]) for i in range(0, len(lengths), batch_size)
+    )
 
 
 def fresh_model(setup: Setup) -> torch.nn.Module:
@@ -215,28 +218,39 @@ def lightning_trainer(setup: Setup, timer: LightningTimer, logdir: str, bar: str
     )
 
 
-def run_ours(setup: Setup, adamw: str, bar: str | None = None) -> Result:
-    args = setup.args
-    optimizer = None if adamw == "default" else make_adamw(adamw)
-    module = CausalLMModule(
-        fresh_model(setup),
+def ours_module(setup: Setup, model: torch.nn.Module, **kw: Any) -> CausalLMModule:
+    """CausalLMModule with the shared settings (AdamW lr/decay, constant schedule, clipping)."""
+    return CausalLMModule(
+        model,
         tokenizer=setup.tokenizer,
         learning_rate=LR,
         weight_decay=0.0,
         scheduler="constant",
         warmup_steps=0,
         max_grad_norm=CLIP,
-        optimizer=optimizer,
+        **kw,
     )
+
+
+def ours_datamodule(setup: Setup, **kw: Any) -> SFTDataModule:
+    """SFTDataModule reading ``setup.dataset`` in order: already tokenized and ordered, so ``setup()`` is skipped."""
     dm = SFTDataModule(
         tokenizer=setup.tokenizer,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
+        batch_size=setup.args.batch_size,
+        max_length=setup.args.max_length,
         sampling="sequential",
         val_size=0,
+        **kw,
     )
-    dm.train_dataset, dm.val_dataset = setup.dataset, None  # already tokenized and ordered (setup() is skipped)
-    timer = LightningTimer(args.warmup)
+    dm.train_dataset, dm.val_dataset = setup.dataset, None
+    return dm
+
+
+def run_ours(setup: Setup, adamw: str, bar: str | None = None) -> Result:
+    optimizer = None if adamw == "default" else make_adamw(adamw)
+    module = ours_module(setup, fresh_model(setup), optimizer=optimizer)
+    dm = ours_datamodule(setup)
+    timer = LightningTimer(setup.args.warmup)
     with tempfile.TemporaryDirectory() as logdir:
         trainer = lightning_trainer(setup, timer, logdir, bar)
         trainer.fit(module, datamodule=dm)
@@ -313,6 +327,35 @@ class HFTimer(transformers.TrainerCallback):
         self.clock.tick(state.global_step == self.warmup)
 
 
+def hf_training_args(setup: Setup, output_dir: str, **kw: Any) -> transformers.TrainingArguments:
+    """TrainingArguments with the shared settings: the same AdamW, schedule, clipping, logging and order as ours."""
+    args = setup.args
+    return transformers.TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.warmup + args.steps,
+        learning_rate=LR,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=CLIP,
+        logging_steps=LOG_EVERY,
+        report_to="none",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        save_strategy="no",
+        eval_strategy="no",
+        remove_unused_columns=False,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+        seed=args.seed,
+        **kw,
+    )
+
+
 def run_hf(setup: Setup, adamw: str) -> Result:
     """transformers.Trainer; AdamW: its default ``adamw_torch_fused``, ``adamw_torch`` (for-loop on CPU), or (foreach,
     which has no ``optim`` name) an AdamW passed through ``optimizers=`` (the Trainer still builds the scheduler)."""
@@ -326,30 +369,7 @@ def run_hf(setup: Setup, adamw: str) -> Result:
     given = (make_adamw("foreach")(model.parameters()), None) if adamw == "foreach" else (None, None)
     timer = HFTimer(args.warmup)
     with tempfile.TemporaryDirectory() as out:
-        training_args = transformers.TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=args.batch_size,
-            max_steps=args.warmup + args.steps,
-            learning_rate=LR,
-            adam_beta1=BETAS[0],
-            adam_beta2=BETAS[1],
-            adam_epsilon=EPS,
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_grad_norm=CLIP,
-            logging_steps=LOG_EVERY,
-            report_to="none",
-            use_cpu=True,
-            dataloader_num_workers=0,
-            save_strategy="no",
-            eval_strategy="no",
-            remove_unused_columns=False,
-            train_sampling_strategy="sequential",
-            disable_tqdm=True,
-            seed=args.seed,
-            optim=optim,
-        )
+        training_args = hf_training_args(setup, out, optim=optim)
         trainer = transformers.Trainer(
             model=model,
             args=training_args,

@@ -18,6 +18,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
 import helpers.modules
+from helpers.cli import cli_with_callback
 from helpers.data import regression_data
 from helpers.ddp import output_tail, run_script
 from helpers.modules import TinyHF, TinyLM
@@ -196,19 +197,7 @@ def test_validation_errors(tmp_path: Path) -> None:
 
 def test_configurable_from_lightning_cli() -> None:
     def parse(init_args: dict) -> LightningCLI:
-        return LightningCLI(
-            Regressor,
-            run=False,
-            args={
-                "trainer": {
-                    "logger": False,
-                    "enable_progress_bar": False,
-                    "callbacks": [
-                        {"class_path": "lit_trainer.callbacks.checkpointing.BestCheckpoint", "init_args": init_args}
-                    ],
-                }
-            },
-        )
+        return cli_with_callback(Regressor, "lit_trainer.callbacks.checkpointing.BestCheckpoint", init_args)
 
     cli = parse({"monitor": "val_score", "mode": "max", "save_total_limit": 2, "load_best_at_end": True})
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, BestCheckpoint)]

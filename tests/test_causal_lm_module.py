@@ -1,15 +1,14 @@
 """CausalLMModule logging and validation semantics, checked against hand computations."""
 
 import copy
-import csv
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from datasets import Dataset
-from lightning.pytorch.loggers import CSVLogger
 from torchmetrics.classification import MulticlassAccuracy
 
+from helpers.logs import fit_train_loss_rows
 from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
@@ -33,26 +32,11 @@ def _dm(tokenizer, **kw):
     return dm
 
 
-def _rows(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
 def test_logged_train_loss_is_the_window_mean_of_step_losses(tokenizer, tmp_path):
     model = tiny_llama(seed=0)
     dm = _dm(tokenizer)
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=0.0)
-    trainer = pl.Trainer(
-        max_steps=4,
-        log_every_n_steps=2,
-        logger=CSVLogger(tmp_path, name="r"),
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=dm)
-    rows = [r for r in _rows(tmp_path / "r" / "version_0" / "metrics.csv") if r["train_loss"]]
+    rows = fit_train_loss_rows(module, dm, tmp_path, max_steps=4, every=2)
     assert [int(r["step"]) for r in rows] == [1, 3]
     # lr = 0: the weights never move, so each step's loss is the token mean of its micro-batch (rows 2k, 2k+1)
     step_losses, padding = [], []

@@ -1,8 +1,5 @@
 """The main job through the real console script, and the CLI's defaults."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +7,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.ddp import run_lit_trainer
 from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
 from lit_trainer.cli import LitTrainerCLI
 
@@ -29,22 +27,9 @@ FAST = [
 ]
 
 
-def _console_script() -> str:
-    exe = Path(sys.executable).with_name("lit-trainer")
-    return str(exe) if exe.exists() else "lit-trainer"
-
-
 @pytest.mark.slow
 def test_main_job_end_to_end_in_subprocess(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [_console_script(), "fit", "--config", str(SFT), *FAST],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_lit_trainer("fit", "--config", SFT, *FAST, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "sft" / "version_0"
     # stdout is a pipe: plain progress lines instead of a bar, then the final metrics table and the run folder

@@ -12,24 +12,29 @@ from lit_trainer.cli_errors import raised_by_our_checks
 SFT = str(Path(__file__).resolve().parents[1] / "configs" / "sft.yaml")
 
 
+def _fit_on_an_empty_file(tmp_path: Path) -> None:
+    """``lit-trainer fit`` with the SFT config on an empty ``empty.jsonl`` (in ``tmp_path``, the working directory)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    main(
+        [
+            "fit",
+            "--config",
+            SFT,
+            "--data.init_args.dataset",
+            "empty.jsonl",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
+
+
 def test_an_empty_data_file_is_one_message_and_exit_status_1(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LIT_TRAINER_TRACEBACK", raising=False)
-    (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit) as exited:
-        main(
-            [
-                "fit",
-                "--config",
-                SFT,
-                "--data.init_args.dataset",
-                "empty.jsonl",
-                "--trainer.max_steps",
-                "1",
-                "--trainer.enable_progress_bar",
-                "false",
-            ]
-        )
+        _fit_on_an_empty_file(tmp_path)
     assert exited.value.code == 1
     err = capsys.readouterr().err
     assert "lit-trainer: error: empty.jsonl is empty: it has no rows" in err
@@ -39,21 +44,8 @@ def test_an_empty_data_file_is_one_message_and_exit_status_1(tmp_path, monkeypat
 def test_the_traceback_comes_back_on_request(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LIT_TRAINER_TRACEBACK", "1")
-    (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="is empty"):
-        main(
-            [
-                "fit",
-                "--config",
-                SFT,
-                "--data.init_args.dataset",
-                "empty.jsonl",
-                "--trainer.max_steps",
-                "1",
-                "--trainer.enable_progress_bar",
-                "false",
-            ]
-        )
+        _fit_on_an_empty_file(tmp_path)
 
 
 def _raise(error: Exception) -> Exception:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,6 +17,7 @@ from examples.customizing.dpop import DPOPModule, dpop_loss
 from examples.customizing.focal_loss import FocalLossLM, focal_causal_lm_loss
 from examples.customizing.optimizer import EmbeddingLRModule
 from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, relative_error
+from helpers.ddp import run_lit_trainer
 from helpers.models import tiny_llama
 from lit_trainer.data import PreferenceDataModule, SFTDataModule
 from lit_trainer.data.loader import TrainLoader
@@ -237,28 +236,17 @@ def test_dpop_module_uses_the_reference_model_and_keeps_dpo_metrics(tokenizer):
 @pytest.mark.slow  # a console-script process: imports and two steps, about 20 s
 def test_dpop_config_trains_two_steps_from_the_command_line(tmp_path):
     config = ROOT / "examples" / "customizing" / "dpop.yaml"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
-    exe = Path(sys.executable).with_name("lit-trainer")
-    proc = subprocess.run(
-        [
-            str(exe) if exe.exists() else "lit-trainer",
-            "fit",
-            "--config",
-            str(config),
-            "--trainer.max_steps",
-            "2",
-            "--trainer.log_every_n_steps",
-            "1",
-        ],
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = run_lit_trainer(
+        "fit",
+        "--config",
+        config,
+        "--trainer.max_steps",
+        "2",
+        "--trainer.log_every_n_steps",
+        "1",
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        PYTHONPATH=pythonpath,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "dpopmodule" / "version_0"

@@ -31,6 +31,17 @@ from lit_trainer.modules.dpo import DPOModule
 
 ROOT = Path(__file__).resolve().parents[1]
 BETA = 0.1
+# the metrics DPOModule logs for every training step (and with a ``val_`` prefix for validation)
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
 ROWS = builtin.preference_rows("train").select(range(96))
 # uneven prompt and completion lengths, so the two accumulation layouts pad differently
 UNEVEN = {
@@ -112,16 +123,7 @@ def test_end_to_end_reference_is_frozen_and_rewards_accuracy_rises(tokenizer):
     accuracy = float((u[:64] > u[64:]).float().mean())
     assert accuracy > 0.6, accuracy
     logged = fit.callback_metrics
-    for name in (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-        "logits/chosen",
-        "logits/rejected",
-    ):
+    for name in METRICS:
         assert name in logged and f"val_{name}" in logged, name
     assert float(logged["rewards/accuracies"]) > 0.5
     # val_loss = mean over the 32 validation pairs of -logsigmoid(β(u_c - u_r)) at the final weights
@@ -166,16 +168,7 @@ def test_loss_and_metrics_match_an_independent_implementation(tokenizer):
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         vocab_mean = logits[:, :-1].mean(-1)
     torch.testing.assert_close(metrics["logits/chosen"], (vocab_mean * mask)[:8].sum() / mask[:8].sum())
-    assert set(metrics) == {
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-        "logits/chosen",
-        "logits/rejected",
-    }
+    assert set(metrics) == set(METRICS)
 
 
 def _one_step_gradient(

@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
+from helpers.cli import cli_with_callback
 from helpers.data import regression_data as _data
 from helpers.modules import Regressor
 from lit_trainer.callbacks.eval_on_start import EvalOnStart, check_lightning_internals
@@ -181,18 +181,6 @@ def test_lightning_internals_are_present() -> None:
 
 
 def test_configurable_from_lightning_cli() -> None:
-    cli = LightningCLI(
-        Regressor,
-        run=False,
-        args={
-            "trainer": {
-                "logger": False,
-                "enable_progress_bar": False,
-                "callbacks": [
-                    {"class_path": "lit_trainer.callbacks.eval_on_start.EvalOnStart", "init_args": {"on_resume": True}}
-                ],
-            }
-        },
-    )
+    cli = cli_with_callback(Regressor, "lit_trainer.callbacks.eval_on_start.EvalOnStart", {"on_resume": True})
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, EvalOnStart)]
     assert cb.on_resume is True

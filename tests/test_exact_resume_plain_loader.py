@@ -14,6 +14,7 @@ import pytorch_lightning
 import torch
 from torch.utils.data import DataLoader
 
+from helpers.modules import DropoutRegressor, on_pytorch_lightning
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.callbacks import pytorch_lightning as pl_callbacks
 
@@ -23,21 +24,7 @@ ROWS, BATCH = 24, 4  # 6 batches an epoch
 def _plain_module(ns: Any) -> type:
     """What any Lightning project writes (``import lightning as L`` or ``import pytorch_lightning as pl``): no
     lit_trainer module, data module or loader."""
-
-    class Plain(ns.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.5)
-
-    return Plain
+    return DropoutRegressor if ns is L else on_pytorch_lightning(DropoutRegressor)
 
 
 NAMESPACES = {"lightning": L, "pytorch_lightning": pytorch_lightning}

@@ -9,27 +9,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers.accumulation import GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.accumulation import accum_datamodule, fit_grads, full_batch_gradient, relative_error
 from helpers.models import tiny_llama
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 
 def _fit(model, tokenizer, dm, accumulate, max_steps, **module_kwargs):
     module = CausalLMModule(model, tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0, **module_kwargs)
-    capture = GradCapture()
-    trainer = pl.Trainer(
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, datamodule=dm)
-    return capture.grads
+    return fit_grads(module, dm, accumulate, max_steps)
 
 
 def test_accumulation_equals_full_batch_gradient(tokenizer):

@@ -1,24 +1,17 @@
 """The last logging window of a run that ends between two logging steps is written, not dropped."""
 
 import copy
-import csv
 
-import lightning.pytorch as pl
 import pytest
 from datasets import Dataset
-from lightning.pytorch.loggers import CSVLogger
 
+from helpers.logs import fit_train_loss_rows
 from helpers.models import tiny_llama
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 TEXTS = ["ab", "longer row of text", "xyz", "mid row", "q", "another long row!", "hi", "row 8", "ten", "row 10"]
-
-
-def _train_rows(path):
-    with open(path) as f:
-        return [row for row in csv.DictReader(f) if row["train_loss"]]
 
 
 @pytest.mark.parametrize(("steps", "every", "expected"), [(5, 2, [1, 3, 4]), (3, 50, [2]), (4, 2, [1, 3])])
@@ -34,17 +27,7 @@ def test_the_partial_last_window_is_logged_once(tokenizer, tmp_path, steps, ever
     )
     dm.setup("fit")
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=0.0)
-    trainer = pl.Trainer(
-        max_steps=steps,
-        log_every_n_steps=every,
-        logger=CSVLogger(tmp_path, name="r"),
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=dm)
-    rows = _train_rows(tmp_path / "r" / "version_0" / "metrics.csv")
+    rows = fit_train_loss_rows(module, dm, tmp_path, steps, every)
     assert [int(r["step"]) for r in rows] == expected
     # lr = 0: each step's loss is the token mean of its micro-batch (rows 2k, 2k+1); the last row's window is the
     # steps after the previous logged step

@@ -8,11 +8,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader
 
 import helpers.modules
+from helpers.cli import cli_with_callback
 from helpers.modules import TinyHF
 from lit_trainer.callbacks.neftune import NEFTune, draw_seed, find_input_embedding
 
@@ -248,21 +248,10 @@ def test_embedding_lookup_path_and_errors() -> None:
 
 
 def test_configurable_from_lightning_cli() -> None:
-    cli = LightningCLI(
+    cli = cli_with_callback(
         TinyLM,
-        run=False,
-        args={
-            "trainer": {
-                "logger": False,
-                "enable_progress_bar": False,
-                "callbacks": [
-                    {
-                        "class_path": "lit_trainer.callbacks.neftune.NEFTune",
-                        "init_args": {"noise_alpha": 7.5, "mask_padding": True, "embedding_path": "embed"},
-                    }
-                ],
-            }
-        },
+        "lit_trainer.callbacks.neftune.NEFTune",
+        {"noise_alpha": 7.5, "mask_padding": True, "embedding_path": "embed"},
     )
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, NEFTune)]
     assert (cb.noise_alpha, cb.mask_padding, cb.embedding_path, cb.seed) == (7.5, True, "embed", None)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, full_batch_gradient, relative_error
+from helpers.accumulation import TEXTS, accum_datamodule, fit_grads, full_batch_gradient, relative_error
 from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from lit_trainer.callbacks import ExactResume
@@ -20,33 +20,7 @@ from lit_trainer.modules.causal_lm import CausalLMModule
 
 
 def _dm(tokenizer, packing, batch_size=2, **kw):
-    return SFTDataModule(
-        tokenizer=tokenizer,
-        dataset=Dataset.from_dict({"text": TEXTS}),
-        val_size=0,
-        batch_size=batch_size,
-        max_length=64,
-        sampling="sequential",
-        packing=packing,
-        **kw,
-    )
-
-
-def _fit(module, dm, accumulate, max_steps):
-    capture = GradCapture()
-    trainer = pl.Trainer(
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, datamodule=dm)
-    return capture.grads
+    return accum_datamodule(tokenizer, batch_size, packing=packing, **kw)
 
 
 def test_best_fit_decreasing_hand_case_and_invariants():
@@ -94,7 +68,7 @@ def test_padding_free_accumulation_equals_full_batch_gradient(tokenizer):
     reference_dm.setup("fit")
     reference = full_batch_gradient(copy.deepcopy(model), reference_dm, list(range(8)))
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
-    grads = _fit(module, _dm(tokenizer, "padding_free"), accumulate=4, max_steps=1)
+    grads = fit_grads(module, _dm(tokenizer, "padding_free"), accumulate=4, max_steps=1)
     assert len(grads) == 1
     assert relative_error(grads[0], reference) < 1e-5
 
@@ -112,7 +86,7 @@ def test_bfd_bins_hold_every_row_and_give_the_full_batch_gradient(tokenizer):
     reference_dm.setup("fit")
     reference = full_batch_gradient(copy.deepcopy(model), reference_dm, list(range(8)))
     module = CausalLMModule(copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=0.0)
-    grads = _fit(module, dm, accumulate=-(-len(bins) // 2), max_steps=1)
+    grads = fit_grads(module, dm, accumulate=-(-len(bins) // 2), max_steps=1)
     assert relative_error(grads[0], reference) < 1e-5
 
 
@@ -143,7 +117,7 @@ def test_packed_fit_trains_like_the_padded_fit(tokenizer):
         module = CausalLMModule(
             copy.deepcopy(model), tokenizer=tokenizer, max_grad_norm=None, learning_rate=1e-2, warmup_steps=0
         )
-        _fit(module, _dm(tokenizer, packing), accumulate=2, max_steps=3)
+        fit_grads(module, _dm(tokenizer, packing), accumulate=2, max_steps=3)
         weights.append({n: p.detach().clone() for n, p in module.model.named_parameters()})
     moved = relative_error({n: p.detach() for n, p in model.named_parameters()}, weights[0])
     assert moved > 1e-3  # training changed the weights, so the comparison below means something
@@ -187,7 +161,7 @@ def test_refuses_an_attention_that_cannot_keep_rows_apart(tokenizer):
     assert packing_leak(tiny_llama(seed=6)) < 1e-5  # the same weights with sdpa keep rows apart
     module = CausalLMModule(leaky, tokenizer=tokenizer)
     with pytest.raises(ValueError, match=r"packing='padding_free'.*causal_only_test.*packing='none'"):
-        _fit(module, _dm(tokenizer, "padding_free"), accumulate=1, max_steps=1)
+        fit_grads(module, _dm(tokenizer, "padding_free"), accumulate=1, max_steps=1)
 
 
 @pytest.mark.parametrize(

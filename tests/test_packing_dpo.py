@@ -59,13 +59,9 @@ def test_padding_free_loss_and_metrics_equal_padded(tokenizer, ld_alpha):
         torch.testing.assert_close(metrics_b[name], metrics_a[name], rtol=1e-5, atol=1e-5)
 
 
-def _step_gradient(tokenizer, packing: str, batch_size: int, accumulate: int) -> dict[str, torch.Tensor]:
-    module = DPOModule(tiny_llama(0), loss_type=LOSSES, beta=0.1, learning_rate=1e-3)
-    capture = GradCapture()
-    trainer = pl.Trainer(
+def _one_step_trainer(**kw) -> pl.Trainer:
+    return pl.Trainer(
         max_steps=1,
-        callbacks=[capture],
-        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -73,7 +69,14 @@ def _step_gradient(tokenizer, packing: str, batch_size: int, accumulate: int) ->
         accelerator="cpu",
         devices=1,
         num_sanity_val_steps=0,
+        **kw,
     )
+
+
+def _step_gradient(tokenizer, packing: str, batch_size: int, accumulate: int) -> dict[str, torch.Tensor]:
+    module = DPOModule(tiny_llama(0), loss_type=LOSSES, beta=0.1, learning_rate=1e-3)
+    capture = GradCapture()
+    trainer = _one_step_trainer(callbacks=[capture], accumulate_grad_batches=accumulate)
     trainer.fit(module, datamodule=_dm(tokenizer, packing, batch_size=batch_size))
     return capture.grads[0]
 
@@ -94,15 +97,6 @@ def test_dpo_refuses_packing_on_a_leaky_attention(tokenizer):
     from test_packing import leaky_model
 
     module = DPOModule(leaky_model(), loss_type=LOSSES, beta=0.1)
-    trainer = pl.Trainer(
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        num_sanity_val_steps=0,
-    )
+    trainer = _one_step_trainer()
     with pytest.raises(ValueError, match=r"packing='padding_free'.*causal_only_test"):
         trainer.fit(module, datamodule=_dm(tokenizer, "padding_free"))

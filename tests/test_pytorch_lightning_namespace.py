@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 pl = pytest.importorskip("pytorch_lightning")  # the test extra installs it; the lightning-only tests live elsewhere
 
 import lit_trainer.callbacks as lightning_callbacks  # noqa: E402
+from helpers.cli import cli_with_callback  # noqa: E402
 from helpers.modules import TinyHF, TinyLM, on_pytorch_lightning  # noqa: E402
 from lit_trainer.callbacks import pytorch_lightning as plc  # noqa: E402
 from lit_trainer.callbacks._namespace import twin  # noqa: E402
@@ -205,21 +206,11 @@ def test_hf_export_writes_the_trained_model_and_refuses_a_plain_module(tmp_path:
 def test_configurable_from_a_pytorch_lightning_cli() -> None:
     from pytorch_lightning.cli import LightningCLI
 
-    cli = LightningCLI(
+    cli = cli_with_callback(
         Regressor,
-        run=False,
-        args={
-            "trainer": {
-                "logger": False,
-                "enable_progress_bar": False,
-                "callbacks": [
-                    {
-                        "class_path": "lit_trainer.callbacks.pytorch_lightning.BestCheckpoint",
-                        "init_args": {"monitor": "val_loss", "save_total_limit": 2},
-                    }
-                ],
-            }
-        },
+        "lit_trainer.callbacks.pytorch_lightning.BestCheckpoint",
+        {"monitor": "val_loss", "save_total_limit": 2},
+        cli=LightningCLI,
     )
     assert isinstance(cli.trainer.checkpoint_callback, plc.BestCheckpoint)
     assert cli.trainer.checkpoint_callback.save_total_limit == 2

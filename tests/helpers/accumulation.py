@@ -61,6 +61,25 @@ class GradCapture(pl.Callback):
         )
 
 
+def fit_grads(module: pl.LightningModule, dm: pl.LightningDataModule, accumulate: int, max_steps: int) -> list:
+    """Fit ``module`` on ``dm`` for ``max_steps`` optimizer steps of ``accumulate`` micro-batches (no validation,
+    logging or checkpoints); the gradient seen before each optimizer step (see :class:`GradCapture`)."""
+    capture = GradCapture()
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=dm)
+    return capture.grads
+
+
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     num = sum(((a[k] - b[k]) ** 2).sum() for k in b)
     den = sum((b[k] ** 2).sum() for k in b)

@@ -1,4 +1,5 @@
-"""Running the scripts under ``tests/scripts`` (2-rank DDP/FSDP runs, fault injection) as separate processes."""
+"""Running the scripts under ``tests/scripts`` (2-rank DDP/FSDP runs, fault injection) and the ``lit-trainer`` console
+script as separate processes."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def run_script(name: str, *args: str | os.PathLike, timeout: float = 900) -> sub
         timeout=timeout,
         capture_output=True,
         text=True,
+    )
+
+
+def run_lit_trainer(*args: str | os.PathLike, cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    """The ``lit-trainer`` console script installed next to this interpreter (else the one on ``PATH``) with ``args``,
+    run to the end in ``cwd`` with one intra-op thread and ``extra`` added to the environment; output captured."""
+    exe = Path(sys.executable).with_name("lit-trainer")
+    return subprocess.run(
+        [str(exe) if exe.exists() else "lit-trainer", *map(str, args)],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **extra},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 

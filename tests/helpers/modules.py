@@ -1,10 +1,9 @@
 """Plain LightningModules (not from lit_trainer), the kind a user writes, for the callback tests.
 
-``TinyLM`` (embedding -> dropout -> linear next-token model), ``TinyHF`` (a tiny transformers Llama as ``.model``)
-and ``Regressor`` (an MLP on ``(x, y)`` batches) are built on ``lightning.pytorch``; :func:`on_pytorch_lightning`
-rebuilds any of them on ``pytorch_lightning``. Each public class is ``class X(_X, LightningModule)`` with the
-implementation in ``_X``, so the rebuilt class shares it.
-"""
+``TinyLM`` (embedding -> dropout -> linear next-token model), ``TinyHF`` (a tiny transformers Llama as ``.model``),
+``Regressor`` (an MLP on ``(x, y)`` batches) and ``DropoutRegressor`` (an MLP with dropout) are built on
+``lightning.pytorch``; :func:`on_pytorch_lightning` rebuilds any of them on ``pytorch_lightning``. Each public class is
+``class X(_X, LightningModule)`` with the implementation in ``_X``, so the rebuilt class shares it."""
 
 from __future__ import annotations
 
@@ -139,6 +138,25 @@ class _Regressor:
 
 class Regressor(_Regressor, L.LightningModule):
     """A regression MLP 4 -> ``hidden`` -> 1 (``hidden=None``: one linear layer) on ``(x, y)`` batches, SGD."""
+
+
+class _DropoutRegressor:
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.5)
+
+
+class DropoutRegressor(_DropoutRegressor, L.LightningModule):
+    """A regression MLP 4 -> 16 -> 1 with dropout (so resuming must restore the RNG) on ``(x, y)`` batches with 1-D
+    targets, SGD with momentum; the same weights each time (seed 0)."""
 
 
 def on_pytorch_lightning(cls: type) -> type:

@@ -42,26 +42,29 @@ def datamodule() -> PreferenceDataModule:
     )
 
 
+def ddp_trainer(**kw) -> pl.Trainer:
+    """3 steps on 2 CPU ranks, no logger, checkpointing, progress bar, summary or sanity check; ``kw`` adds to it."""
+    return pl.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kw,
+    )
+
+
 if __name__ == "__main__":
     out, result = Path(sys.argv[1]), {}
     for name, precompute in (("live", False), ("precomputed", True)):
         pl.seed_everything(0)
         module = DPOModule(tiny_llama(0), learning_rate=1e-3, beta=0.1, precompute_ref_log_probs=precompute)
         dm, losses = datamodule(), Losses()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            strategy="ddp",
-            devices=2,
-            max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[losses],
-            val_check_interval=3,
-            check_val_every_n_epoch=None,
-            num_sanity_val_steps=0,
-        )
+        trainer = ddp_trainer(callbacks=[losses], val_check_interval=3, check_val_every_n_epoch=None)
         trainer.fit(module, datamodule=dm)
         result[name] = {
             "losses": losses.values,
@@ -75,18 +78,7 @@ if __name__ == "__main__":
             }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     lora = DPOModule(tiny_llama(0), peft_config={"r": 4, "target_modules": "all-linear"}, learning_rate=1e-2, beta=0.1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        strategy="ddp",
-        devices=2,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    trainer = ddp_trainer(limit_val_batches=0)
     trainer.fit(lora, datamodule=datamodule())
     trainer.save_checkpoint(out / "lora.ckpt")
     base = dict(tiny_llama(0).named_parameters())

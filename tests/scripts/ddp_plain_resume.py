@@ -26,22 +26,10 @@ if __name__ == "__main__":
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
+    from helpers.modules import DropoutRegressor
     from lit_trainer.callbacks import ExactResume
 
     out_dir = sys.argv[1]
-
-    class Plain(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.5)
 
     class Seen(pl.Callback):
         def __init__(self, save_mid_window: bool) -> None:
@@ -76,7 +64,7 @@ if __name__ == "__main__":
             default_root_dir=out_dir,
         )
         pl.seed_everything(trainer.global_rank)
-        module = Plain()
+        module = DropoutRegressor()
         trainer.fit(
             module,
             DataLoader(data, batch_size=BATCH, shuffle=True),
