@@ -51,7 +51,7 @@ from lit_trainer.cli_noise import (
 )
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
-from lit_trainer.runs import DEFAULT_ROOT, default_run_name, fresh_version, version_of
+from lit_trainer.runs import DEFAULT_ROOT, default_run_name, fresh_version, version_folder, version_of
 
 DEFAULT_SEED = 1234
 _RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger")  # loggers placed in the run folder
@@ -226,7 +226,7 @@ class LitTrainerCLI(LightningCLI):
         version = version_of(path, run_root, record.get("run_dir"))
         rank_zero_info(
             f"[lit_trainer] resuming from {path}"
-            + (f"; the run continues in {run_root / _folder_name(version)}" if version is not None else "")
+            + (f"; the run continues in {run_root / version_folder(version)}" if version is not None else "")
         )
         return path, version
 
@@ -251,10 +251,6 @@ class LitTrainerCLI(LightningCLI):
         else:  # continuing in the run's own folder is the point; Lightning would warn that it is not empty
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         config["ckpt_path"] = self._resume_from
-
-
-def _folder_name(version: int | str) -> str:
-    return f"version_{version}" if isinstance(version, int) else str(version)
 
 
 def main(args: Any = None) -> None:

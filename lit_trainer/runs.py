@@ -56,7 +56,14 @@ def _holds_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
-def _folder(version: int | str) -> str:
+def version_folder(version: int | str) -> str:
+    """The folder name of a logger version: ``version_<n>`` for a number (``3``, ``"3"``, ``"version_3"``), else the
+    string itself.
+
+    Example:
+        >>> version_folder(3), version_folder("version_3"), version_folder("baseline")
+        ('version_3', 'version_3', 'baseline')
+    """
     number = version_number(version)
     return f"version_{number}" if number is not None else str(version)
 
@@ -78,14 +85,14 @@ def fresh_version(run_root: str | os.PathLike, pinned: int | str | None) -> tupl
         >>> fresh_version("/nonexistent/sft", None)
         (0, None)
     """
-    if pinned is not None and not _holds_files(Path(run_root) / _folder(pinned)):
+    if pinned is not None and not _holds_files(Path(run_root) / version_folder(pinned)):
         return (version_number(pinned) if version_number(pinned) is not None else pinned), None
     chosen = next_version(run_root)
     if pinned is None:
         return chosen, None
     return chosen, (
-        f"{Path(run_root) / _folder(pinned)} already holds an earlier run; this run writes to "
-        f"{Path(run_root) / _folder(chosen)} instead, so nothing is overwritten (pass --ckpt_path to "
+        f"{Path(run_root) / version_folder(pinned)} already holds an earlier run; this run writes to "
+        f"{Path(run_root) / version_folder(chosen)} instead, so nothing is overwritten (pass --ckpt_path to "
         "continue that run)."
     )
 

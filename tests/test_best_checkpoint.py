@@ -254,3 +254,14 @@ def test_ddp_two_processes_agree(tmp_path: Path) -> None:
         assert all(torch.equal(w[k], best[k]) for k in best)
     first_noise = [torch.load(tmp_path / f"rank{r}_noise.pt", weights_only=True) for r in (0, 1)]
     assert not torch.equal(first_noise[0], first_noise[1])  # ranks draw different noise
+
+
+def test_verbose_names_each_decision_with_its_score(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pl.seed_everything(0)
+    cb = BestCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", monitor="val_score", mode="min", verbose=True)
+    with caplog.at_level("INFO"):
+        _fit(_trainer(tmp_path, [cb], max_steps=16), Regressor())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BestCheckpoint: step")]
+    new_best = [line.split("new best val_score=")[1].split(",")[0] for line in lines if "new best" in line]
+    assert new_best == ["3", "2", "1.5", "1"]  # steps 2, 8, 14, 16
+    assert sum("did not improve" in line for line in lines) == 4  # steps 4, 6 (NaN), 10 (tie), 12

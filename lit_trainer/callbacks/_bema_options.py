@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,28 +56,3 @@ def check_device(device: Any) -> torch.device | None:
             f"`BEMA(device={device!r})` is invalid: use a torch device such as 'cpu' or 'cuda', "
             "or None to keep each buffer next to its parameter."
         ) from err
-
-
-def bema_state_keys(callback_states: dict[str, Any], qualname: str = "BEMA") -> list[str]:
-    """The keys of ``checkpoint["callbacks"]`` that hold a BEMA state: ``"BEMA{settings}"``, or ``"BEMA"`` (the
-    class-name key of checkpoints written before the settings were part of the key)."""
-    return [k for k in callback_states if isinstance(k, str) and (k == qualname or k.startswith(qualname + "{"))]
-
-
-def bema_state_from_checkpoint(path: str | os.PathLike, state_key: str | None, qualname: str) -> dict[str, Any]:
-    """The (initialized) BEMA state ``state_key`` (or the only one) of a ``.ckpt`` file or distributed checkpoint
-    folder (whose callback states are in its ``meta.pt``), loaded with ``weights_only=True``; ``ValueError`` else."""
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-
-    file = Path(path) / _METADATA_FILENAME if Path(path).is_dir() else path  # a distributed checkpoint folder
-    states = torch.load(file, map_location="cpu", weights_only=True).get("callbacks", {})
-    keys = [state_key] if state_key is not None else bema_state_keys(states, qualname)
-    if len(keys) != 1 or keys[0] not in states:
-        raise ValueError(
-            f"The checkpoint {str(path)!r} holds {len(keys)} BEMA states ({keys}): pass "
-            "`state_key=` (the callback's `state_key`) to choose one."
-        )
-    state = states[keys[0]]
-    if not state.get("initialized"):
-        raise ValueError(f"The checkpoint {str(path)!r} holds no BEMA weights (saved before training started).")
-    return state

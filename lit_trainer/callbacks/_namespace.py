@@ -37,7 +37,6 @@ class LightningNamespace:
     FSDPStrategy: type
     DeepSpeedStrategy: type
     ModelParallelStrategy: type
-    AsyncCheckpointIO: type
     is_overridden: Callable[..., bool]
     rank_zero_info: Callable[..., Any]
     rank_zero_warn: Callable[..., Any]
@@ -70,7 +69,6 @@ def namespace(package: Package) -> LightningNamespace:
         FSDPStrategy=strategies.FSDPStrategy,
         DeepSpeedStrategy=strategies.DeepSpeedStrategy,
         ModelParallelStrategy=strategies.ModelParallelStrategy,
-        AsyncCheckpointIO=importlib.import_module(f"{package}.plugins.io").AsyncCheckpointIO,
         is_overridden=importlib.import_module(f"{package}.utilities.model_helpers").is_overridden,
         rank_zero_info=utilities.rank_zero_info,
         rank_zero_warn=utilities.rank_zero_warn,

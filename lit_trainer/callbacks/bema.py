@@ -12,26 +12,21 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lit_trainer.callbacks._bema_export import export_bema_weights
 from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_
-from lit_trainer.callbacks._bema_options import (
-    HPARAMS,
+from lit_trainer.callbacks._bema_options import HPARAMS, check_bema_args, check_device
+from lit_trainer.callbacks._bema_ref import resolve_ref_params
+from lit_trainer.callbacks._bema_shards import as_param_layout, gather, locals_of
+from lit_trainer.callbacks._bema_state import (
     bema_state_from_checkpoint,
     bema_state_keys,
-    check_bema_args,
-    check_device,
-)
-from lit_trainer.callbacks._bema_ref import resolve_ref_params
-from lit_trainer.callbacks._bema_shards import (
-    as_param_layout,
-    gather,
-    local_shard_like,
-    locals_of,
+    check_format,
+    empty_state,
+    pack_state,
+    unpack_buffers,
 )
 from lit_trainer.callbacks._namespace import PackageBound
-from lit_trainer.callbacks.hf_export import export_hf
-from lit_trainer.modules._sharding import full_state_dict, is_dtensor, is_sharded, local
-
-_FORMAT = 1
+from lit_trainer.modules._sharding import is_dtensor, local
 
 
 class _BEMA(PackageBound):
@@ -276,18 +271,9 @@ class _BEMA(PackageBound):
     @override
     def state_dict(self) -> dict[str, Any]:
         if not self._names:
-            return self._loaded if self._loaded is not None else {"format": _FORMAT, "initialized": False}
-        return {
-            "format": _FORMAT,
-            "initialized": True,
-            "step": self._step,
-            "num_updates": self._num_updates,
-            "hparams": self._hparams(),  # full tensors (gathered when sharded: rank 0's state is the one saved)
-            **{
-                key: dict(zip(self._names, gather(buffers, self._params)))
-                for key, buffers in (("theta0", self._theta0), ("ema", self._ema), ("bema", self._bema))
-            },
-        }
+            return self._loaded if self._loaded is not None else empty_state()
+        buffers = (self._theta0, self._ema, self._bema)
+        return pack_state(self._names, self._params, buffers, self._step, self._num_updates, self._hparams())
 
     @override
     def on_load_checkpoint(
@@ -310,8 +296,7 @@ class _BEMA(PackageBound):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("format") != _FORMAT:
-            raise ValueError(f"BEMA checkpoint state has format {state_dict.get('format')!r}, expected {_FORMAT}.")
+        check_format(state_dict)
         self._swap_out()
         self._names, self._module_id, self._scored_step = [], None, None  # re-attach in on_train_start
         self._loaded = state_dict if state_dict.get("initialized") else None
@@ -355,27 +340,7 @@ class _BEMA(PackageBound):
         return [local(p).detach().to(self._buffer_device(p), copy=True) for p in self._params]
 
     def _restore(self, state: dict[str, Any]) -> None:
-        saved = list(state["bema"])
-        if sorted(saved) != sorted(self._names):
-            missing, extra = sorted(set(self._names) - set(saved)), sorted(set(saved) - set(self._names))
-            raise ValueError(
-                f"The BEMA checkpoint state does not match the module's trainable parameters "
-                f"(missing from the checkpoint: {missing[:5]}, unknown: {extra[:5]}). Resume with the "
-                "same trainable parameters, or drop the BEMA entry of `checkpoint['callbacks']`."
-            )
-        for name, p in zip(self._names, self._params):
-            if state["bema"][name].shape != p.shape:
-                raise ValueError(
-                    f"BEMA checkpoint shape {tuple(state['bema'][name].shape)} for {name!r} does not "
-                    f"match the parameter's {tuple(p.shape)}."
-                )
-        self._theta0, self._ema, self._bema = (
-            [
-                local_shard_like(state[key][n], p).to(self._buffer_device(p), p.dtype, copy=True)
-                for n, p in zip(self._names, self._params)
-            ]
-            for key in ("theta0", "ema", "bema")
-        )
+        self._theta0, self._ema, self._bema = unpack_buffers(state, self._names, self._params, self._buffer_device)
         self._step, self._num_updates = int(state["step"]), int(state["num_updates"])
 
     def _on_optimizer_step(self, step: int) -> None:
@@ -420,22 +385,12 @@ class _BEMA(PackageBound):
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``save_pretrained`` the BEMA weights (rank 0; written under a partial name, then renamed into place)."""
-        model = getattr(pl_module, "model", None)
-        if not self.export_hf or not hasattr(model, "save_pretrained"):
+        if not self.export_hf or not hasattr(getattr(pl_module, "model", None), "save_pretrained"):
             return
         root = trainer.log_dir or trainer.default_root_dir
         target = Path(self.export_dir) if self.export_dir is not None else Path(root) / "bema"
-        sharded = is_sharded(model)
-        state = full_state_dict(model) if sharded else None  # sharded: collectives every rank joins
-        bema = gather(self._bema, self._params)
-        if trainer.is_global_zero:
-            weights = state if sharded else model.state_dict()  # frozen ones as they are; tied keys share a tensor
-            for key in weights:
-                if "model." + key in self._alias:
-                    weights[key] = bema[self._alias["model." + key]]
-            export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=weights)
-            self._ns.rank_zero_info(f"BEMA weights saved to {target}")
-        trainer.strategy.barrier("bema_export")
+        export_bema_weights(trainer, pl_module, target, self._bema, self._params, self._alias)
+        self._ns.rank_zero_info(f"BEMA weights saved to {target}")
 
 
 class BEMA(_BEMA, Callback):

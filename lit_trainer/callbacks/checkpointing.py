@@ -167,7 +167,6 @@ class _BestCheckpoint(PackageBound):
         self.load_best_at_end = load_best_at_end
         self.export_hf = export_hf
         self.merge_adapters = merge_adapters
-        self._decided_score: float = math.nan
         self._scorer: Any = None  # the callback whose validation scores other weights than the live ones
         self._verbose = verbose
         self._improved = False  # a new best was decided: the checkpoint being written is this callback's
@@ -268,7 +267,6 @@ class _BestCheckpoint(PackageBound):
         if isinstance(current, Tensor):
             with torch.no_grad():
                 current.copy_(torch.as_tensor(value, dtype=current.dtype))
-        self._decided_score = value
         best = self.best_model_score
         self._improved = not math.isnan(value) and (best is None or _IMPROVES[self.mode](value, float(best)))
         if not self._improved and self._verbose:
@@ -316,7 +314,7 @@ class _BestCheckpoint(PackageBound):
         if self._verbose:
             self._ns.rank_zero_info(
                 f"BestCheckpoint: step {trainer.global_step}: new best "
-                f"{self.monitor}={self._decided_score:.6g}, saved {path!r}"
+                f"{self.monitor}={float(self.best_model_score):.6g}, saved {path!r}"
             )
         if self.export_hf:
             self._export_hf(trainer, path)
