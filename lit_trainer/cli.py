@@ -10,8 +10,12 @@ What it changes from a plain ``LightningCLI``:
 * one run = one folder: ``<trainer.default_root_dir (runs)>/<run_name (sft|dpo|grpo)>/version_<n>/`` holds the
   CSV (and TensorBoard) logs, ``config.yaml``, ``checkpoints/`` and ``hf_model/``; a fresh run never writes into a
   folder that holds files, a resumed run continues in its checkpoint's folder (:mod:`lit_trainer.runs`);
-* ``--ckpt_path last`` resumes the newest complete checkpoint of this run name, and a checkpoint of another module,
-  data module or run name is refused (:class:`~lit_trainer.callbacks.RunIdentity`);
+* ``--ckpt_path last`` resumes the newest complete checkpoint of an unfinished run with this run name AND the same
+  model and data arguments (:class:`~lit_trainer.callbacks.RunIdentity`); a checkpoint of another module, data
+  module or run name is refused even as an explicit path; a resumed part never overwrites the records of the earlier
+  parts (:func:`lit_trainer.runs.keep_part_records`);
+* a fresh run that fails before its first optimizer step removes the run folder it made;
+* after a ``JITCheckpoint`` stop (SIGTERM, Ctrl-C) the command to continue the run is printed;
 * no sanity-check validation by default (generation-based validation is costly and its result is thrown away);
 * ``fit`` refuses to run without a bound (``max_steps``, ``max_epochs`` or ``max_time``);
 * a final metrics table, plain progress lines when stdout is not a terminal, a warning when CPU threads are
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -30,12 +35,20 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_resume_checkpoint
+from lit_trainer.callbacks.checkpoint_resolution import complete_checkpoints, resolve_resume
 from lit_trainer.callbacks.cpu_threads import CPUThreadCheck
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
-from lit_trainer.callbacks.run_identity import RunIdentity, class_path, identity_mismatch, read_record
+from lit_trainer.callbacks.run_identity import (
+    RunIdentity,
+    class_path,
+    flatten_config,
+    identity_mismatch,
+    pick_last,
+    read_record,
+)
 from lit_trainer.cli_errors import (
     TRACEBACK_ENV,
     FriendlyParser,
@@ -51,10 +64,20 @@ from lit_trainer.cli_noise import (
 )
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
-from lit_trainer.runs import DEFAULT_ROOT, default_run_name, fresh_version, version_folder, version_of
+from lit_trainer.runs import (
+    DEFAULT_ROOT,
+    default_run_name,
+    fresh_version,
+    keep_part_records,
+    remove_unused_run_folder,
+    version_folder,
+    version_of,
+)
 
 DEFAULT_SEED = 1234
 _RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger")  # loggers placed in the run folder
+# Lightning's CSVLogger deletes the metrics.csv of a folder it finds in use: in a run folder it is our appending one
+_LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger")
 
 
 def default_loggers() -> list[dict[str, Any]]:
@@ -120,6 +143,8 @@ class LitTrainerCLI(LightningCLI):
         trainer_defaults = {"logger": default_loggers(), "num_sanity_val_steps": 0}
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}))
         self._resume_from: str | None = None
+        self._identity_config: dict[str, Any] | None = None
+        self._fresh_run_dir: Path | None = None
         quiet_startup_noise()
         quiet_progress_bars_off_terminal()
         with warnings.catch_warnings():
@@ -174,6 +199,10 @@ class LitTrainerCLI(LightningCLI):
         name = config.get("run_name") or default_run_name(config["model"]["class_path"])
         trainer["default_root_dir"], config["run_name"] = str(root), name
         loggers = [lg for lg in _as_list(trainer.get("logger")) if str(lg.get("class_path", "")).endswith(_RUN_LOGGERS)]
+        for logger in loggers:
+            if logger.get("class_path") in _LIGHTNING_CSV:
+                logger["class_path"] = "lit_trainer.runs.RunCSVLogger"
+        self._identity_config = flatten_config({"model": config.get("model"), "data": config.get("data")})
         run_root = Path(root) / name
         version = None
         if self.subcommand == "fit" and config.get("ckpt_path") is not None:
@@ -183,6 +212,12 @@ class LitTrainerCLI(LightningCLI):
             version, note = fresh_version(run_root, pinned)
             if note:
                 rank_zero_info(f"[lit_trainer] {note}")
+            if self.subcommand == "fit":
+                self._fresh_run_dir = run_root / version_folder(version)
+        elif self.subcommand == "fit" and rank_zero_only.rank == 0:
+            kept = keep_part_records(run_root / version_folder(version))
+            if kept is not None:
+                rank_zero_info(f"[lit_trainer] the records of the run's earlier part are kept in {kept}")
         for logger in loggers:
             for key, value in (("save_dir", str(root)), ("name", name), ("version", version)):
                 logger["init_args"][key] = value
@@ -200,29 +235,38 @@ class LitTrainerCLI(LightningCLI):
     def _resume_target(self, config: Any, run_root: Path) -> tuple[str | None, int | str | None]:
         """The checkpoint to resume (``None``: fresh start) and the version folder the run continues in."""
         requested = str(config["ckpt_path"])
+        data = config.get("data")
+        current = {
+            "module": class_path(_import(config["model"]["class_path"])),
+            "datamodule": class_path(_import(data["class_path"])) if data else None,
+            "run_name": run_root.name,
+            "config": self._identity_config,
+        }
         if requested in ("last", "auto"):
             dirs = [str(d) for cb in _as_list(config["trainer"].get("callbacks")) if (d := _init_arg(cb, "dirpath"))]
             dirs += sorted(str(p) for p in run_root.glob("*/checkpoints"))
-            path = resolve_resume_checkpoint(dirs)
-            if path is None:
+            path, skipped = pick_last(complete_checkpoints(dirs), current)
+            if path is None and skipped:
+                rank_zero_warn(_nothing_to_continue(requested, run_root, skipped))
+            elif path is None:
                 rank_zero_info(
                     f"[lit_trainer] --ckpt_path {requested}: no complete checkpoint of run "
                     f"'{run_root.name}' in {run_root}, starting fresh"
                 )
+            if path is None:
                 return None, None
         else:
             path = resolve_resume(requested, [])
         record = read_record(path) or {}
-        if record:
-            data = config.get("data")
-            current = {
-                "module": class_path(_import(config["model"]["class_path"])),
-                "datamodule": class_path(_import(data["class_path"])) if data else None,
-                "run_name": run_root.name,
-            }
-            message = identity_mismatch(record, current, path)
-            if message:
-                raise ValueError(message)
+        message = identity_mismatch(record, current, path) if record else None
+        if message:
+            raise ValueError(message)
+        max_steps = config["trainer"].get("max_steps")
+        if record.get("finished") and max_steps not in (None, -1) and record.get("global_step", 0) >= max_steps:
+            rank_zero_warn(
+                f"{path} is the end of a finished run (step {record.get('global_step')}) and this run stops at "
+                f"max_steps={max_steps}: nothing will be trained. Raise --trainer.max_steps to continue it."
+            )
         version = version_of(path, run_root, record.get("run_dir"))
         rank_zero_info(
             f"[lit_trainer] resuming from {path}"
@@ -234,12 +278,25 @@ class LitTrainerCLI(LightningCLI):
         """Add the run record, the final metrics table, the CPU thread check and our progress bar."""
         given = _as_list(config.get("callbacks")) + callbacks
         run_name = (self.config[self.subcommand] if self.subcommand else self.config).get("run_name")
-        extra: list[Callback] = [RunIdentity(run_name=run_name), FinalMetrics(), CPUThreadCheck()]
+        identity = RunIdentity(run_name=run_name, config=self._identity_config)
+        extra: list[Callback] = [identity, FinalMetrics(), CPUThreadCheck()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             extra.append(default_progress_bar())
         present = {type(c) for c in given}
         callbacks = callbacks + [c for c in extra if type(c) not in present]
         return super()._instantiate_trainer(config, callbacks)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a fresh ``fit`` that fails before its first optimizer step leaves no run folder behind."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            trainer = getattr(self, "trainer", None)
+            untrained = trainer is None or trainer.global_step == 0
+            fresh = self._fresh_run_dir is not None and untrained and rank_zero_only.rank == 0
+            if fresh and remove_unused_run_folder(self._fresh_run_dir):
+                rank_zero_info(f"[lit_trainer] removed {self._fresh_run_dir}: the run failed before it trained")
+            raise
 
     def before_fit(self) -> None:
         """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises."""
@@ -251,6 +308,34 @@ class LitTrainerCLI(LightningCLI):
         else:  # continuing in the run's own folder is the point; Lightning would warn that it is not empty
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         config["ckpt_path"] = self._resume_from
+
+
+def _nothing_to_continue(requested: str, run_root: Path, skipped: list[tuple[str, str]]) -> str:
+    lines = [f"  - {path}: {reason}" for path, reason in skipped]
+    return (
+        f"--ckpt_path {requested}: no checkpoint of run '{run_root.name}' can be continued with this configuration, "
+        "so this is a new run. Passed over:\n" + "\n".join(lines) + "\nTo continue one of them on purpose, pass "
+        "its path: --ckpt_path PATH (for a finished run, also raise --trainer.max_steps or --trainer.max_epochs)."
+    )
+
+
+def resume_hint(argv: list[str], checkpoint_path: str) -> str:
+    """The command that continues a run stopped by ``JITCheckpoint``: the same arguments with ``--ckpt_path last``.
+
+    Example:
+        >>> resume_hint(["fit", "--config", "configs/sft.yaml"], "runs/sft/version_0/checkpoints/jit.ckpt")
+        'To continue this run: lit-trainer fit --config configs/sft.yaml --ckpt_path last'
+    """
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return "To continue this run: " + shlex.join(["lit-trainer", *kept, "--ckpt_path", "last"])
 
 
 def main(args: Any = None) -> None:
@@ -266,6 +351,13 @@ def main(args: Any = None) -> None:
             LitTrainerCLI()
         else:
             LitTrainerCLI(args=args)
+    except JITCheckpointExit as stop:
+        if rank_zero_only.rank == 0:
+            argv = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, list) else []
+            print(f"[lit_trainer] checkpoint saved: {stop.checkpoint_path}", file=sys.stderr)
+            if argv:
+                print(f"[lit_trainer] {resume_hint(argv, stop.checkpoint_path)}", file=sys.stderr)
+        raise
     except Exception as error:
         if os.environ.get(TRACEBACK_ENV) or not raised_by_our_checks(error):
             raise

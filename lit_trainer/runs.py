@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shutil
 from pathlib import Path
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
@@ -141,3 +142,44 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+PART_RECORDS = ("config.yaml", "hparams.yaml")  # files a resumed part would otherwise rewrite in the run folder
+PARTS_FOLDER = "parts"
+
+
+def keep_part_records(run_dir: str | os.PathLike) -> Path | None:
+    """Copy the records of the run's latest part into ``<run_dir>/parts/part_<k>/`` before a resumed part rewrites them.
+
+    ``config.yaml`` and ``hparams.yaml`` at the top of a run folder always describe its latest part; each earlier
+    part's copies are kept under ``parts/part_0``, ``parts/part_1``, ... (``metrics.csv`` is continued, not
+    rewritten, so it needs no copy). Returns the new folder, or ``None`` when there was nothing to keep.
+
+    Example:
+        >>> keep_part_records("/nonexistent") is None
+        True
+    """
+    run_dir = Path(run_dir)
+    present = [run_dir / name for name in PART_RECORDS if (run_dir / name).is_file()]
+    if not present:
+        return None
+    parts = run_dir / PARTS_FOLDER
+    taken = [int(p.name.removeprefix("part_")) for p in parts.glob("part_*") if p.name.removeprefix("part_").isdigit()]
+    target = parts / f"part_{max(taken, default=-1) + 1}"
+    target.mkdir(parents=True)
+    for path in present:
+        shutil.copy2(path, target / path.name)
+    return target
+
+
+def remove_unused_run_folder(run_dir: str | os.PathLike) -> bool:
+    """Delete a fresh run's folder after it failed before its first optimizer step, unless it holds a checkpoint.
+
+    Such a folder holds at most a ``config.yaml``, an ``hparams.yaml`` and empty logs: keeping it would only push
+    the next run to another version number. Returns whether it was removed.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or any(p.suffix == ".ckpt" for p in run_dir.rglob("*")):
+        return False
+    shutil.rmtree(run_dir)
+    return True

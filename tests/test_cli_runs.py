@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from lightning.pytorch.callbacks import Callback
 
+from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.cli import LitTrainerCLI
 
@@ -95,24 +94,26 @@ def test_resume_refuses_another_recipes_checkpoint_naming_both(three_recipes, mo
 
 
 @pytest.mark.slow
-def test_last_after_sft_dpo_grpo_resumes_sft_in_its_own_folder(three_recipes, monkeypatch):
+def test_a_finished_run_is_continued_only_on_purpose_and_keeps_its_records(three_recipes, monkeypatch):
     monkeypatch.chdir(three_recipes)
     run = three_recipes / "runs" / "sft" / "version_0"
-    resumed = _fit("sft", 6, "--trainer.log_every_n_steps", "1", "--ckpt_path", "last")
-    assert Path(resumed.trainer.ckpt_path).resolve() == (run / "checkpoints" / "last.ckpt").resolve()
+    first = {name: (run / name).read_bytes() for name in ("config.yaml", "hparams.yaml")}
+    # the SFT run reached its max_steps (4): `last` passes it over (after DPO and GRPO ran) and says how to continue it
+    with pytest.warns(UserWarning, match=r"(?s)this is a new run.*version_0.*that run finished: step 4"):
+        fresh = _fit("sft", 2, "--ckpt_path", "last")
+    assert fresh.trainer.ckpt_path is None and Path(fresh.trainer.log_dir).name == "version_1"
+    # an explicit path continues it on purpose, in its own folder
+    ckpt = run / "checkpoints" / "last.ckpt"
+    resumed = _fit("sft", 6, "--trainer.log_every_n_steps", "1", "--ckpt_path", str(ckpt))
+    assert Path(resumed.trainer.ckpt_path).resolve() == ckpt.resolve()
     assert resumed.trainer.global_step == 6
-    assert not (three_recipes / "runs" / "sft" / "version_1").exists()  # one run = one folder
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0", "version_1"]  # one run = one folder
     assert _steps(run) == [0, 1, 2, 3, 4, 5]  # one curve: the first 4 steps kept, the resumed ones appended
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["lit_trainer_run"]["run_name"] == "sft"
-
-
-class _SignalAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+    # the first part's records are kept as they were; the top-level ones describe the latest part
+    assert {name: (run / "parts" / "part_0" / name).read_bytes() for name in first} == first
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"] == 6
+    assert yaml.safe_load((run / "parts" / "part_0" / "config.yaml").read_text())["trainer"]["max_steps"] == 4
 
 
 @pytest.mark.slow
@@ -124,7 +125,7 @@ def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, m
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
     jit_fast = ["--trainer.log_every_n_steps", "1"]
     with pytest.raises(JITCheckpointExit) as stopped:
-        _fit("sft", 6, *jit_fast, config="sft.yaml", trainer_defaults={"callbacks": [_SignalAt(2)]})
+        _fit("sft", 6, *jit_fast, config="sft.yaml", trainer_defaults={"callbacks": [SignalAt(2)]})
     assert stopped.value.code == 143
     run = tmp_path / "runs" / "sft" / "version_0"
     saved = Path(stopped.value.checkpoint_path)

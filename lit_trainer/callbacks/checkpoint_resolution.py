@@ -68,8 +68,8 @@ def _checkpoints_in(dirpath: Path) -> list[Path]:
     return [p for p in dirpath.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
 
 
-def resolve_resume_checkpoint(dirpath: _PathLike | Sequence[_PathLike]) -> str | None:
-    """The newest complete ``*.ckpt`` (file, or folder of a sharded checkpoint) in one or more folders.
+def complete_checkpoints(dirpath: _PathLike | Sequence[_PathLike]) -> list[str]:
+    """Every complete ``*.ckpt`` (file, or folder of a sharded checkpoint) in one or more folders, newest first.
 
     "Newest" is the latest modification time (as Lightning's ``ckpt_path="last"``), ties broken by name.
     Skipped, each with a warning that names it: the checkpoint named by a folder's
@@ -79,15 +79,12 @@ def resolve_resume_checkpoint(dirpath: _PathLike | Sequence[_PathLike]) -> str |
     Args:
         dirpath: a folder or a list of folders; missing folders are fine.
 
-    Returns:
-        The path as a string, or ``None`` when no complete checkpoint exists.
-
     Example:
-        >>> resolve_resume_checkpoint("/nonexistent") is None
-        True
+        >>> complete_checkpoints("/nonexistent")
+        []
     """
     folders = [Path(dirpath)] if isinstance(dirpath, (str, os.PathLike)) else [Path(d) for d in dirpath]
-    complete: list[Path] = []
+    complete: set[Path] = set()
     for folder in folders:
         pending = sentinel_target(folder)
         candidates = _checkpoints_in(folder)
@@ -96,12 +93,21 @@ def resolve_resume_checkpoint(dirpath: _PathLike | Sequence[_PathLike]) -> str |
         for path in candidates:
             reason = _incomplete_reason(path, pending)
             if reason is None:
-                complete.append(path)
+                complete.add(path)
             else:
                 rank_zero_warn(f"Not resuming from the incomplete checkpoint {path}: {reason}.")
-    if not complete:
-        return None
-    return str(max(complete, key=lambda p: (p.stat().st_mtime_ns, p.name)))
+    return [str(p) for p in sorted(complete, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)]
+
+
+def resolve_resume_checkpoint(dirpath: _PathLike | Sequence[_PathLike]) -> str | None:
+    """The newest complete ``*.ckpt`` in one or more folders (see :func:`complete_checkpoints`), or ``None``.
+
+    Example:
+        >>> resolve_resume_checkpoint("/nonexistent") is None
+        True
+    """
+    found = complete_checkpoints(dirpath)
+    return found[0] if found else None
 
 
 def implicit_resume_sources(trainer: pl.Trainer) -> list[str]:

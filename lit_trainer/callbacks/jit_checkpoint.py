@@ -24,10 +24,15 @@ recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, 
   reader never sees half a checkpoint; ``lit_trainer.callbacks.resolve_resume_checkpoint`` skips the one a
   left-over sentinel names. An ``AsyncCheckpointIO`` is flushed before the rename.
 * **Exit status.** After the save every rank raises :class:`JITCheckpointExit`, a ``SystemExit`` with
-  ``exit_code`` (default 143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM, so Slurm,
-  Kubernetes ``OnFailure`` and torchrun treat the job as failed/preempted and can requeue it). Lightning's
-  ``SIGTERMException`` exits with status 0, which schedulers read as "finished". ``exit_code=None`` sets
-  ``trainer.should_stop`` instead and ``fit`` returns normally.
+  ``exit_code``. The default ``"signal"`` is what a shell reports for a process killed by that signal, 128 + its
+  number: 143 for SIGTERM (so Slurm, Kubernetes ``OnFailure`` and torchrun treat the job as failed/preempted and
+  can requeue it), 130 for SIGINT (Ctrl-C). Lightning's ``SIGTERMException`` exits with status 0, which schedulers
+  read as "finished". An int sets one status for every signal; ``exit_code=None`` sets ``trainer.should_stop``
+  instead and ``fit`` returns normally.
+* **Ctrl-C.** With ``"SIGINT"`` in ``signals`` (the shipped recipes), the first Ctrl-C saves at the next
+  optimizer step exactly as SIGTERM does, without waiting for ``kill_wait`` (nobody sends SIGKILL after a Ctrl-C),
+  and exits with 130; a second Ctrl-C before the save raises ``KeyboardInterrupt`` at once (Lightning's interrupt
+  handling then stops the run without a checkpoint, exit status 1).
 
 Sizing the grace period: a save starts at the first optimizer-step boundary at least ``kill_wait`` seconds after
 the signal, so the worst case from signal to exit is ``kill_wait + one optimizer step (all micro-batches of the
@@ -50,14 +55,16 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -108,7 +115,8 @@ class _JITCheckpoint(PackageBound):
             ``<trainer.default_root_dir>/checkpoints`` without a logger (so ``--ckpt_path last`` finds it). Local
             paths only (the rename must be atomic).
         filename: name of the checkpoint without ``.ckpt``; ``{epoch}`` and ``{step}`` are filled in.
-        exit_code: status of :class:`JITCheckpointExit` raised after the save (0-255); ``None`` sets
+        exit_code: status of :class:`JITCheckpointExit` raised after the save: ``"signal"`` (128 + the signal's
+            number: 143 for SIGTERM, 130 for SIGINT), or an int 0-255 for every signal; ``None`` sets
             ``trainer.should_stop`` instead, so ``fit`` returns (Lightning then runs one validation and the
             epoch-end hooks, as for ``EarlyStopping``, and ``min_steps``/``min_epochs`` can veto the stop).
 
@@ -129,13 +137,19 @@ class _JITCheckpoint(PackageBound):
         signals: Sequence[str] = ("SIGTERM",),
         dirpath: str | os.PathLike | None = None,
         filename: str = "jit-epoch={epoch}-step={step}",
-        exit_code: int | None = 143,
+        exit_code: int | Literal["signal"] | None = "signal",
     ) -> None:
         super().__init__()
         if not (isinstance(kill_wait, (int, float)) and math.isfinite(kill_wait) and kill_wait >= 0):
             raise ValueError(f"`JITCheckpoint(kill_wait={kill_wait!r})` is invalid: kill_wait must be a number >= 0.")
-        if exit_code is not None and not (isinstance(exit_code, int) and 0 <= exit_code <= 255):
-            raise ValueError(f"`JITCheckpoint(exit_code={exit_code!r})` is invalid: use an int in 0-255 or None.")
+        valid_code = exit_code in (None, "signal") or (
+            isinstance(exit_code, int) and not isinstance(exit_code, bool) and 0 <= exit_code <= 255
+        )
+        if not valid_code:
+            raise ValueError(
+                f"`JITCheckpoint(exit_code={exit_code!r})` is invalid: use 'signal' (128 + the signal number), "
+                "an int in 0-255 or None."
+            )
         if dirpath is not None and not is_local_path(dirpath):
             raise ValueError(f"`JITCheckpoint(dirpath={str(dirpath)!r})` is invalid: use a local (or mounted) folder.")
         try:
@@ -154,6 +168,8 @@ class _JITCheckpoint(PackageBound):
         self.checkpoint_path: str | None = None
         self.save_seconds: float | None = None
         self._requested_at: float | None = None
+        self._signal: int | None = None
+        self._announced = False
         self._previous: dict[signal.Signals, Any] = {}
         self._last_step: int | None = None
         self._at_boundary = False
@@ -167,10 +183,31 @@ class _JITCheckpoint(PackageBound):
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # only record: no I/O, no logging, no collective (any of them can deadlock inside a signal handler)
         if self._requested_at is None:
-            self._requested_at = time.monotonic()
+            self._requested_at, self._signal = time.monotonic(), signum
+        elif signum == signal.SIGINT:  # a second Ctrl-C: the person wants out now, without a checkpoint
+            raise KeyboardInterrupt
 
     def _due(self) -> bool:
-        return self._requested_at is not None and time.monotonic() - self._requested_at >= self.kill_wait
+        if self._requested_at is None:
+            return False
+        # kill_wait guards against a SIGKILL right after the signal; nobody sends one after a Ctrl-C
+        return self._signal == signal.SIGINT or time.monotonic() - self._requested_at >= self.kill_wait
+
+    def _announce(self, trainer: pl.Trainer) -> None:
+        """Say once, on the rank that got the signal, that a checkpoint is coming (not from the signal handler)."""
+        if self._announced or self._signal is None:
+            return
+        self._announced = True
+        name = signal.Signals(self._signal).name
+        waits = self._signal != signal.SIGINT and self.kill_wait > 0
+        wait = f" (at least {self.kill_wait:g} s after it)" if waits else ""
+        again = " Press Ctrl-C again to stop at once without a checkpoint." if self._signal == signal.SIGINT else ""
+        print(
+            f"\nJITCheckpoint: {name} received on rank {trainer.global_rank}: saving a checkpoint at the next "
+            f"optimizer step{wait}, then stopping.{again}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _install(self) -> None:
         if self._previous:
@@ -191,7 +228,8 @@ class _JITCheckpoint(PackageBound):
         super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         if stage != TrainerFn.FITTING:
             return
-        self._requested_at, self._done, self._at_boundary = None, False, False
+        self._requested_at, self._signal, self._announced = None, None, False
+        self._done, self._at_boundary = False, False
         self.dirpath = self._dirpath_arg or run_checkpoint_dir(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
             rank_zero_warn(
@@ -216,6 +254,7 @@ class _JITCheckpoint(PackageBound):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._announce(trainer)
         self._at_boundary = trainer.global_step != self._last_step
         if self._at_boundary:
             self._last_step = trainer.global_step
@@ -243,7 +282,15 @@ class _JITCheckpoint(PackageBound):
         if self.exit_code is None:
             trainer.should_stop = True
             return
-        raise JITCheckpointExit(self.exit_code, path)
+        raise JITCheckpointExit(self._exit_status(trainer), path)
+
+    def _exit_status(self, trainer: pl.Trainer) -> int:
+        """``exit_code``, or 128 + the signal (the same on every rank: the highest signal number any rank got)."""
+        if self.exit_code != "signal":
+            return int(self.exit_code)
+        mine = torch.tensor(float(self._signal or 0), device=trainer.strategy.root_device)
+        signum = int(trainer.strategy.reduce(mine, reduce_op="max").item())
+        return 128 + (signum or signal.SIGTERM)
 
     def _save(self, trainer: pl.Trainer) -> str:
         """Sentinel, save under a partial name on every rank, flush, rename on rank 0, remove the sentinel."""
