@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.signals import SignalAt
 
+from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.run_identity import RECORD_KEY
 from lit_trainer.cli import LitTrainerCLI
