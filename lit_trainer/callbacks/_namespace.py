@@ -34,6 +34,7 @@ class LightningNamespace:
     Checkpoint: type
     ModelCheckpoint: type
     EarlyStopping: type
+    OnExceptionCheckpoint: type
     SingleDeviceStrategy: type
     DDPStrategy: type
     FSDPStrategy: type
@@ -68,6 +69,7 @@ def namespace(package: Package) -> LightningNamespace:
         Checkpoint=callbacks.Checkpoint,
         ModelCheckpoint=callbacks.ModelCheckpoint,
         EarlyStopping=callbacks.EarlyStopping,
+        OnExceptionCheckpoint=callbacks.OnExceptionCheckpoint,
         SingleDeviceStrategy=strategies.SingleDeviceStrategy,
         DDPStrategy=strategies.DDPStrategy,
         FSDPStrategy=strategies.FSDPStrategy,
