@@ -14,7 +14,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from helpers.ddp import launch_script, wait_json
 from lit_trainer.callbacks import ExactResume, resolve_resume, resolve_resume_checkpoint
@@ -120,11 +120,12 @@ def test_resolve_picks_newest_complete_checkpoint_and_names_skipped_ones(tmp_pat
         assert resolve_resume_checkpoint([tmp_path, other]) == str(newer)
 
 
-def test_resume_policy_never_silently_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_resume_policy_never_silently_resumes(tmp_path: Path, package: str) -> None:
+    ns = pytest.importorskip(package)  # a pytorch_lightning trainer turns None into "last" just the same
     run = tmp_path / "run"
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, default_root_dir=run, callbacks=[OnExceptionCheckpoint(run / "checkpoints")]
-    )
+    on_exception = ns.callbacks.OnExceptionCheckpoint(run / "checkpoints")
+    trainer = ns.Trainer(accelerator="cpu", logger=False, default_root_dir=run, callbacks=[on_exception])
     # a fresh folder: "never" and "auto" both start fresh
     assert resolve_resume("never", run / "checkpoints", trainer) is None
     assert resolve_resume("auto", run / "checkpoints", trainer) is None
@@ -139,7 +140,7 @@ def test_resume_policy_never_silently_resumes(tmp_path: Path) -> None:
     assert resolve_resume("last", run / "checkpoints", trainer) == str(stale)
     assert resolve_resume(str(stale), tmp_path / "elsewhere") == str(stale)
     # without an OnExceptionCheckpoint, ckpt_path=None is a fresh start in Lightning too: nothing to guard
-    plain = L.Trainer(accelerator="cpu", logger=False, default_root_dir=run)
+    plain = ns.Trainer(accelerator="cpu", logger=False, default_root_dir=run)
     assert resolve_resume("never", run / "checkpoints", plain) is None
     with pytest.raises(ValueError, match="no such checkpoint"):
         resolve_resume(str(run / "nope.ckpt"), run)

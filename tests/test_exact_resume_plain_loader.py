@@ -1,6 +1,7 @@
 """ExactResume on a plain LightningModule with a plain shuffled ``DataLoader`` and dropout: a run resumed from a
-checkpoint taken mid-epoch, at an epoch boundary or inside an accumulation window ends with the uninterrupted run's
-weights, bit for bit, and trains the same samples in the same order."""
+checkpoint taken mid-epoch, at an epoch boundary or inside an accumulation window (``trainer.save_checkpoint`` or a
+validation's checkpoint callback) ends with the uninterrupted run's weights, bit for bit, and trains the same samples
+in the same order; under ``lightning.pytorch`` and under ``pytorch_lightning`` (its callback twins)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def _fit(
     ckpt: Path | None = None,
     extra: tuple = (),
     ns: Any = L,
+    val_check_interval: int | None = None,
 ) -> tuple[Any, list[list[float]]]:
     seen = next((c for c in extra if isinstance(c, _Seen)), None) or _Seen()
     exact = ExactResume if ns is L else pl_callbacks.ExactResume  # each package has its own callback classes
@@ -75,11 +77,15 @@ def _fit(
         default_root_dir=root,
         enable_checkpointing=any(isinstance(c, ns.callbacks.ModelCheckpoint) for c in extra),
         callbacks=callbacks,
+        val_check_interval=val_check_interval,
+        limit_val_batches=1.0 if val_check_interval else 0,
+        num_sanity_val_steps=0,
     )
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=True, **loader_kwargs)
+    val = DataLoader(_data()[:8], batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, loader, ckpt_path=ckpt)
+        trainer.fit(module, loader, val, ckpt_path=ckpt)
     # neither ExactResume ("not exact") nor Lightning ("dataloader is not resumable") may warn
     assert not [str(w.message) for w in caught if "ExactResume" in str(w.message) or "resumable" in str(w.message)]
     return module, seen.batches
@@ -111,13 +117,32 @@ def test_plain_shuffled_dataloader_resumes_exactly_mid_epoch_and_at_epoch_bounda
         assert _same_weights(full, resumed), f"resumed from step {step}: other weights"
 
 
-def test_plain_dataloader_checkpoint_inside_an_accumulation_window_resumes_exactly(tmp_path: Path):
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_plain_dataloader_checkpoint_inside_an_accumulation_window_resumes_exactly(tmp_path: Path, namespace: str):
     # accumulate 2: a checkpoint after 3 micro-batches is half-way through step 1 (micro-batches 2 and 3)
-    path = tmp_path / "mid_window.ckpt"
-    full, full_batches = _fit(tmp_path, {}, epochs=2, accumulate=2, extra=(_Seen(save_after=3, path=path),))
+    ns, path = NAMESPACES[namespace], tmp_path / "mid_window.ckpt"
+    full, full_batches = _fit(tmp_path, {}, epochs=2, accumulate=2, extra=(_Seen(save_after=3, path=path),), ns=ns)
     state = torch.load(path, weights_only=True)
     assert state["global_step"] == 1 and len(state["callbacks"]["ExactResume"]["window_grads"]) == 1
-    resumed, batches = _fit(tmp_path, {}, epochs=2, accumulate=2, ckpt=path)
+    resumed, batches = _fit(tmp_path, {}, epochs=2, accumulate=2, ckpt=path, ns=ns)
+    assert batches == full_batches[3:]
+    assert _same_weights(full, resumed)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_validation_inside_an_accumulation_window_with_a_checkpoint_callback_resumes_exactly(
+    tmp_path: Path, namespace: str
+):
+    # accumulate 2, a validation every 3 micro-batches: the first one (and its checkpoint) falls half-way through step 1
+    ns = NAMESPACES[namespace]
+    saves = [ns.callbacks.ModelCheckpoint(dirpath=tmp_path / d, monitor="val_loss", save_top_k=-1) for d in "ab"]
+    full, full_batches = _fit(tmp_path, {}, epochs=2, accumulate=2, extra=(saves[0],), ns=ns, val_check_interval=3)
+    path = tmp_path / "a" / "epoch=0-step=1.ckpt"
+    state = torch.load(path, weights_only=True)
+    assert state["global_step"] == 1 and len(state["callbacks"]["ExactResume"]["window_grads"]) == 1
+    resumed, batches = _fit(
+        tmp_path, {}, epochs=2, accumulate=2, ckpt=path, extra=(saves[1],), ns=ns, val_check_interval=3
+    )
     assert batches == full_batches[3:]
     assert _same_weights(full, resumed)
 

@@ -34,6 +34,9 @@ class LightningNamespace:
     Checkpoint: type
     ModelCheckpoint: type
     EarlyStopping: type
+    OnExceptionCheckpoint: type
+    SingleDeviceStrategy: type
+    DDPStrategy: type
     FSDPStrategy: type
     DeepSpeedStrategy: type
     ModelParallelStrategy: type
@@ -66,6 +69,9 @@ def namespace(package: Package) -> LightningNamespace:
         Checkpoint=callbacks.Checkpoint,
         ModelCheckpoint=callbacks.ModelCheckpoint,
         EarlyStopping=callbacks.EarlyStopping,
+        OnExceptionCheckpoint=callbacks.OnExceptionCheckpoint,
+        SingleDeviceStrategy=strategies.SingleDeviceStrategy,
+        DDPStrategy=strategies.DDPStrategy,
         FSDPStrategy=strategies.FSDPStrategy,
         DeepSpeedStrategy=strategies.DeepSpeedStrategy,
         ModelParallelStrategy=strategies.ModelParallelStrategy,
@@ -82,6 +88,17 @@ _IMPORT_FROM = {
 }
 
 
+def trainer_namespace(trainer: Any) -> LightningNamespace | None:
+    """The :class:`LightningNamespace` of the package ``trainer`` is a ``Trainer`` of (only imported packages are
+    asked), or None when it is neither package's trainer.
+
+    For code outside a callback that is handed a trainer of either package (a callback has its own ``_ns``)."""
+    for package in _IMPORT_FROM:
+        if sys.modules.get(package) is not None and isinstance(trainer, namespace(package).Trainer):  # type: ignore[arg-type]
+            return namespace(package)
+    return None
+
+
 class PackageBound:
     """Base of every callback implementation class: its Lightning package (``_ns``, set by the public class's
     package) and a ``setup`` check that the trainer comes from the same package, since a callback of the other
@@ -95,13 +112,12 @@ class PackageBound:
         Raises:
             TypeError: ``trainer`` is a ``Trainer`` of the other package.
         """
-        for package, module in _IMPORT_FROM.items():
-            other = package != self._ns.package and sys.modules.get(package) is not None  # imported
-            if other and isinstance(trainer, namespace(package).Trainer):  # type: ignore[arg-type]
-                raise TypeError(
-                    f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` "
-                    f"callback, but the trainer is a `{package}` one: import it from `{module}`."
-                )
+        ns = trainer_namespace(trainer)
+        if ns is not None and ns.package != self._ns.package:
+            raise TypeError(
+                f"{type(self).__name__} from `{type(self).__module__}` is a `{self._ns.package}` "
+                f"callback, but the trainer is a `{ns.package}` one: import it from `{_IMPORT_FROM[ns.package]}`."
+            )
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]  (the Lightning base's setup)
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lit_trainer.callbacks._namespace import LightningNamespace
 
 
 def window_in_progress(trainer: pl.Trainer) -> bool:
@@ -27,11 +28,15 @@ def window_in_progress(trainer: pl.Trainer) -> bool:
     return done % trainer.accumulate_grad_batches != 0 and not final
 
 
-def grads_are_local(trainer: pl.Trainer) -> bool:
+def grads_are_local(trainer: pl.Trainer, ns: LightningNamespace) -> bool:
     """Whether each rank's ``param.grad`` holds its whole accumulated gradient (one device or DDP), so it can be saved
-    and restored by parameter name; sharded strategies keep gradient shards that this does not handle."""
+    and restored by parameter name; sharded strategies keep gradient shards that this does not handle.
+
+    ``ns`` is the namespace of the trainer's Lightning package: a ``pytorch_lightning`` trainer's strategies are not
+    instances of the ``lightning.pytorch`` classes."""
     strategy = trainer.strategy
-    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not strategy.handles_gradient_accumulation
+    local = (ns.SingleDeviceStrategy, ns.DDPStrategy)
+    return isinstance(strategy, local) and not strategy.handles_gradient_accumulation
 
 
 def mid_window_validation_error(

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_trainer.callbacks._namespace import LIGHTNING, trainer_namespace
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 _TARGET_PREFIX = "target: "
@@ -120,7 +121,7 @@ def implicit_resume_sources(trainer: pl.Trainer) -> list[str]:
     turns ``None`` into ``"hpc"`` when ``<default_root_dir>/hpc_ckpt_*.ckpt`` exists.
 
     Args:
-        trainer: the configured trainer (before ``fit``).
+        trainer: the configured trainer (before ``fit``), a ``lightning.pytorch`` or a ``pytorch_lightning`` one.
 
     Returns:
         The paths found (empty when ``ckpt_path=None`` means a fresh start).
@@ -128,7 +129,8 @@ def implicit_resume_sources(trainer: pl.Trainer) -> list[str]:
     found: list[Path] = []
     if SLURMEnvironment.detect():
         found += sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
-    on_exception = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+    ns = trainer_namespace(trainer) or LIGHTNING  # a `pytorch_lightning` trainer holds its own package's callbacks
+    on_exception = [cb for cb in trainer.callbacks if isinstance(cb, ns.OnExceptionCheckpoint)]
     if on_exception:
         found += [Path(cb.ckpt_path) for cb in on_exception if Path(cb.ckpt_path).exists()]
         folders = {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}

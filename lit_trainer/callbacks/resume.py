@@ -122,7 +122,7 @@ class _ExactResume(PackageBound):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refusal = mid_window_validation_error(
             type(trainer.strategy).__name__,
-            grads_are_local(trainer),
+            grads_are_local(trainer, self._ns),
             trainer.accumulate_grad_batches,
             trainer.val_check_batch,
             trainer.enable_validation and any(isinstance(cb, self._ns.Checkpoint) for cb in trainer.callbacks),
@@ -270,7 +270,7 @@ class _ExactResume(PackageBound):
         trainer = self._trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or not window_in_progress(trainer):
             return None
-        if not grads_are_local(trainer):
+        if not grads_are_local(trainer, self._ns):
             rank_zero_warn(
                 f"ExactResume: a checkpoint is written inside an accumulation window under "
                 f"{type(trainer.strategy).__name__}, whose gradients are sharded or held by the strategy: "

@@ -147,6 +147,12 @@ class _DropoutRegressor:
         self.net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
         return F.mse_loss(self.net(x).squeeze(-1), y)
 
@@ -156,7 +162,7 @@ class _DropoutRegressor:
 
 class DropoutRegressor(_DropoutRegressor, L.LightningModule):
     """A regression MLP 4 -> 16 -> 1 with dropout (so resuming must restore the RNG) on ``(x, y)`` batches with 1-D
-    targets, SGD with momentum; the same weights each time (seed 0)."""
+    targets, SGD with momentum; the same weights each time (seed 0); logs ``val_loss`` when validated."""
 
 
 def on_pytorch_lightning(cls: type) -> type:
