@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers.ddp import run_lit_trainer
 from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.cli import LitTrainerCLI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,9 +130,12 @@ def _fit(args, *, every=500, extra_callbacks=()):
 @pytest.mark.slow
 def test_resume_policy_last_picks_newest_complete_and_fresh_never_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    first = _fit(["--trainer.max_steps", "4"], every=2)
+    # the first run is stopped by Ctrl-C at step 4 of 8 (a finished run is never continued by `last`)
+    ctrl_c = {"class_path": "helpers.signals.SignalAt", "init_args": {"step": 4, "signal_name": "SIGINT"}}
+    with pytest.raises(JITCheckpointExit):
+        _fit(["--trainer.max_steps", "8"], every=2, extra_callbacks=[ctrl_c])
     ckpts = tmp_path / "runs" / "sft" / "version_0" / "checkpoints"
-    assert first.trainer.global_step == 4 and (ckpts / "last.ckpt").exists()
+    assert (ckpts / "last.ckpt").exists() and (ckpts / "jit-epoch=0-step=4.ckpt").exists()
     # a fresh run (no --ckpt_path) starts from step 0 even though checkpoints exist
     fresh = _fit(["--trainer.max_steps", "1"])
     assert fresh.trainer.global_step == 1

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 RECORD_KEY = "lit_trainer_run"
+_SHARDED_METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint folder (lightning.fabric's name for it)
 IDENTITY_KEYS = ("module", "datamodule", "run_name")
 
 # Configuration keys a resume may change without becoming another run: how data is loaded (not which data) and what
@@ -154,17 +155,19 @@ def limit_reached(step: int, epochs_done: int, max_steps: int | None, max_epochs
 
 
 def read_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
-    """The run record of a checkpoint file, or ``None`` (no record, or a sharded checkpoint folder).
+    """The run record of a checkpoint, or ``None`` when it has none.
 
-    The file is memory-mapped, so only the small record is actually read, and loaded with ``weights_only=True`` (no
-    arbitrary code runs before the user's own ``fit`` loads it); a checkpoint that needs more is reported as having
-    no record here, and :class:`RunIdentity` still checks it when ``fit`` loads it.
+    A file is memory-mapped, so only the small record is actually read; a sharded checkpoint folder (Lightning's
+    ``ModelParallelStrategy`` / FSDP2) keeps it in its ``meta.pt``, the non-tensor part of the checkpoint. Loaded with
+    ``weights_only=True`` (no arbitrary code runs before the user's own ``fit`` loads it); a checkpoint that needs
+    more is reported as having no record here, and :class:`RunIdentity` still checks it when ``fit`` loads it.
     """
-    if os.path.isdir(checkpoint):
+    path = os.path.join(checkpoint, _SHARDED_METADATA) if os.path.isdir(checkpoint) else checkpoint
+    if not os.path.isfile(path):
         return None
     try:
-        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError):
         return None
     return state.get(RECORD_KEY)
 
