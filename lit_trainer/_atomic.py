@@ -8,7 +8,10 @@ file for a complete one. Every helper here follows one protocol:
 
 1. the data is written under a *partial* name in the same folder as the target (``.<name>.partial``), a hidden
    name that no checkpoint glob (``*.ckpt``, ``checkpoint-*``) matches;
-2. the partial file or folder is flushed to disk (``fsync``);
+2. the partial file or folder gets the modes a plain ``open``/``mkdir`` would give under the user's umask
+   (``0o666 & ~umask`` for files, ``0o777 & ~umask`` for folders): writers that stage through ``mkstemp``, such
+   as safetensors' ``save_file`` behind ``save_pretrained``, leave ``0o600``, which on a shared cluster nobody
+   else could read; then it is flushed to disk (``fsync``);
 3. it is renamed onto the target name with ``os.replace``, which is atomic on POSIX and Windows for files on one
    file system, and the parent folder is flushed so the rename itself survives a power loss.
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +122,53 @@ def _fsync_tree(path: Path) -> None:
         _fsync_one(Path(root))
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``).
+
+    Elsewhere it is read by setting a restrictive mask (``0o077``) for an instant and restoring it, so a file another
+    thread creates meanwhile is at worst private, never more open than asked.
+
+    Returns:
+        The umask, e.g. ``0o022``.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: _PathLike) -> None:
+    """Give a file, or a folder and everything in it, the modes the user's umask gives new files and folders.
+
+    Files get ``0o666 & ~umask`` (``0o777 & ~umask`` when any execute bit is set), folders ``0o777 & ~umask``;
+    symbolic links are left alone. :func:`commit` calls it on the temporary path before the rename.
+
+    Args:
+        path: A local file or folder.
+    """
+    umask = current_umask()
+
+    def chmod(p: Path) -> None:
+        mode = os.lstat(p).st_mode
+        if stat.S_ISLNK(mode):
+            return
+        full = 0o777 if stat.S_ISDIR(mode) or mode & 0o111 else 0o666
+        os.chmod(p, full & ~umask)
+
+    path = Path(path)
+    chmod(path)
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                chmod(Path(root) / name)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -131,7 +182,7 @@ def commit(tmp: _PathLike, final: _PathLike, *, fsync: bool = True) -> None:
     Args:
         tmp: The completely written temporary file or folder (usually :func:`partial_path` of ``final``).
         final: The target name. An existing file is replaced atomically; an existing folder is moved aside to
-            ``.<name>.old``, replaced, then deleted.
+            ``.<name>.old``, replaced, then deleted. It gets the umask's modes (:func:`apply_umask`).
         fsync: Flush the data and the parent folder to disk before and after the rename.
 
     Raises:
@@ -140,6 +191,7 @@ def commit(tmp: _PathLike, final: _PathLike, *, fsync: bool = True) -> None:
     tmp, final = Path(tmp), Path(final)
     if not (tmp.exists() or tmp.is_symlink()):
         raise FileNotFoundError(f"commit({str(tmp)!r}, {str(final)!r}): the temporary path does not exist.")
+    apply_umask(tmp)
     if fsync:
         _fsync_tree(tmp)
     if tmp.is_dir() and final.is_dir() and not final.is_symlink():

@@ -160,3 +160,51 @@ def test_mixed_json_types_in_preference_data_name_the_line_as_written(tokenizer,
         tokenizer,
         str(path),
     )
+
+
+# one file per text format, with the byte 0xff (never valid in UTF-8) on line 2 at the given character
+BAD_UTF8 = {
+    "jsonl": (b'{"text": "1+1=2"}\n{"text": "2+2=\xff4"}\n{"text": "3+3=6"}\n', 15),
+    "json": (b'[{"text": "1+1=2"},\n {"text": "2+2=\xff4"}]\n', 16),
+    "csv": (b"prompt,completion\n2+2=\xff,4\n3+3=,6\n", 5),
+    "txt": (b"1+1=2\n2+2=\xff4\n", 5),
+}
+
+
+@pytest.mark.parametrize("suffix", BAD_UTF8)
+def test_invalid_utf8_names_the_file_line_and_byte(tokenizer, tmp_path, suffix):
+    content, character = BAD_UTF8[suffix]
+    path = tmp_path / f"train.{suffix}"
+    path.write_bytes(content)
+    error = raises_one_message(
+        rf"line 2 of {re.escape(str(path))}: not valid UTF-8 \(byte 0xff at character {character}\)",
+        "sft",
+        tokenizer,
+        str(path),
+    )
+    assert "iconv" in str(error)  # the fix
+
+
+@pytest.mark.parametrize("kind", ["preference", "prompt"])
+def test_invalid_utf8_in_preference_and_prompt_data(tokenizer, tmp_path, kind):
+    good = MODULES[kind][1]
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(jsonl([good, good, good]).encode() + b'{"prompt": "caf\xe9"}\n')  # latin-1 "café", line 4
+    raises_one_message(rf"line 4 of {re.escape(str(path))}: not valid UTF-8 \(byte 0xe9", kind, tokenizer, str(path))
+
+
+def test_invalid_utf8_is_found_across_read_chunks(tokenizer, tmp_path, monkeypatch):
+    from lit_trainer.data import files
+
+    monkeypatch.setattr(files, "_UTF8_CHUNK_BYTES", 7)  # chunk ends inside lines and inside the 2-byte "é"
+    path = tmp_path / "train.txt"
+    path.write_bytes("café au lait\nthé\n".encode() + b"ok\nno\xc3\n")  # line 4 ends in a truncated sequence
+    raises_one_message(
+        rf"line 4 of {re.escape(str(path))}: not valid UTF-8 \(byte 0xc3 at character 3\)", "sft", tokenizer, str(path)
+    )
+    path.write_bytes("café au lait\nthé\n".encode() + b"ok\nab\xff\n")
+    raises_one_message(
+        rf"line 4 of {re.escape(str(path))}: not valid UTF-8 \(byte 0xff at character 3\)", "sft", tokenizer, str(path)
+    )
+    path.write_bytes("café au lait\nthé ok\n".encode())  # valid UTF-8 split across chunks is accepted
+    assert len(setup("sft", tokenizer, str(path)).train_dataset) == 2

@@ -195,6 +195,18 @@ def test_validation_errors(tmp_path: Path) -> None:
         _fit(_trainer(tmp_path, [BestCheckpoint(monitor="val_score", export_hf=True)], max_steps=2), Regressor())
 
 
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+@pytest.mark.parametrize("monitor", [None, ""])
+def test_monitor_none_is_refused_with_the_value_and_the_fix(package: str, monitor: str | None) -> None:
+    # ModelCheckpoint(monitor=None) keeps the last checkpoint; a best checkpoint needs a score: one clear error
+    from lit_trainer.callbacks import pytorch_lightning as plc
+
+    cls = BestCheckpoint if package == "lightning.pytorch" else plc.BestCheckpoint
+    with pytest.raises(ValueError, match=rf"`BestCheckpoint\(monitor={monitor!r}\)` is invalid") as info:
+        cls(monitor=monitor)
+    assert "monitor='val_loss'" in str(info.value) and "ModelCheckpoint(monitor=None)" in str(info.value)
+
+
 def test_configurable_from_lightning_cli() -> None:
     def parse(init_args: dict) -> LightningCLI:
         return cli_with_callback(Regressor, "lit_trainer.callbacks.checkpointing.BestCheckpoint", init_args)

@@ -66,3 +66,15 @@ def test_only_our_own_checks_lose_their_traceback():
     assert ours is not None and raised_by_our_checks(ours)
     assert not raised_by_our_checks(_raise(ValueError("raised in a test file, not in lit_trainer")))
     assert not raised_by_our_checks(_raise(TypeError("a bug, not a check")))
+
+
+def test_invalid_utf8_in_a_data_file_is_one_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIT_TRAINER_TRACEBACK", raising=False)
+    (tmp_path / "rows.jsonl").write_bytes(b'{"text": "1+1=2"}\n{"text": "2+2=\xff4"}\n')
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", SFT, "--data.init_args.dataset", "rows.jsonl", "--trainer.max_steps", "1"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "lit-trainer: error: line 2 of rows.jsonl: not valid UTF-8 (byte 0xff at character 15)" in err
+    assert "Traceback" not in err and "UnicodeDecodeError" not in err

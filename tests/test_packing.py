@@ -226,3 +226,38 @@ def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, toke
     reference = full_batch_gradient(tiny_llama(seed=1), dm, list(range(8)))
     for r in ranks:
         assert relative_error(r["grads"][0], reference) < 1e-5
+
+
+def _report(monkeypatch, tokenizer, dataset, **kw) -> tuple[str, SFTDataModule]:
+    """The data module's one-line data report, and the data module."""
+    from lit_trainer.data import base
+
+    messages: list[str] = []
+    monkeypatch.setattr(base, "rank_zero_info", messages.append)
+    dm = SFTDataModule(tokenizer=tokenizer, dataset=dataset, **kw)
+    dm.setup("fit")
+    assert len(messages) == 1 and messages[0].startswith("[lit_trainer] data: ")
+    return messages[0], dm
+
+
+@pytest.mark.parametrize("packing", ["none", "bfd"])
+def test_data_report_counts_training_rows_not_bins(tokenizer, monkeypatch, packing):
+    # builtin:addition has 8100 rows, 500 of them held out for validation: 7600 training rows, packed or not
+    report, dm = _report(monkeypatch, tokenizer, "builtin:addition", max_length=32, packing=packing)
+    if packing == "none":
+        assert "data: 7600 training rows, 500 validation rows" in report
+    else:
+        bins = len(dm.train_dataset)
+        assert bins < 7600 and sum(len(b) for b in dm.train_dataset["seq_lengths"]) == 7600
+        assert f"data: 7600 training rows packed into {bins} sequences, 500 validation rows" in report
+        assert "packed bins" not in report and "rows packed (" not in report
+
+
+def test_data_report_counts_the_rows_kept_after_drops_with_bfd(tokenizer, monkeypatch):
+    # 40 rows, 3 of them with no completion token within max_length (dropped): 37 rows go into the bins
+    rows = {"prompt": ["1+1="] * 37 + ["x" * 20] * 3, "completion": ["2"] * 40}
+    with pytest.warns(UserWarning, match="3 rows had no completion token left"):
+        report, dm = _report(monkeypatch, tokenizer, Dataset.from_dict(rows), max_length=16, val_size=0, packing="bfd")
+    assert sum(len(b) for b in dm.train_dataset["seq_lengths"]) == 37
+    assert f"data: 37 training rows packed into {len(dm.train_dataset)} sequences," in report
+    assert "3 train rows dropped without target" in report

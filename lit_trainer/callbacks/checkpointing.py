@@ -99,7 +99,9 @@ class _BestCheckpoint(PackageBound):
     Args:
         dirpath: Folder for checkpoints (default: the logger's ``checkpoints`` folder, as ``ModelCheckpoint``).
         filename: Checkpoint name template, as ``ModelCheckpoint`` (default ``"{epoch}-{step}"``).
-        monitor: Logged metric to track (the reference's ``metric_for_best_model``).
+        monitor: Logged metric to track (the reference's ``metric_for_best_model``). Required: ``None`` (which
+            ``ModelCheckpoint`` accepts, to keep the last checkpoint) is refused, because without a score there is
+            no best checkpoint to save, keep, load or export; for the last checkpoint use ``ModelCheckpoint``.
         mode: ``"min"`` or ``"max"``; ``None`` infers it from the name (``"min"`` for names ending in ``"loss"``).
         save_total_limit: Keep at most this many checkpoints (the newest), never deleting the best; ``None`` keeps
             all. Must be >= 1.
@@ -116,7 +118,8 @@ class _BestCheckpoint(PackageBound):
         verbose: Log each decision.
 
     Raises:
-        ValueError: For a bad ``mode`` or ``save_total_limit``; at setup, for ``export_hf`` without a
+        ValueError: For a ``monitor`` that is not a metric name (``None``, ``""``), a bad ``mode`` or
+            ``save_total_limit``; at setup, for ``export_hf`` without a
             ``.model.save_pretrained``, for ``load_best_at_end``/``export_hf`` under FSDP1 or DeepSpeed, for
             ``save_weights_only`` with a callback that validates other weights, or for two such callbacks.
 
@@ -143,6 +146,12 @@ class _BestCheckpoint(PackageBound):
         verbose: bool = False,
         merge_adapters: bool = False,
     ) -> None:
+        if not isinstance(monitor, str) or not monitor:
+            raise ValueError(
+                f"`BestCheckpoint(monitor={monitor!r})` is invalid: BestCheckpoint saves only when a logged metric "
+                "improves, so it needs that metric's name (e.g. monitor='val_loss'). To keep the last checkpoint "
+                "without a metric, use Lightning's ModelCheckpoint(monitor=None) instead."
+            )
         if mode is not None and mode not in _IMPROVES:
             raise ValueError(f"`BestCheckpoint(mode={mode!r})` is invalid: use 'min', 'max' or None (inferred).")
         if save_total_limit is not None and (isinstance(save_total_limit, bool) or save_total_limit < 1):

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lit_trainer.data.batch_sampler import BatchSampler
 from lit_trainer.data.lengths import require_lengths
 from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
+from lit_trainer.data.packing import PACKED_ROWS
 from lit_trainer.data.rebalance import CostModel
 from lit_trainer.data.sampling import Sampling, check_sampling, make_batch_sampler
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
@@ -153,10 +154,18 @@ class BaseDataModule(pl.LightningDataModule):
         self._report()
 
     def _report(self) -> None:
-        parts = [f"{len(self.train_dataset)} training rows"]
+        """Log the row counts once: ``"7600 training rows packed into 2534 sequences, 500 validation rows, ..."``.
+
+        Training rows are source rows (after drops); with ``packing="bfd"`` the training dataset holds the packed
+        sequences (bins) instead, and the data module records the rows packed into them as ``stats[PACKED_ROWS]``.
+        """
+        packed, train = self.stats.get(PACKED_ROWS), len(self.train_dataset)
+        parts = [
+            f"{train} training rows" if packed is None else f"{packed} training rows packed into {train} sequences"
+        ]
         if self.val_dataset is not None:
             parts.append(f"{len(self.val_dataset)} validation rows")
-        parts += [f"{v} {k.replace('_', ' ')}" for k, v in self.stats.items() if v]
+        parts += [f"{v} {k.replace('_', ' ')}" for k, v in self.stats.items() if v and k != PACKED_ROWS]
         rank_zero_info(f"[lit_trainer] data: {', '.join(parts)} (max_length={self.hparams.max_length}).")
 
     def _replicas(self) -> tuple[int, int, int]:

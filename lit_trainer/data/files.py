@@ -1,13 +1,14 @@
 """Read local data files, and say where a row came from: file and line (1-based, as an editor shows it).
 
-A file that cannot be read raises ONE ``ValueError`` naming the file, the line and the problem (an empty file, a line
-that is not valid JSON, a CSV parser error), instead of the parser's chained tracebacks. CSV cells are read as text:
-``"010"`` stays ``"010"``, ``"NA"`` stays ``"NA"``, and only an empty cell is a missing value (which the data modules
-then report with its line and column).
+A file that cannot be read raises ONE ``ValueError`` naming the file, the line and the problem (an empty file, bytes
+that are not valid UTF-8, a line that is not valid JSON, a CSV parser error), instead of the parser's chained
+tracebacks. CSV cells are read as text: ``"010"`` stays ``"010"``, ``"NA"`` stays ``"NA"``, and only an empty cell is
+a missing value (which the data modules then report with its line and column).
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import json
@@ -21,6 +22,8 @@ from typing import Any
 from datasets import Dataset, Features, Value, load_dataset
 
 _EMPTY_CHECK_BYTES = 1 << 16  # a larger file is not checked for being all whitespace
+_UTF8_CHUNK_BYTES = 1 << 24  # the UTF-8 check reads this much at a time
+_TEXT_BUILDERS = ("json", "csv", "text")  # read as UTF-8 text (parquet is binary)
 _JSON_LOADER_LOGGER = "datasets.packaged_modules.json.json"  # logs a 0-based "row" before raising: we say it better
 
 
@@ -39,6 +42,39 @@ def _check_not_empty(path: Path) -> None:
     size = path.stat().st_size
     if size == 0 or (size <= _EMPTY_CHECK_BYTES and not path.read_bytes().strip()):
         raise ValueError(f"{path} is empty: it has no rows. Add rows or remove the file.")
+
+
+def check_utf8(path: Path) -> None:
+    """Raise for the first bytes of a text data file that are not valid UTF-8, with their line and column.
+
+    ``datasets`` would fail on them with a bare ``UnicodeDecodeError`` (or pyarrow's "Invalid UTF-8 sequence") that
+    names neither the file nor the line, for JSON lines only when the rows are first read. The file is decoded in
+    chunks, so a large file costs one pass and little memory.
+
+    Raises:
+        ValueError: ``"line 2 of data.jsonl: not valid UTF-8 (byte 0xff at character 14). ..."``.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines_before = column_before = 0  # complete lines, and characters of the current line, before this chunk
+    with path.open("rb") as stream:
+        while True:
+            block = stream.read(_UTF8_CHUNK_BYTES)
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                seen = error.object[: error.start]
+                line_start = seen.rfind(b"\n") + 1
+                column = (0 if line_start else column_before) + len(seen[line_start:].decode("utf-8", "replace"))
+                line, byte = lines_before + seen.count(b"\n") + 1, error.object[error.start]
+                break
+            if not block:
+                return
+            lines_before += text.count("\n")
+            column_before = len(text) - text.rfind("\n") - 1 if "\n" in text else column_before + len(text)
+    raise ValueError(
+        f"line {line} of {path}: not valid UTF-8 (byte 0x{byte:02x} at character {column + 1}). Data files are read as "
+        "UTF-8: fix that line, or convert the file (e.g. `iconv -f latin1 -t utf-8 in.csv > out.csv`)."
+    )
 
 
 def _csv_header(path: Path) -> list[str]:
@@ -113,11 +149,13 @@ def read_file(path: Path, builder: str) -> Dataset:
     """Load one local file with the ``datasets`` builder for its extension.
 
     Raises:
-        ValueError: an empty file, or a file the builder cannot read: the message names the file and, for JSON, the
-            line of the first problem (a syntax error, or a column whose type changes); one message, the parser's
-            traceback is not chained.
+        ValueError: an empty file, a JSON, CSV or text file that is not valid UTF-8 (with the line), or a file the
+            builder cannot read: the message names the file and, for JSON, the line of the first problem (a syntax
+            error, or a column whose type changes); one message, the parser's traceback is not chained.
     """
     _check_not_empty(path)
+    if builder in _TEXT_BUILDERS:
+        check_utf8(path)
     try:
         options = _read_options(path, builder)
         with _quiet(_JSON_LOADER_LOGGER):

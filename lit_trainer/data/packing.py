@@ -34,6 +34,7 @@ from lit_trainer.losses.logprobs import IGNORE_INDEX
 
 Packing = Literal["none", "padding_free", "bfd"]
 PACKING_CHOICES: tuple[str, ...] = get_args(Packing)
+PACKED_ROWS = "train_rows_packed"  # data-module ``stats`` key: the training rows packed into ``"bfd"`` bins
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ from lit_trainer.data.chat import (
     template_options,
 )
 from lit_trainer.data.collate import PackedCollator, SFTCollator, common_prefix_len
-from lit_trainer.data.packing import Packing, check_packing_options, pack_dataset
+from lit_trainer.data.packing import PACKED_ROWS, Packing, check_packing_options, pack_dataset
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.losses.causal_lm import count_target_tokens
 
@@ -217,10 +217,10 @@ class SFTDataModule(BaseDataModule):
             )
         usable = usable.remove_columns(["truncated", "targets"])
         if split == "train" and self.hparams.packing == "bfd":
+            self.stats[PACKED_ROWS] = len(usable)  # the report counts these rows, not the bins they fill
             usable = pack_dataset(
                 usable, self.hparams.max_tokens_per_batch or self.hparams.max_length, self.hparams.length_column_name
             )
-            self.stats["train_packed_bins"] = len(usable)
         return usable
 
     @override
