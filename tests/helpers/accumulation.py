@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import lightning.pytorch as pl
 import torch
 from datasets import Dataset
 
+from helpers.rounding import Rounding, relative_l2
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.losses.causal_lm import causal_lm_loss
 
@@ -80,7 +84,30 @@ def fit_grads(module: pl.LightningModule, dm: pl.LightningDataModule, accumulate
     return capture.grads
 
 
-def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    num = sum(((a[k] - b[k]) ** 2).sum() for k in b)
-    den = sum((b[k] ** 2).sum() for k in b)
-    return float((num / den).sqrt())
+relative_error = relative_l2  # ||a - b|| / ||b|| over all tensors
+
+
+@dataclass(frozen=True)
+class FullBatch:
+    """The full-batch gradient of some rows, with what a comparison against it needs (see :func:`full_batch`)."""
+
+    grads: dict[str, torch.Tensor]
+    rounding: Rounding
+    mistake: float
+
+    def check(self, got: dict[str, torch.Tensor]) -> float:
+        """Assert ``got`` (float32, summed in another order) equals :attr:`grads` to float32 rounding."""
+        return self.rounding.check(got, self.grads, mistake=self.mistake)
+
+
+def full_batch(model: torch.nn.Module, dm: SFTDataModule, rows: list[int]) -> FullBatch:
+    """:func:`full_batch_gradient` of ``rows`` (``model`` is not changed), calibrated for comparing an accumulated or
+    DDP gradient with it: ``rounding`` from the same gradient in float64 (``tests/helpers/rounding.py``), and as the
+    size of a real mistake the gradient's relative change when the last row is left out (a row lost or counted twice
+    at a window or rank boundary)."""
+    grads = full_batch_gradient(copy.deepcopy(model), dm, rows)
+    grads64 = full_batch_gradient(copy.deepcopy(model).double(), dm, rows)
+    mistake = 1.0  # one row: leaving it out leaves no gradient at all
+    if len(rows) > 1:  # the last row left out
+        mistake = relative_l2(full_batch_gradient(copy.deepcopy(model), dm, rows[:-1]), grads)
+    return FullBatch(grads, Rounding.of(grads, grads64, relative_l2, what="full-batch gradient"), mistake)

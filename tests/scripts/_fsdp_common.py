@@ -108,10 +108,12 @@ def dpo_module(tokenizer: Any) -> Any:
     )
 
 
-def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
+def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
     """GRPO, 2 ranks, 4 optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds, so the
     step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round, the
-    longest completion this rank kept (they differ between ranks), and the clipping record."""
+    longest completion this rank kept (they differ between ranks), the clipping record and the initial weights.
+    ``precision="64-true"``:
+    the same run in float64, the calibration of the float32 comparisons (``tests/helpers/rounding.py``)."""
     import transformers
     from ddp_grpo import build_model, length_reward, prompt_texts
 
@@ -122,6 +124,7 @@ def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
     model = build_model()
     with torch.no_grad():
         model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     module = GRPOModule(
         model,
         tokenizer=tokenizer,
@@ -152,8 +155,8 @@ def grpo_run(strategy: Any) -> tuple[Any, list[int], ClipRecorder]:
         dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}),
     )
     clip = ClipRecorder()
-    trainer(strategy, 2, 4, [clip]).fit(module, datamodule=dm)
-    return module, longest, clip
+    trainer(strategy, 2, 4, [clip], precision=precision).fit(module, datamodule=dm)
+    return module, longest, clip, initial
 
 
 BEMA_STEPS = 3
@@ -177,13 +180,16 @@ def dpo_bema() -> Any:
     return BEMA(update_freq=2, update_ref_model=True, ref_model_update_freq=3, export_hf=False)
 
 
-def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, out: str) -> dict[str, Any]:
+def bema_best_run(
+    strategy: Callable[[], Any], devices: int, batch_size: int, out: str, precision: str = "32-true"
+) -> dict[str, Any]:
     """SFT, one optimizer step per epoch, validated after each with the BEMA weights (``evaluate_with_bema``), and
     ``BestCheckpoint(load_best_at_end=True)`` keeping the scored weights. Returns (on every rank): the full BEMA
     weights, the BEMA export's folder, the validation losses, the best score and path, the module's full weights
     after fit, ``val_loss`` of a validation after fit, the BEMA weights after a state_dict round trip into a fresh
     callback (full tensors in, this rank's shards cut out, gathered again), and the BEMA weights of a fit resumed
-    from the step-2 checkpoint. ``strategy`` makes a new strategy (one per Trainer)."""
+    from the step-2 checkpoint. ``strategy`` makes a new strategy (one per Trainer); ``precision="64-true"``: the
+    same run in float64 (the calibration of the float32 comparisons, ``tests/helpers/rounding.py``)."""
     from transformers import ByT5Tokenizer
 
     from lit_trainer.callbacks import BEMA, BestCheckpoint
@@ -197,7 +203,13 @@ def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, ou
     best, losses = BestCheckpoint(dirpath=os.path.join(out, "bema_best"), load_best_at_end=True), ValLosses()
     dm = sft_datamodule(tokenizer, batch_size, val_size=8)
     fitter = trainer(
-        strategy(), devices, BEMA_STEPS, [bema, best, losses], enable_checkpointing=True, limit_val_batches=None
+        strategy(),
+        devices,
+        BEMA_STEPS,
+        [bema, best, losses],
+        enable_checkpointing=True,
+        limit_val_batches=None,
+        precision=precision,
     )
     fitter.fit(module, datamodule=dm)
     weights = {k: v.clone().cpu() for k, v in bema.bema_state_dict().items()}
@@ -208,7 +220,7 @@ def bema_best_run(strategy: Callable[[], Any], devices: int, batch_size: int, ou
     again._attach(fitter, module)
     resumed = BEMA(update_freq=1, update_after=1, lag=1.0, evaluate_with_bema=True, export_hf=False)
     step2 = next(path for path in best.best_k_models if "step=2" in path)
-    trainer(strategy(), devices, BEMA_STEPS, [resumed]).fit(
+    trainer(strategy(), devices, BEMA_STEPS, [resumed], precision=precision).fit(
         CausalLMModule(tiny_llama(seed=4, layers=2), tokenizer=tokenizer, learning_rate=1e-2),
         datamodule=sft_datamodule(tokenizer, batch_size, val_size=8),
         ckpt_path=step2,

@@ -6,7 +6,8 @@ with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over
 NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit,
 BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
 BEMA(update_ref_model=True);
-from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP: weights, longest completion per round, clipping).
+from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP, and under DDP in float64, the calibration of the
+comparison: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
 
@@ -101,7 +102,9 @@ if __name__ == "__main__":
         torch.save(bema_best, os.path.join(out, "bema_best.pt"))
 
     grpo = {}
-    for name, strategy in (("sharded", common.model_parallel()), ("ddp", "ddp")):
-        module, longest, clip = common.grpo_run(strategy)
-        grpo[name] = {"weights": common.full_weights(module), "longest": longest, "pre": clip.pre, "post": clip.post}
+    runs = (("sharded", common.model_parallel(), "32-true"), ("ddp", "ddp", "32-true"), ("ddp64", "ddp", "64-true"))
+    for name, strategy, precision in runs:
+        module, longest, clip, initial = common.grpo_run(strategy, precision)
+        weights = common.full_weights(module)
+        grpo[name] = {"weights": weights, "initial": initial, "longest": longest, "pre": clip.pre, "post": clip.post}
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))
