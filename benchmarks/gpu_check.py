@@ -11,7 +11,7 @@ What it does (each part prints one line; a failure stops the run with its traceb
 3. An ``HFExport`` round trip under FSDP2: the export loads with ``from_pretrained`` and gives the module's logits.
 4. SFT tokens/s and peak CUDA memory of ``CausalLMModule`` in ``lightning.Trainer`` (bf16-mixed) next to
    ``transformers.Trainer`` (``bf16=True``; needs ``accelerate``) on the same model, batches and optimizer settings.
-Put the printed figures in the README ("Figures") with the GPU name.
+Put the printed figures in docs/benchmarks.md ("Figures") with the GPU name.
 """
 
 from __future__ import annotations

@@ -205,8 +205,8 @@ def test_block_classes_come_from_no_split_modules_or_the_override():
 
 
 def test_slurm_variables_of_two_local_tasks_select_the_ranks(monkeypatch: pytest.MonkeyPatch):
-    """What the README's sbatch script relies on: under ``srun`` (2 tasks on one node) Lightning's SLURM environment
-    gives each task its rank for ModelParallelStrategy, and the strategy does not spawn processes itself."""
+    """What the sbatch script of docs/cluster.md relies on: under ``srun`` (2 tasks on one node) Lightning's SLURM
+    environment gives each task its rank for ModelParallelStrategy, and the strategy does not spawn processes itself."""
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning.pytorch.utilities.rank_zero import rank_zero_only

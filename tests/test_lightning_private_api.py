@@ -1,8 +1,8 @@
 """Guard: every private Lightning name lit_trainer still uses exists, with the shape lit_trainer expects.
 
-lit_trainer builds on Lightning's public API, except for the names listed here (also listed in the README,
-"Compatibility with Lightning"). Private names can change in any Lightning release; the ``lightning>=2.6,<2.7`` pin
-in pyproject.toml (``pytorch-lightning>=2.6,<2.7`` for the ``pytorch_lightning`` callbacks) keeps them stable.
+lit_trainer builds on Lightning's public API, except for the names listed here (also listed in docs/lightning.md,
+"Compatibility with Lightning"). Private names can change in any Lightning release; the ``lightning>=2.6,<2.7`` pin in
+pyproject.toml (``pytorch-lightning>=2.6,<2.7`` for the ``pytorch_lightning`` callbacks) keeps them stable.
 When a test here fails after changing that pin, its message names the lit_trainer feature to adapt first.
 The last tests pin the order of public ``ModelCheckpoint`` calls that ``BestCheckpoint`` relies on, and that
 ``BestCheckpoint`` uses no private ``ModelCheckpoint`` name.

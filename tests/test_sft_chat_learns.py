@@ -1,8 +1,8 @@
 """A chat fit learns: the tiny preset on builtin:addition_chat with assistant_only_loss, a short bounded run.
 
 The loss is on the assistant's tokens only ("82</s>"), about ln(384) = 5.95 per token untrained. The full recipe
-(configs/sft_chat.yaml, 1500 steps) is measured in the README; this test runs 100 steps of batch 32 on one thread
-(about 40 CPU-seconds): validation loss 6.02 -> 1.33, token accuracy 0.06 -> 0.51 when measured.
+(configs/sft_chat.yaml, 1500 steps) is measured in docs/benchmarks.md; this test runs 100 steps of batch 32 on one
+thread (about 40 CPU-seconds): validation loss 6.02 -> 1.33, token accuracy 0.06 -> 0.51 when measured.
 """
 
 import lightning.pytorch as pl
