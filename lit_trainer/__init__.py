@@ -22,3 +22,7 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(importlib.import_module("lit_trainer.modules"), name)
     raise AttributeError(f"module 'lit_trainer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
