@@ -32,3 +32,15 @@ def test_no_target_gives_zero_not_nan():
     logits = torch.randn(1, 4, 5)
     labels = torch.full((1, 4), -100)
     assert causal_lm_loss(logits, labels).item() == 0.0
+
+
+def test_float64_logits_stay_float64():
+    """A float64 run is the float64 twin the calibrated tolerances measure against (``tests/helpers/rounding.py``):
+    the loss and the log-probs keep float64 rather than rounding through float32."""
+    from lit_trainer.losses.logprobs import selective_log_softmax
+
+    logits, labels = torch.randn(2, 5, 7, dtype=torch.float64), torch.randint(0, 7, (2, 5))
+    assert causal_lm_loss(logits, labels).dtype == torch.float64
+    assert causal_lm_loss(logits.half(), labels).dtype == torch.float32  # low precision is still upcast
+    assert selective_log_softmax(logits, labels).dtype == torch.float64
+    assert selective_log_softmax(logits.bfloat16(), labels).dtype == torch.float32
