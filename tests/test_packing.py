@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from helpers.accumulation import TEXTS, accum_datamodule, fit_grads, full_batch, relative_error
 from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
-from helpers.rounding import Rounding
+from helpers.rounding import Rounding, relative_l2
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
 from lit_trainer.data.sft import SFTDataModule
@@ -59,7 +59,16 @@ def test_packed_per_token_losses_equal_unpacked(tokenizer, attn):
     kept_a = ce_a[a["labels"][:, 1:] != -100]  # row by row, in order: the same targets as the packed row's
     kept_b = ce_b[b["labels"][:, 1:] != -100]
     assert kept_a.shape == kept_b.shape
-    torch.testing.assert_close(kept_b, kept_a, rtol=0, atol=1e-5)
+    # tolerance: the padded losses' float32 rounding against the same forward in float64 (helpers/rounding.py); a
+    # real mistake: the packed rows attending to each other (the packed batch without its position ids)
+    with torch.no_grad():
+        la64 = copy.deepcopy(model).double()(input_ids=a["input_ids"], attention_mask=a["attention_mask"]).logits
+        leaked = model(input_ids=b["input_ids"], use_cache=False).logits
+    ce_a64 = F.cross_entropy(la64[:, :-1].transpose(1, 2), a["labels"][:, 1:], reduction="none")
+    ce_leaked = F.cross_entropy(leaked[:, :-1].transpose(1, 2), b["labels"][:, 1:], reduction="none")
+    mistake = relative_l2({"ce": ce_leaked[b["labels"][:, 1:] != -100]}, {"ce": kept_a})
+    rounding = Rounding.of({"ce": kept_a}, {"ce": ce_a64[a["labels"][:, 1:] != -100]}, what="per-token losses")
+    rounding.check({"ce": kept_b}, {"ce": kept_a}, mistake=mistake)
     assert int(packed.count_items(b)) == int(padded.count_items(a)) == kept_a.numel()
 
 
