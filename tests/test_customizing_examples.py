@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from datasets import Dataset
 
@@ -16,7 +17,7 @@ from examples.customizing.batching import CurriculumSampler, CurriculumSFTDataMo
 from examples.customizing.dpop import DPOPModule, dpop_loss
 from examples.customizing.focal_loss import FocalLossLM, focal_causal_lm_loss
 from examples.customizing.optimizer import EmbeddingLRModule
-from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, relative_error
+from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, calibrated
 from helpers.ddp import run_lit_trainer
 from helpers.models import tiny_llama
 from lit_trainer.data import PreferenceDataModule, SFTDataModule
@@ -76,7 +77,11 @@ def _focal_full_batch_gradient(model, dm, rows: list[int], gamma: float) -> dict
     batch = dm._collate([dm.train_dataset[i] for i in rows], True)
     model.zero_grad()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    focal_causal_lm_loss(logits, batch["labels"], None, gamma).backward()
+    if logits.dtype == torch.float64:  # the calibration's float64 twin: the example's formula without its float32 cast
+        ce = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none")  # 0: ignored
+        ((1.0 - torch.exp(-ce)) ** gamma * ce).sum().div((batch["labels"][:, 1:] != -100).sum()).backward()
+    else:
+        focal_causal_lm_loss(logits, batch["labels"], None, gamma).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad()
     return grads
@@ -102,14 +107,25 @@ def _step_gradient(module, dm) -> dict[str, torch.Tensor]:
     return capture.grads[0]
 
 
+def _halves_gradient(model, dm) -> dict[str, torch.Tensor]:
+    """The sum of the two micro-batches' own focal-mean gradients."""
+    parts = [_focal_full_batch_gradient(model, dm, list(range(k, k + 4)), 2.0) for k in (0, 4)]
+    return {k: parts[0][k] + parts[1][k] for k in parts[0]}
+
+
 def test_focal_loss_window_gradient_equals_full_batch(tokenizer):
     model, dm = tiny_llama(seed=4), _uneven_halves(tokenizer)
-    reference = _focal_full_batch_gradient(copy.deepcopy(model), dm, list(range(8)), gamma=2.0)
-    # guard: averaging the two micro-batch means (what a per-batch mean loss gives) is far from it
-    parts = [_focal_full_batch_gradient(copy.deepcopy(model), dm, list(range(k, k + 4)), 2.0) for k in (0, 4)]
-    assert relative_error({k: (parts[0][k] + parts[1][k]) / 2 for k in reference}, reference) > 0.05
+    # tolerance: the full-batch gradient's float32 rounding against its float64 twin (helpers/rounding.py); a real
+    # mistake, averaging the two micro-batch means (what a per-batch mean loss gives), must be far from it (> 0.05)
+    reference = calibrated(
+        lambda m: _focal_full_batch_gradient(m, dm, list(range(8)), gamma=2.0),
+        model,
+        mistake=lambda m: {k: v / 2 for k, v in _halves_gradient(m, dm).items()},
+        what="focal full-batch gradient",
+    )
+    assert reference.mistake > 0.05
     module = FocalLossLM(copy.deepcopy(model), tokenizer=tokenizer, gamma=2.0, learning_rate=0.0, max_grad_norm=None)
-    assert relative_error(_step_gradient(module, dm), reference) < 1e-5
+    reference.check(_step_gradient(module, dm))
 
 
 class _PerBatchMeanFocal(FocalLossLM):
@@ -122,9 +138,10 @@ class _PerBatchMeanFocal(FocalLossLM):
 def test_a_per_batch_mean_is_off_by_the_accumulation_factor(tokenizer):
     """docs/customizing.md: with the count given, a per-micro-batch mean gives N times the mean of the means."""
     model, dm = tiny_llama(seed=4), _uneven_halves(tokenizer)
-    parts = [_focal_full_batch_gradient(copy.deepcopy(model), dm, list(range(k, k + 4)), 2.0) for k in (0, 4)]
+    # calibrated like the test above; a real mistake here is the mean of the means (the count honoured): off by half
+    expected = calibrated(lambda m: _halves_gradient(m, dm), model, mistake=0.5, what="sum of micro-batch means")
     module = _PerBatchMeanFocal(copy.deepcopy(model), tokenizer=tokenizer, learning_rate=0.0, max_grad_norm=None)
-    assert relative_error(_step_gradient(module, dm), {k: parts[0][k] + parts[1][k] for k in parts[0]}) < 1e-5
+    expected.check(_step_gradient(module, dm))
 
 
 def test_focal_loss_rejects_a_negative_gamma():

@@ -20,7 +20,7 @@ from datasets import Dataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
-from helpers.accumulation import GradCapture, relative_error
+from helpers.accumulation import GradCapture, calibrated
 from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from lit_trainer.cli import LitTrainerCLI
@@ -72,7 +72,8 @@ def trainer(steps: int, callbacks=(), **kw) -> pl.Trainer:
 
 def independent_logps(model, batch):
     """``(2B,)`` completion log-prob sums, the ``(2B, T-1)`` token log-probs and the shifted completion mask."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64: the calibration
     token = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     mask = batch["completion_mask"][:, 1:].float()
     return (token * mask).sum(-1), token * mask, mask
@@ -181,28 +182,49 @@ def _one_step_gradient(
     return capture.grads[0]
 
 
+def independent_gradient(batch, pairs: int, losses=("sigmoid", "sft", "ipo")):
+    """The independent full-batch gradient of the first ``pairs`` pairs of ``batch`` (chosen rows, then the 8
+    rejected ones): mean over the pairs of the pair losses, TRL's sft term (the token mean over all their chosen
+    tokens), one backward; the reference is ``tiny_llama(0)`` in the policy's dtype. A function of the policy, for
+    :func:`helpers.accumulation.calibrated` (float64 policy: the float64 twin)."""
+
+    def gradient(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+        ref = tiny_llama(0).to(next(policy.parameters()).dtype)
+        pi, token, mask = independent_logps(policy, batch)
+        with torch.no_grad():
+            rho = independent_logps(ref, batch)[0]
+        count = batch["completion_mask"].sum(-1).to(pi.dtype)
+        u, c, r = pi - rho, slice(0, pairs), slice(8, 8 + pairs)
+        loss = -F.logsigmoid(BETA * (u[c] - u[r]))
+        if "ipo" in losses:
+            loss = loss + (u[c] / count[c] - u[r] / count[r] - 1 / (2 * BETA)) ** 2
+        loss = loss.mean()
+        if "sft" in losses:  # token mean over all chosen tokens of the step
+            loss = loss - token[c].sum() / mask[c].sum()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in policy.named_parameters()}
+
+    return gradient
+
+
 def test_gradient_accumulation_gives_the_full_batch_gradient(tokenizer):
     # micro-batches of 3, 3 and 2 pairs: a mean of per-micro-batch means would weight the last two pairs 4/3 too much
     accumulated = _one_step_gradient(tokenizer, batch_size=3, accumulate=3)
     halves = _one_step_gradient(tokenizer, batch_size=4, accumulate=2)  # 2 micro-batches of 4 pairs
     full = _one_step_gradient(tokenizer, batch_size=8, accumulate=1)
-    # and the independent full-batch loss: mean over the 8 pairs of sigmoid + sft + ipo, one backward
-    policy, ref = tiny_llama(0), tiny_llama(0)
+    # and the independent full-batch loss: mean over the 8 pairs of sigmoid + sft + ipo, one backward. Tolerance:
+    # its float32 rounding against its float64 twin (helpers/rounding.py), for every comparison of two float32
+    # evaluations of this mathematics (module or independent); a real mistake: the last pair lost
     dm = datamodule(tokenizer, Dataset.from_dict(UNEVEN))
     dm.setup("fit")
     batch = all_pairs(dm)
-    pi, token, mask = independent_logps(policy, batch)
-    with torch.no_grad():
-        rho = independent_logps(ref, batch)[0]
-    n = batch["completion_mask"].sum(-1).float()
-    u = pi - rho
-    loss = (-F.logsigmoid(BETA * (u[:8] - u[8:])) + (u[:8] / n[:8] - u[8:] / n[8:] - 1 / (2 * BETA)) ** 2).mean()
-    loss = loss - token[:8].sum() / mask[:8].sum()  # sft: token mean over all chosen tokens of the step
-    loss.backward()
-    independent = {n: p.grad for n, p in policy.named_parameters()}
-    assert set(accumulated) == set(independent)  # only the policy receives gradients
-    assert relative_error(accumulated, full) < 1e-5 and relative_error(halves, full) < 1e-5
-    assert relative_error(accumulated, independent) < 1e-5
+    reference = calibrated(
+        independent_gradient(batch, 8), tiny_llama(0), mistake=independent_gradient(batch, 7), what="DPO gradient"
+    )
+    assert set(accumulated) == set(reference.grads)  # only the policy receives gradients
+    reference.rounding.check(accumulated, full, mistake=reference.mistake)
+    reference.rounding.check(halves, full, mistake=reference.mistake)
+    reference.check(accumulated)
 
 
 def test_rpo_sft_term_is_the_token_mean_over_the_step_under_accumulation(tokenizer):
@@ -213,22 +235,17 @@ def test_rpo_sft_term_is_the_token_mean_over_the_step_under_accumulation(tokeniz
     batch = all_pairs(dm)
     chosen = batch["completion_mask"][:8, 1:].sum(-1)
     assert int(chosen.max()) > 5 * int(chosen.min())  # really uneven
-    policy, ref = tiny_llama(0), tiny_llama(0)
-    pi, token, mask = independent_logps(policy, batch)
-    with torch.no_grad():
-        rho = independent_logps(ref, batch)[0]
-    u = pi - rho
-    (-F.logsigmoid(BETA * (u[:8] - u[8:])).mean() - token[:8].sum() / mask[:8].sum()).backward()
-    independent = {n: p.grad for n, p in policy.named_parameters()}
-    accumulated = _one_step_gradient(tokenizer, 3, 3, ("sigmoid", "sft"))
-    assert relative_error(accumulated, independent) < 1e-5
-    # limit_train_batches=2 cuts the window: the step is the first 6 pairs only
-    cut = _one_step_gradient(tokenizer, 3, 3, ("sigmoid", "sft"), limit_train_batches=2)
-    policy.zero_grad()
-    pi, token, mask = independent_logps(policy, batch)
-    u = pi - rho
-    (-F.logsigmoid(BETA * (u[:6] - u[8:14])).mean() - token[:6].sum() / mask[:6].sum()).backward()
-    assert relative_error(cut, {n: p.grad for n, p in policy.named_parameters()}) < 1e-5
+    rpo = ("sigmoid", "sft")
+    # calibrated as above (helpers/rounding.py); a real mistake: the last pair lost
+    independent = calibrated(
+        independent_gradient(batch, 8, rpo), tiny_llama(0), mistake=independent_gradient(batch, 7, rpo), what="RPO"
+    )
+    independent.check(_one_step_gradient(tokenizer, 3, 3, rpo))
+    # limit_train_batches=2 cuts the window: the step is the first 6 pairs only (a real mistake: the uncut 8)
+    cut = calibrated(
+        independent_gradient(batch, 6, rpo), tiny_llama(0), mistake=independent_gradient(batch, 8, rpo), what="cut"
+    )
+    cut.check(_one_step_gradient(tokenizer, 3, 3, rpo, limit_train_batches=2))
 
 
 @pytest.mark.slow

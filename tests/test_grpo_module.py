@@ -14,6 +14,7 @@ import torch
 import transformers
 from datasets import Dataset
 
+from helpers.accumulation import FullBatch, calibrated
 from helpers.models import tiny_llama
 from lit_trainer.data import builtin
 from lit_trainer.data.prompt import GenerationBatchSampler, PromptDataModule, RolloutGeometry
@@ -241,14 +242,20 @@ def test_generate_is_called_once_per_round_with_each_prompt_num_generations_time
 
 
 # --------------------------------------------------------------------------------- token-exact accumulation
-def _independent_step_gradient(model: Any, slices: list[dict], loss_type: str, temperature: float) -> dict:
+def _independent_step_gradient(
+    model: Any, slices: list[dict], loss_type: str, temperature: float, lose_a_row: bool = False
+) -> dict:
     """On-policy gradient written out row by row, without padding: per token ``L = -A * exp(lp - sg(lp))``.
 
     dapo: sum over every kept token of the step / (kept tokens of the step); grpo: mean over rows of the row's
-    token mean (equal-size micro-batches, so the mean of micro-batch means is the full-batch mean).
+    token mean (equal-size micro-batches, so the mean of micro-batch means is the full-batch mean). In the model's
+    dtype (a float64 model: the float64 twin of a calibration, ``helpers.accumulation.calibrated``).
+    ``lose_a_row``: a real mistake's gradient, the first row with a kept token left out (loss and normaliser).
     """
     model.zero_grad()
     rows = [{k: s[k][i] for k in s} for s in slices for i in range(s["advantages"].shape[0])]
+    if lose_a_row:
+        rows.pop(next(i for i, r in enumerate(rows) if r["completion_mask"].sum() > 0))
     total_tokens = sum(int(r["completion_mask"].sum()) for r in rows)
     loss = 0.0
     for r in rows:
@@ -261,6 +268,8 @@ def _independent_step_gradient(model: Any, slices: list[dict], loss_type: str, t
         lp = torch.log_softmax(logits, -1).gather(-1, kept.unsqueeze(-1)).squeeze(-1)
         token_loss = -r["advantages"] * torch.exp(lp - lp.detach())
         loss = loss + (token_loss.sum() / total_tokens if loss_type == "dapo" else token_loss.mean() / len(rows))
+    if not torch.is_tensor(loss):  # no row with a kept token (``lose_a_row`` took the only one): no gradient
+        return {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -283,10 +292,20 @@ def test_accumulated_step_gradient_equals_the_full_batch_gradient(loss_type, mas
     assert "old_logps" not in recorder.slices[0]  # on-policy: no old log-probs are computed
     if mask_truncated:  # some rows hit max_completion_length without EOS and are out of the loss
         assert 0 < sum(int((s["completion_mask"].sum(1) == 0).sum()) for s in recorder.slices) < 8
-    expected = _independent_step_gradient(initial, recorder.slices, loss_type, 0.8)
-    for name, grad in recorder.grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-7, msg=name)
-    assert any(g.abs().sum() > 0 for g in expected.values())
+    expected = step_reference(initial, recorder.slices, loss_type, 0.8)
+    expected.check(recorder.grads)
+    assert any(g.abs().sum() > 0 for g in expected.grads.values())
+
+
+def step_reference(model: Any, slices: list[dict], loss_type: str, temperature: float) -> FullBatch:
+    """:func:`_independent_step_gradient` with its calibrated tolerance: its float32 rounding against its float64
+    twin (``tests/helpers/rounding.py``); a real mistake: a row lost."""
+    return calibrated(
+        lambda m: _independent_step_gradient(m, slices, loss_type, temperature),
+        model,
+        mistake=lambda m: _independent_step_gradient(m, slices, loss_type, temperature, lose_a_row=True),
+        what=f"{loss_type} step gradient",
+    )
 
 
 def test_off_policy_rounds_store_old_logps_equal_to_the_sampling_policy():

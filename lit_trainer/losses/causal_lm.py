@@ -20,10 +20,11 @@ def causal_lm_loss(
 
     .. math:: \mathcal{L} = \frac{1}{N} \sum_{b,t:\ y_{b,t+1} \neq -100} -\log p_\theta(y_{b,t+1} \mid x_{b,\le t})
 
-    Labels are shifted by one inside (position 0 is never a target), ``-100`` is ignored, logits are upcast to
-    float32. With ``num_items_in_batch=None`` the token mean of this batch is returned (``N`` = its target count);
-    given the target count of a whole accumulation window (and all ranks), the per-micro-batch values add up to the
-    full-batch token mean, which is what makes gradient accumulation token-exact.
+    Labels are shifted by one inside (position 0 is never a target), ``-100`` is ignored, logits are upcast to at
+    least float32 (float64 stays float64: a float64 run is a float64 reference). With ``num_items_in_batch=None``
+    the token mean of this batch is returned (``N`` = its target count); given the target count of a whole
+    accumulation window (and all ranks), the per-micro-batch values add up to the full-batch token mean, which is
+    what makes gradient accumulation token-exact.
 
     Args:
         logits: ``(B, T, V)``.
@@ -31,9 +32,10 @@ def causal_lm_loss(
         num_items_in_batch: the normaliser ``N``; ``None`` for the local token mean.
 
     Returns:
-        A 0-dim float32 tensor (0 when there is no target token).
+        A 0-dim float32 tensor (float64 for float64 logits; 0 when there is no target token).
     """
-    shifted_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
+    shifted_logits = logits[..., :-1, :].reshape(-1, logits.size(-1))
+    shifted_logits = shifted_logits.to(torch.promote_types(shifted_logits.dtype, torch.float32))
     shifted_labels = labels[..., 1:].reshape(-1)
     total = F.cross_entropy(shifted_logits, shifted_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:

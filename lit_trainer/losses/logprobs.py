@@ -30,12 +30,12 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature
     only one ``(T, V)`` float32 slice is alive at a time, instead of a full ``(B, T, V)`` log-softmax copy.
 
     Args:
-        logits: ``(B, T, V)`` logits, any float dtype (upcast to float32 per row).
+        logits: ``(B, T, V)`` logits, any float dtype (upcast to at least float32 per row; float64 stays float64).
         index: ``(B, T)`` token ids; entries must be valid ids (mask ``-100`` out before calling).
         temperature: divides the logits; must be > 0.
 
     Returns:
-        ``(B, T)`` float32 log-probabilities.
+        ``(B, T)`` float32 log-probabilities (float64 for float64 logits).
 
     Raises:
         ValueError: if ``temperature <= 0``.
@@ -44,7 +44,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature
         raise ValueError(f"`temperature={temperature}` is invalid: it must be > 0.")
     rows = []
     for row_logits, row_index in zip(logits, index):
-        row = row_logits.float()
+        row = row_logits.to(torch.promote_types(row_logits.dtype, torch.float32))
         if temperature != 1.0:
             row = row / temperature
         picked = row.gather(-1, row_index.unsqueeze(-1)).squeeze(-1)

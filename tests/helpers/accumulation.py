@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -100,14 +101,33 @@ class FullBatch:
         return self.rounding.check(got, self.grads, mistake=self.mistake)
 
 
+def calibrated(
+    gradient: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+    model: torch.nn.Module,
+    *,
+    mistake: float | Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+    what: str = "gradient",
+) -> FullBatch:
+    """A reference gradient ``gradient(model)`` (on a copy: ``model`` is not changed) in float32, calibrated for
+    comparing a gradient summed in another order with it: ``rounding`` from the same ``gradient`` of a float64 copy
+    (``tests/helpers/rounding.py``; ``gradient`` must not cast to float32 on the way), and ``mistake``, the size of a
+    real error: a relative L2 difference, or a function giving a wrong gradient (a row lost, another normaliser) whose
+    difference from the reference is that size."""
+    grads = gradient(copy.deepcopy(model))
+    grads64 = gradient(copy.deepcopy(model).double())
+    if callable(mistake):
+        mistake = relative_l2(mistake(copy.deepcopy(model)), grads)
+    return FullBatch(grads, Rounding.of(grads, grads64, relative_l2, what=what), mistake)
+
+
 def full_batch(model: torch.nn.Module, dm: SFTDataModule, rows: list[int]) -> FullBatch:
     """:func:`full_batch_gradient` of ``rows`` (``model`` is not changed), calibrated for comparing an accumulated or
-    DDP gradient with it: ``rounding`` from the same gradient in float64 (``tests/helpers/rounding.py``), and as the
-    size of a real mistake the gradient's relative change when the last row is left out (a row lost or counted twice
-    at a window or rank boundary)."""
-    grads = full_batch_gradient(copy.deepcopy(model), dm, rows)
-    grads64 = full_batch_gradient(copy.deepcopy(model).double(), dm, rows)
-    mistake = 1.0  # one row: leaving it out leaves no gradient at all
-    if len(rows) > 1:  # the last row left out
-        mistake = relative_l2(full_batch_gradient(copy.deepcopy(model), dm, rows[:-1]), grads)
-    return FullBatch(grads, Rounding.of(grads, grads64, relative_l2, what="full-batch gradient"), mistake)
+    DDP gradient with it (:func:`calibrated`); as the size of a real mistake the gradient's relative change when the
+    last row is left out (a row lost or counted twice at a window or rank boundary)."""
+    return calibrated(
+        lambda m: full_batch_gradient(m, dm, rows),
+        model,
+        # one row: leaving it out leaves no gradient at all
+        mistake=(lambda m: full_batch_gradient(m, dm, rows[:-1])) if len(rows) > 1 else 1.0,
+        what="full-batch gradient",
+    )

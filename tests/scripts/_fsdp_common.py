@@ -79,11 +79,13 @@ def full_weights(module: pl.LightningModule, attribute: str = "model") -> dict[s
 
 class ClipRecorder(pl.Callback):
     """Records, per optimizer step, the module's pre-clipping norm and the norm of the gradients the optimizer stepped
-    with (read at the step's end, before the next window zeroes them)."""
+    with (read at the step's end, before the next window zeroes them), and that norm computed in float64: how far a
+    float32 norm of these gradients lands from the exact one (the clipping check's calibration)."""
 
     def __init__(self) -> None:
         self.pre: list[float] = []
         self.post: list[float] = []
+        self.post64: list[float] = []
         self._step = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
@@ -92,6 +94,7 @@ class ClipRecorder(pl.Callback):
         self._step = trainer.global_step
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         self.post.append(float(_sharding.full(torch.nn.utils.get_total_norm(grads))))
+        self.post64.append(float(_sharding.full(torch.nn.utils.get_total_norm([g.double() for g in grads]))))
         self.pre.append(float(pl_module._grad_norm))
 
 

@@ -40,6 +40,7 @@ if __name__ == "__main__":
         "weights": weights,
         "pre": clip.pre,
         "post": clip.post,
+        "post64": clip.post64,
         "param_type": type(next(module.model.parameters())).__name__,
         "fused": optimizer.defaults.get("fused"),
         "foreach": optimizer.defaults.get("foreach"),
@@ -107,4 +108,5 @@ if __name__ == "__main__":
         module, longest, clip, initial = common.grpo_run(strategy, precision)
         weights = common.full_weights(module)
         grpo[name] = {"weights": weights, "initial": initial, "longest": longest, "pre": clip.pre, "post": clip.post}
+        grpo[name]["post64"] = clip.post64
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))
