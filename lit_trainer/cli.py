@@ -80,6 +80,23 @@ _RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger")  # loggers pla
 _LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger")
 
 
+FIT_DESCRIPTION = (
+    "Train a LightningModule: lit_trainer's CausalLMModule (SFT), DPOModule or GRPOModule, or your own. The options "
+    "listed here are the trainer's and the run's. To list the model's and the data module's options: "
+    "`lit-trainer fit --model.help lit_trainer.CausalLMModule` (or DPOModule, GRPOModule) and "
+    "`lit-trainer fit --data.help lit_trainer.data.SFTDataModule` (or PreferenceDataModule, PromptDataModule). They "
+    "print the short spelling `--model.learning_rate`; the docs and configs write `--model.init_args.learning_rate`: "
+    "both set the same option. Recipes and commands: `lit-trainer --help`."
+)
+CKPT_PATH_HELP = (
+    "Continue a run instead of starting a new one. 'last': the newest complete checkpoint of an unfinished run with "
+    "this run name and the same model and data arguments (data-loading and eval_* options, and every trainer "
+    "option, may change); when none qualifies, a new run starts and a warning lists the checkpoints passed over. "
+    "PATH: that checkpoint, on purpose (changed model or data arguments are reported; another module, data module "
+    "or run name is refused). Unset: a new run. (type: str | None, default: null)"
+)
+
+
 def default_loggers() -> list[dict[str, Any]]:
     """CSV always; TensorBoard too when ``tensorboard`` is importable. Folder, name and version are filled in per
     run (``LitTrainerCLI.before_instantiate_classes``)."""
@@ -140,6 +157,8 @@ class LitTrainerCLI(LightningCLI):
     ``--print_config``, ``--run_name``)."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
+        parser_kwargs.setdefault("fit", {}).setdefault("description", FIT_DESCRIPTION)
         trainer_defaults = {"logger": default_loggers(), "num_sanity_val_steps": 0}
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}))
         self._resume_from: str | None = None
@@ -159,6 +178,7 @@ class LitTrainerCLI(LightningCLI):
                 save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
                 auto_configure_optimizers=False,
                 trainer_defaults=trainer_defaults,
+                parser_kwargs=parser_kwargs,
                 args=join_negative_numbers(args) if isinstance(args, list) else args,
                 run=run,
                 **kwargs,
@@ -174,6 +194,15 @@ class LitTrainerCLI(LightningCLI):
             help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
             "from the model class; the class name in lower case for other modules).",
         )
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        """Lightning's subcommand parser; ``fit --ckpt_path`` explains what ``last`` and a path mean here."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "fit":
+            for action in parser._actions:
+                if "--ckpt_path" in action.option_strings:
+                    action.help = CKPT_PATH_HELP
+        return parser
 
     def _parse_ckpt_path(self) -> None:
         """``fit``: keep the configuration given (file and command line) on a resume.
