@@ -44,7 +44,7 @@ from typing_extensions import Self, override
 from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
-from lit_trainer.data.repeat_sampler import resolve_generation_geometry
+from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
-from lit_trainer.data.repeat_sampler import needs_old_logps
+from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
 from lit_trainer.modules import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
