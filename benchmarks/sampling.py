@@ -30,10 +30,10 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler as RefRebalance
 from transformers.trainer_pt_utils import LengthGroupedSampler as RefGrouped
 
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
-from lit_trainer.data.rebalance import microbatch_cost
-from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
-from lit_trainer.data.samplers import make_length_grouped_batch_sampler
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
+from lit_trainer.data.samplers.length_grouped import make_length_grouped_batch_sampler
+from lit_trainer.data.samplers.rebalance import microbatch_cost
+from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 
 Steps = list[list[list[list[int]]]]  # steps[step][rank][slot] = dataset indices
 

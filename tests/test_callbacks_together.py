@@ -6,8 +6,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.modules import TinyLM
 from lit_trainer.callbacks import BEMA, BestCheckpoint, EvalOnStart, ExactResume, JITCheckpoint, NEFTune
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 
 
 def _data(seed: int = 0) -> list[dict]:

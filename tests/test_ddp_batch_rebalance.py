@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.ddp import output_tail, run_script
-from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
+from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 
 pytestmark = pytest.mark.ddp
 

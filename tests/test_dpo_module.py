@@ -26,8 +26,7 @@ from helpers.models import tiny_llama
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import builtin
 from lit_trainer.data.preference import PreferenceDataModule
-from lit_trainer.modules import _ref_logps
-from lit_trainer.modules.dpo import DPOModule
+from lit_trainer.modules.dpo import DPOModule, _ref_logps
 
 ROOT = Path(__file__).resolve().parents[1]
 BETA = 0.1

@@ -297,7 +297,7 @@ def test_sharded_bema_weights_and_scores_equal_the_single_process_ones(run: Path
 @pytest.mark.ddp
 def test_sharded_best_checkpoint_loads_the_scored_weights_at_the_end(run: Path, single_bema_best: dict):
     from lit_trainer.callbacks import BEMA
-    from lit_trainer.callbacks._checkpoint_files import load_checkpoint_state_dict
+    from lit_trainer.callbacks.checkpointing._files import load_checkpoint_state_dict
 
     sharded = torch.load(run / "bema_best.pt", weights_only=False)
     assert Path(sharded["best_path"]).is_dir()  # a distributed checkpoint

@@ -62,7 +62,7 @@ def test_a_step_correction_outside_param_grad_is_refused_at_setup():
 
 
 def test_step_normaliser_sums_the_step_slices_or_estimates_across_rounds():
-    from lit_trainer.modules._grpo_normaliser import StepNormaliser
+    from lit_trainer.modules.grpo._normaliser import StepNormaliser
 
     tokens = torch.tensor([3.0, 5.0, 7.0])  # three slices per round
     inside = StepNormaliser.start(tokens, position=4, length=2, round_length=6)  # slices 1, 2 of the second pass

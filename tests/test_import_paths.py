@@ -81,7 +81,9 @@ def test_no_module_re_exports_a_name_it_does_not_use():
 def test_the_check_finds_a_shim(tmp_path):
     shim = tmp_path / "shim.py"
     shim.write_text(
-        "from lit_trainer.data.rebalance import microbatch_cost, balance_step  # noqa: F401\n"
+        "from lit_trainer.data.samplers.rebalance import microbatch_cost, balance_step  # noqa: F401\n"
         "def f():\n    return balance_step\n"
     )
-    assert _unused_lit_trainer_imports(shim) == ["microbatch_cost (from lit_trainer.data.rebalance.microbatch_cost)"]
+    assert _unused_lit_trainer_imports(shim) == [
+        "microbatch_cost (from lit_trainer.data.samplers.rebalance.microbatch_cost)"
+    ]

@@ -252,7 +252,7 @@ def test_best_checkpoint_uses_no_private_model_checkpoint_name() -> None:
     private = {
         n for n in [*dir(ModelCheckpoint), *vars(ModelCheckpoint())] if n.startswith("_") and not n.startswith("__")
     }
-    source = (ROOT / "lit_trainer" / "callbacks" / "checkpointing.py").read_text()
+    source = (ROOT / "lit_trainer" / "callbacks" / "checkpointing" / "__init__.py").read_text()
     used = {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)}
     overridden = {n for n in vars(_BestCheckpoint) if n in private}
     assert not (used & private) and not overridden, (

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import EvalLoader, TrainLoader
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 
 ROWS = [{"x": torch.tensor(i)} for i in range(6)]
 OPTIONS = {"num_workers": 2, "pin_memory": True, "persistent_workers": True, "prefetch_factor": 3}

@@ -17,7 +17,7 @@ from lit_trainer.callbacks import BEMA, NEFTune
 from lit_trainer.callbacks.neftune import find_input_embedding
 from lit_trainer.data import PromptDataModule, SFTDataModule, builtin
 from lit_trainer.data.preference import PreferenceDataModule
-from lit_trainer.data.preference_collate import REF_CHOSEN_KEY
+from lit_trainer.data.preference.collate import REF_CHOSEN_KEY
 from lit_trainer.models import build_tokenizer
 from lit_trainer.modules._peft import AdapterReference
 

@@ -17,9 +17,9 @@ from datasets import Dataset
 from helpers.accumulation import TEXTS, accum_datamodule, full_batch
 from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
-from lit_trainer.data.rebalance import balance_packed_step, balance_step
-from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
+from lit_trainer.data.samplers.rebalance import balance_packed_step, balance_step
+from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.modules.causal_lm import CausalLMModule
 

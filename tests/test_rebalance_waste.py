@@ -7,7 +7,7 @@ import random
 
 from transformers.trainer_pt_utils import BatchRebalanceSampler as ReferenceRebalance
 
-from lit_trainer.data.rebalance import balance_step, microbatch_cost
+from lit_trainer.data.samplers.rebalance import balance_step, microbatch_cost
 
 
 def _waste_and_straggler(lengths: list[int], plan: list[list[list[int]]]) -> tuple[int, float]:

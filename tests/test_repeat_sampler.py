@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_trainer.data.repeat_sampler import RepeatSampler, needs_old_logps, resolve_generation_geometry
+from lit_trainer.data.samplers.repeat_sampler import RepeatSampler, needs_old_logps, resolve_generation_geometry
 
 
 class FixedPermutation(RepeatSampler):

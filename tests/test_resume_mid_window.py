@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from helpers.accumulation import TEXTS
 from helpers.models import tiny_llama
 from lit_trainer.callbacks import ExactResume
-from lit_trainer.callbacks._window_grads import mid_window_validation_error
+from lit_trainer.callbacks.resume._window_grads import mid_window_validation_error
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.modules.causal_lm import CausalLMModule

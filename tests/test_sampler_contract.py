@@ -10,11 +10,11 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_trainer.data.batch_sampler import BatchSampler, EpochPosition, ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.prompt import GenerationBatchSampler
-from lit_trainer.data.repeat_sampler import RepeatSampler
-from lit_trainer.data.sampling import SAMPLERS, Sampling, make_batch_sampler
+from lit_trainer.data.samplers.batch_sampler import BatchSampler, EpochPosition, ShardedBatchSampler
+from lit_trainer.data.samplers.repeat_sampler import RepeatSampler
+from lit_trainer.data.samplers.sampling import SAMPLERS, Sampling, make_batch_sampler
 from lit_trainer.data.sft import SFTDataModule
 
 ROWS = [{"x": i} for i in range(12)]

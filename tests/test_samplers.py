@@ -9,10 +9,11 @@ import datasets
 import pytest
 import torch
 
-from lit_trainer.data.lengths import cost_spread, padding_stats, require_lengths
-from lit_trainer.data.rebalance import balance_step, microbatch_cost
-from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
-from lit_trainer.data.samplers import LengthGroupedSampler, make_length_grouped_batch_sampler
+from lit_trainer.data.samplers import LengthGroupedSampler
+from lit_trainer.data.samplers.length_grouped import make_length_grouped_batch_sampler
+from lit_trainer.data.samplers.lengths import cost_spread, padding_stats, require_lengths
+from lit_trainer.data.samplers.rebalance import balance_step, microbatch_cost
+from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 
 _rng = random.Random(0)
 TOY = [_rng.randint(5, 500) for _ in range(64)]  # the 64 lengths of the reference's toy run

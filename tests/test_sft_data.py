@@ -4,8 +4,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.sft import SFTDataModule
 
 

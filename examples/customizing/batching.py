@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lit_trainer.data import SFTDataModule
-from lit_trainer.data.batch_sampler import EpochPosition
+from lit_trainer.data.samplers import EpochPosition
 
 
 class CurriculumSampler(EpochPosition):

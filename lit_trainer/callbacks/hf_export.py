@@ -1,7 +1,17 @@
-"""HFExport: write the trained model (and tokenizer) in Hugging Face format at the end of fit."""
+"""HFExport: write the trained model (and tokenizer) in Hugging Face format at the end of fit.
+
+:func:`export_hf` is the one writer (``BestCheckpoint``'s ``best/`` and BEMA's export use it too). A peft (adapter)
+model is exported as the adapter alone, or as the base with the adapter merged in. Duck-typed (callbacks do not import
+the modules): a peft model is anything with ``peft_config`` and ``merge_and_unload``. The adapter export is
+``PeftModel.save_pretrained`` of the trained adapter only (a frozen reference adapter is left out); it loads with
+``PeftModel.from_pretrained(base, path)`` on the same base model. The merged export is a standalone transformers model
+(``AutoModelForCausalLM.from_pretrained(path)``); it merges a copy, so it needs memory for a second copy of the model
+while it is written, and training continues on the unmerged weights.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -12,8 +22,33 @@ from typing_extensions import override
 
 from lit_trainer._atomic import atomic_directory
 from lit_trainer.callbacks._namespace import PackageBound
-from lit_trainer.callbacks._peft_export import is_adapter_model, save_adapter_model
 from lit_trainer.modules._sharding import full_state_dict, is_sharded
+
+
+def is_adapter_model(model: Any) -> bool:
+    """Whether ``model`` is a peft model (duck-typed)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "merge_and_unload", None))
+
+
+def save_adapter_model(model: Any, directory: str | os.PathLike, state_dict: dict | None, merge: bool) -> None:
+    """Write ``model``'s active adapter (or, with ``merge``, the merged model) into ``directory``.
+
+    Args:
+        model: a ``peft.PeftModel``.
+        directory: an existing, empty directory.
+        state_dict: weights to export instead of the live ones (keys as ``model.state_dict()``; adapter keys suffice).
+        merge: write the merged full model instead of the adapter.
+    """
+    if not merge:
+        model.save_pretrained(
+            directory, safe_serialization=True, state_dict=state_dict, selected_adapters=[model.active_adapter]
+        )
+        return
+    merged = copy.deepcopy(model)
+    if state_dict is not None:
+        merged.load_state_dict(state_dict, strict=False)
+    merged = merged.merge_and_unload()
+    merged.save_pretrained(directory, safe_serialization=True)
 
 
 def export_hf(
@@ -31,7 +66,7 @@ def export_hf(
         target: the export directory.
         state_dict: weights to save instead of the model's current ones (e.g. a best or averaged copy).
         merge_adapters: for a peft model, write the base with the adapter merged in (a standalone transformers
-            model) instead of the adapter alone (see :mod:`lit_trainer.callbacks._peft_export`).
+            model) instead of the adapter alone (see the module docstring).
 
     Raises:
         TypeError: when ``model`` has no ``save_pretrained``.

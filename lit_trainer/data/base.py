@@ -16,12 +16,12 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.data.batch_sampler import BatchSampler
-from lit_trainer.data.lengths import require_lengths
 from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
 from lit_trainer.data.packing import PACKED_ROWS
-from lit_trainer.data.rebalance import CostModel
-from lit_trainer.data.sampling import Sampling, check_sampling, make_batch_sampler
+from lit_trainer.data.samplers.batch_sampler import BatchSampler
+from lit_trainer.data.samplers.lengths import require_lengths
+from lit_trainer.data.samplers.rebalance import CostModel
+from lit_trainer.data.samplers.sampling import Sampling, check_sampling, make_batch_sampler
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
@@ -200,10 +200,10 @@ class BaseDataModule(pl.LightningDataModule):
 
     def train_batch_sampler(self) -> BatchSampler:
         """The training batch sampler: which rows form each micro-batch of this rank, by the ``sampling`` strategy
-        (:mod:`lit_trainer.data.sampling`). Called by :meth:`train_dataloader` once the data is set up.
+        (:mod:`lit_trainer.data.samplers.sampling`). Called by :meth:`train_dataloader` once the data is set up.
 
         Override it to change batching: what it returns must follow the
-        :class:`~lit_trainer.data.batch_sampler.BatchSampler` protocol (``docs/customizing.md`` has an example,
+        :class:`~lit_trainer.data.samplers.BatchSampler` protocol (``docs/customizing.md`` has an example,
         ``docs/resume.md`` the contract)."""
         world, rank, accumulate = self._replicas()
         hp = self.hparams

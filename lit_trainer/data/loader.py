@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import Unpack
 
-from lit_trainer.data.batch_sampler import BatchSampler
+from lit_trainer.data.samplers.batch_sampler import BatchSampler
 from lit_trainer.data.windows import StepWindows
 
 NUM_ITEMS_KEY = "num_items_in_batch"
@@ -40,7 +40,7 @@ class TrainLoader:
 
     Args:
         dataset: a map-style dataset returning dict rows.
-        batch_sampler: a :class:`~lit_trainer.data.batch_sampler.BatchSampler` (rank-aware, ``set_epoch``, same length
+        batch_sampler: a :class:`~lit_trainer.data.samplers.BatchSampler` (rank-aware, ``set_epoch``, same length
             on every rank, ``state_dict``/``load_state_dict``). It owns the epoch and the resume point: the loader
             seeks it with ``load_state_dict`` at every epoch start and only counts the micro-batches it has handed
             to the training loop (the inner ``DataLoader`` prefetches, so the sampler itself runs ahead of training).

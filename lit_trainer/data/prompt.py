@@ -25,11 +25,11 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
-from lit_trainer.data.batch_sampler import EpochPosition
 from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.loader import TrainLoader
-from lit_trainer.data.repeat_sampler import RepeatSampler
+from lit_trainer.data.samplers.batch_sampler import EpochPosition
+from lit_trainer.data.samplers.repeat_sampler import RepeatSampler
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 
 PROMPT_IDS = "prompt_input_ids"
@@ -52,8 +52,8 @@ class RolloutGeometry(NamedTuple):
 class GenerationBatchSampler(EpochPosition):
     """Cuts this rank's :class:`RepeatSampler` stream into micro-batches of one local generation batch each.
 
-    A :class:`~lit_trainer.data.batch_sampler.BatchSampler` (rank-aware, equal length on every rank); its epoch and
-    resume position (in micro-batches) are its :class:`~lit_trainer.data.batch_sampler.EpochPosition`, and the
+    A :class:`~lit_trainer.data.samplers.BatchSampler` (rank-aware, equal length on every rank); its epoch and
+    resume position (in micro-batches) are its :class:`~lit_trainer.data.samplers.EpochPosition`, and the
     RepeatSampler only supplies each epoch's index list.
 
     Args:

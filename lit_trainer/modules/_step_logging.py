@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_trainer.data.lengths import cost_spread
-from lit_trainer.data.rebalance import microbatch_cost
+from lit_trainer.data.samplers.lengths import cost_spread
+from lit_trainer.data.samplers.rebalance import microbatch_cost
 
 
 class StepLoggingMixin:

@@ -96,7 +96,7 @@ if __name__ == "__main__":
     from typing_extensions import override
 
     from lit_trainer.data.loader import TrainLoader
-    from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
+    from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 
     class Recorder(L.LightningModule):
         def __init__(self) -> None:

@@ -39,8 +39,8 @@ from helpers.modules import TinyLM
 from lit_trainer.callbacks import ExactResume, resolve_resume
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint
 from lit_trainer.callbacks.neftune import NEFTune
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 _PHASE_ENV = "DDP_SIGTERM_PHASE"

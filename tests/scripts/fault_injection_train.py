@@ -50,8 +50,8 @@ from helpers.modules import TinyHF, TinyLM
 from lit_trainer.callbacks import ExactResume, resolve_resume
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.callbacks.neftune import NEFTune
-from lit_trainer.data.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.loader import TrainLoader
+from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 
 N_TRAIN, N_VAL, TOTAL_STEPS = 24, 4, 12
 

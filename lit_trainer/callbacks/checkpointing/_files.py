@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lit_trainer._atomic import is_local_path
-from lit_trainer.callbacks._evaluated_weights import scored_state_dict
+from lit_trainer.callbacks.checkpointing._evaluated_weights import scored_state_dict
 
 
 def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -19,15 +19,26 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-if TYPE_CHECKING:
-    from lit_trainer.callbacks.resume import ExactResume
-
 REPLAY_MARKER = "lit_trainer_exact_resume_replay"
+
+
+class ReplayOwner(Protocol):
+    """What a :class:`ReplayLoader` asks of the callback that installed it (``ExactResume``): this module does not
+    import the callback, so the two files do not import each other."""
+
+    def _begin_replay_epoch(self, replay: ReplayLoader) -> int:
+        """Put back the states that built this epoch on a resume; return the number of batches to skip."""
+
+    def _current_epoch(self) -> int:
+        """The trainer's current epoch."""
+
+    def _capture_loader_states(self, loader: DataLoader) -> dict[str, Any]:
+        """The RNG states that build ``loader``'s epoch iterator, now."""
 
 
 class _SkipFirst:
@@ -81,7 +92,7 @@ class ReplayLoader:
     Lightning's per-epoch ``sampler.set_epoch`` reaches the wrapped loader's sampler.
     """
 
-    def __init__(self, loader: DataLoader, owner: ExactResume, index: int) -> None:
+    def __init__(self, loader: DataLoader, owner: ReplayOwner, index: int) -> None:
         self.loader, self.owner, self.index = loader, owner, index
         self.epoch: int | None = None
         self.epoch_start: dict[str, Any] | None = None  # states that built the current epoch's iterator

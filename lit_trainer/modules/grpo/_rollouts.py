@@ -1,8 +1,8 @@
 """The rollout mixin of :class:`~lit_trainer.modules.grpo.GRPOModule`: one generation round (sample with a seeded
 RNG, score with the reward functions gathered over ranks, compute advantages and the old/reference log-probs when
 needed, shuffle and buffer the round's micro-batches), and the generation padding id validation uses too. The small
-stateless pieces are in :mod:`lit_trainer.modules._rollout`; the buffer is
-:class:`~lit_trainer.modules._rollout_buffer.RolloutBuffer`."""
+stateless pieces are in :mod:`lit_trainer.modules.grpo._completions`; the buffer is
+:class:`~lit_trainer.modules.grpo._rollout_buffer.RolloutBuffer`."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
-from lit_trainer.data.repeat_sampler import needs_old_logps
+from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
-from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules import _sharding
-from lit_trainer.modules._reward_calls import score_completions
+from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._reward_calls import score_completions
 
 
 class GRPORolloutMixin:

@@ -13,7 +13,7 @@ Normalisation (overrides the base's ``num_items_in_batch`` handling, which count
 ranks, after truncation masking, so the step gradient equals the full-batch token-mean gradient on its rollouts for any
 ``steps_per_generation`` and ``accumulate_grad_batches``: when the step's micro-batches are all in the buffer the
 count is exact from the start; when the step reaches into the next generation round, a provisional count is
-corrected at the step's last micro-batch (:mod:`lit_trainer.modules._grpo_normaliser`; the reference keeps its
+corrected at the step's last micro-batch (:mod:`lit_trainer.modules.grpo._normaliser`; the reference keeps its
 approximate ``N * GA_cur / steps_per_generation``). The other loss types are per-micro-batch means as in the
 reference, averaged over the step's micro-batches and the ranks.
 
@@ -24,8 +24,10 @@ gathered to the checkpoint under DDP), so resuming in the middle of a round is e
 a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts).
 
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
-loss and validation; one generation round (generate, score, buffer) is
-:class:`~lit_trainer.modules._grpo_rollouts.GRPORolloutMixin`.
+loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
+is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions
+(``_completions``), calling the reward functions (``_reward_calls``), the rollout buffer (``_rollout_buffer``), the
+step normaliser (``_normaliser``) and the option checks (``_options``) each have a file.
 """
 
 from __future__ import annotations
@@ -42,19 +44,19 @@ from typing_extensions import Self, override
 from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
-from lit_trainer.data.repeat_sampler import resolve_generation_geometry
+from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import selective_log_softmax
-from lit_trainer.modules import _rollout as rollout
 from lit_trainer.modules import _sharding
-from lit_trainer.modules._grpo_normaliser import StepNormaliser
-from lit_trainer.modules._grpo_options import OPTION_NAMES, check_grpo_options
-from lit_trainer.modules._grpo_rollouts import GRPORolloutMixin, _conversational
-from lit_trainer.modules._reward_calls import score_completions
-from lit_trainer.modules._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.base import BaseModule
+from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._normaliser import StepNormaliser
+from lit_trainer.modules.grpo._options import OPTION_NAMES, check_grpo_options
+from lit_trainer.modules.grpo._reward_calls import score_completions
+from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
+from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
 from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"

@@ -8,8 +8,10 @@ template with ``add_generation_prompt=True`` for the prompt, when rows are conve
 prefix. With ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and
 counted; pairs whose chosen and rejected rows are the same tokens (zero gradient) are counted and, by default, dropped.
 
-Collation: :class:`~lit_trainer.data.preference_collate.PreferenceCollator`; precomputed reference log-probs are
+Collation: :class:`~lit_trainer.data.preference.collate.PreferenceCollator`; precomputed reference log-probs are
 stored as dataset columns by :meth:`PreferenceDataModule.set_reference_logps`.
+The row checks (``_checks``) and the pair collation (``collate``, which DPO's scoring also reads) are beside this
+file in the package.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from lit_trainer.data.chat import render, require_chat_template, template_option
 from lit_trainer.data.collate import common_prefix_len
 from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.packing import check_packing_options, row_completion_mask
-from lit_trainer.data.preference_checks import RowProblem, check_row, value_problem
-from lit_trainer.data.preference_collate import (
+from lit_trainer.data.preference._checks import RowProblem, check_row, value_problem
+from lit_trainer.data.preference.collate import (
     REF_CHOSEN_KEY,
     REF_REJECTED_KEY,
     PreferenceCollator,

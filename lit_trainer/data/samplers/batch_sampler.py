@@ -5,7 +5,7 @@ Every training batch sampler used by :class:`~lit_trainer.data.loader.TrainLoade
 The samplers of this package get the position part of it from :class:`EpochPosition`, which is the only place that
 tracks where an epoch stands: the loader keeps no epoch and no skip of its own, it seeks the sampler with
 ``load_state_dict`` (see ``docs/resume.md``). The built-in strategies are registered by name in
-:mod:`lit_trainer.data.sampling`.
+:mod:`lit_trainer.data.samplers.sampling`.
 """
 
 from __future__ import annotations

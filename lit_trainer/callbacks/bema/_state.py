@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_trainer.callbacks._bema_shards import gather, local_shard_like
+from lit_trainer.callbacks.bema._shards import gather, local_shard_like
 
 FORMAT = 1
 BUFFERS = ("theta0", "ema", "bema")  # the buffer entries of the state, in this order

@@ -5,7 +5,10 @@ but not the random number generators, not the position of a plain ``DataLoader``
 accumulation window in progress: :class:`ExactResume` adds the three (``docs/resume.md`` lists what is exact).
 :func:`resolve_resume_checkpoint` picks the newest *complete* checkpoint of a folder, and :func:`resolve_resume`
 implements the CLI's ``resume: never | auto | <path>`` option without Lightning's silent ``ckpt_path=None -> "last"``
-resume (:mod:`.checkpoint_resolution`).
+resume (:mod:`lit_trainer.callbacks.checkpoint_resolution`).
+
+The callback is here; its private parts beside it: the RNG states (``_rng_state``), the replay of a plain
+``DataLoader`` epoch (``_replay_loader``) and the gradients of an accumulation window in progress (``_window_grads``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,20 @@ from typing_extensions import override
 
 from lit_trainer._dist import gather_from_all_ranks, gather_to_rank_zero
 from lit_trainer.callbacks._namespace import PackageBound
-from lit_trainer.callbacks._replay_loader import REPLAY_MARKER, ReplayLoader, can_skip_by_index, loader_generators
-from lit_trainer.callbacks._rng_state import RawRngState, apply_rng_state, capture_rng, restore_rng, rng_state_to_dict
-from lit_trainer.callbacks._window_grads import (
+from lit_trainer.callbacks.resume._replay_loader import (
+    REPLAY_MARKER,
+    ReplayLoader,
+    can_skip_by_index,
+    loader_generators,
+)
+from lit_trainer.callbacks.resume._rng_state import (
+    RawRngState,
+    apply_rng_state,
+    capture_rng,
+    restore_rng,
+    rng_state_to_dict,
+)
+from lit_trainer.callbacks.resume._window_grads import (
     collect_window_grads,
     grads_are_local,
     mid_window_validation_error,

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lit_trainer.callbacks._bema_shards import gather
+from lit_trainer.callbacks.bema._shards import gather
 from lit_trainer.callbacks.hf_export import export_hf
 from lit_trainer.modules._sharding import full_state_dict, is_sharded
 

@@ -2,7 +2,8 @@
 
 This file holds the module's options and their validation, the reference model's lifecycle (TR-DPO sync, the
 precompute pass and its release, checkpoints) and validation; how a batch is scored and turned into loss terms is
-:class:`~lit_trainer.modules._dpo_scoring.DPOScoringMixin`.
+:class:`~lit_trainer.modules.dpo._scoring.DPOScoringMixin`, and the precomputed reference log-probs are
+``_ref_logps``, both beside it in this package.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from lit_trainer.losses.dpo import (
     dpo_loss,
 )  # fmt: skip
 from lit_trainer.models import load_model
-from lit_trainer.modules import _ref_logps, _sharding
-from lit_trainer.modules._dpo_scoring import DPOScoringMixin, Scores
+from lit_trainer.modules import _sharding
 from lit_trainer.modules._packing import check_trainer_packing
 from lit_trainer.modules.base import BaseModule
+from lit_trainer.modules.dpo import _ref_logps
+from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
 
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)  # nested Literals flatten: the DPO loss types, then "sft"
@@ -132,7 +134,7 @@ class DPOModule(DPOScoringMixin, BaseModule):
         discopop_tau: ``τ`` of discopop.
         ld_alpha: LD-DPO weight of the tokens beyond the shorter completion of a pair (None = off), in [0, 1].
         precompute_ref_log_probs: score the training and validation pairs with the reference once at fit start,
-            store them with the dataset (see :mod:`lit_trainer.modules._ref_logps`), then free the reference model.
+            store them with the dataset (see :mod:`lit_trainer.modules.dpo._ref_logps`), then free the reference model.
         precompute_ref_batch_size: pairs per batch of that pass (default: the data module's eval batch size).
         ref_logps_cache_dir: directory for the precomputed log-probs (default: next to the dataset's cache files
             when it has some; otherwise kept in memory and in checkpoints only).

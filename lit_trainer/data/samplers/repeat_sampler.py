@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lit_trainer.data.batch_sampler import EpochPosition
+from lit_trainer.data.samplers.batch_sampler import EpochPosition
 
 
 def _default_world() -> tuple[int, int]:
@@ -57,7 +57,7 @@ class RepeatSampler(EpochPosition, Sampler[int]):
         [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
 
     Resume (``set_epoch``, ``state_dict``/``load_state_dict`` with ``{"epoch", "position"}`` in indices) comes from
-    :class:`~lit_trainer.data.batch_sampler.EpochPosition`; after a whole epoch the position stays at ``len()``.
+    :class:`~lit_trainer.data.samplers.EpochPosition`; after a whole epoch the position stays at ``len()``.
     A prefetching DataLoader runs ahead of training: a caller that knows the consumed batches can store
     ``consumed_batches * loader_batch_size`` as the position instead.
     """

@@ -38,7 +38,7 @@ Differences from plain ``ModelCheckpoint``:
   folder on rank 0; ``load_best_at_end`` reads it on every rank (one full CPU copy per rank, briefly) and each rank
   keeps its own shards. Both refuse FSDP1 and DeepSpeed at setup.
 * With a callback that validates other weights than the live ones (``BEMA(evaluate_with_bema=True)``, through the
-  protocol in ``lit_trainer.callbacks._evaluated_weights``), each checkpoint keeps the live weights in
+  protocol in ``lit_trainer.callbacks.checkpointing._evaluated_weights``), each checkpoint keeps the live weights in
   ``state_dict`` (it still resumes training) and the scored weights under ``checkpoint["evaluated_weights"]``;
   ``load_best_at_end`` and ``export_hf`` use the scored ones. ``save_weights_only=True`` is then refused at setup.
 
@@ -69,10 +69,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_trainer._atomic import is_local_path
-from lit_trainer.callbacks._checkpoint_files import load_checkpoint_state_dict, removable
-from lit_trainer.callbacks._evaluated_weights import EVALUATED_WEIGHTS_KEY, weight_scorers
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
+from lit_trainer.callbacks.checkpointing._evaluated_weights import EVALUATED_WEIGHTS_KEY, weight_scorers
+from lit_trainer.callbacks.checkpointing._files import load_checkpoint_state_dict, removable
 from lit_trainer.callbacks.hf_export import export_hf
 from lit_trainer.checkpoint_io import AtomicCheckpointIO, _AtomicCheckpointIO, is_async
 from lit_trainer.modules._sharding import load_full_state_dict

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_trainer.callbacks._bema_shards import same_layout
+from lit_trainer.callbacks.bema._shards import same_layout
 from lit_trainer.modules._sharding import local
 
 

@@ -1,4 +1,4 @@
-"""RNG states as tensors and primitives (checkpoints load with ``weights_only=True``), for :mod:`.resume`."""
+"""RNG states as tensors and primitives (checkpoints load with ``weights_only=True``), for ``ExactResume``."""
 
 from __future__ import annotations
 

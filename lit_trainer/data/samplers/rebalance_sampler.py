@@ -1,16 +1,16 @@
 """The ``sampling: batch_rebalance`` training sampler: per optimizer step, micro-batches balanced across ranks.
 
-A :class:`~lit_trainer.data.batch_sampler.BatchSampler` (rank-aware, the order a pure function of ``(seed, epoch)``,
+A :class:`~lit_trainer.data.samplers.BatchSampler` (rank-aware, the order a pure function of ``(seed, epoch)``,
 ``set_epoch``, ``state_dict``/``load_state_dict`` with ``{"epoch", "position"}``, the same ``len()`` on every rank)
 that differs from the HF Trainer's reference sampler where the reference has a bug (no global RNG, no duplicated
 samples in the tail, no replay of epoch 0 on a multi-rank resume) and in how one optimizer step is split: exactly
 optimal for one micro-batch per rank, a dynamic program instead of hill climbing for several (see
-:func:`~lit_trainer.data.rebalance.balance_step`).
+:func:`~lit_trainer.data.samplers.rebalance.balance_step`).
 
 Cost model of one micro-batch (as the reference): ``cost = bs * max_len + 0.001 * bs * max_len**2``, the padded
 tokens plus an attention term. Internally costs are exact integers, ``1000 * cost = bs * max_len * (1000 + max_len)``,
 so every rank computes bit-identical partitions. Padding-free packed micro-batches (``cost_model="packed"``) cost
-their total token count instead (:func:`~lit_trainer.data.rebalance.balance_packed_step`).
+their total token count instead (:func:`~lit_trainer.data.samplers.rebalance.balance_packed_step`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lit_trainer.data.batch_sampler import EpochPosition, resolve_replicas
-from lit_trainer.data.lengths import check_lengths
-from lit_trainer.data.rebalance import COST_MODELS, CostModel, balance_packed_step, balance_step
+from lit_trainer.data.samplers.batch_sampler import EpochPosition, resolve_replicas
+from lit_trainer.data.samplers.lengths import check_lengths
+from lit_trainer.data.samplers.rebalance import COST_MODELS, CostModel, balance_packed_step, balance_step
 
 
 class BatchRebalanceSampler(EpochPosition):
@@ -56,7 +56,7 @@ class BatchRebalanceSampler(EpochPosition):
         drop_last: drop the incomplete last step instead of training on it.
         cost_model: ``"padded"`` (default: right-padded micro-batches, and ``packing="bfd"`` bins with their bin
             lengths) or ``"packed"`` (``packing="padding_free"``: a micro-batch is one flattened row costing its total
-            token count, split by :func:`~lit_trainer.data.rebalance.balance_packed_step`).
+            token count, split by :func:`~lit_trainer.data.samplers.rebalance.balance_packed_step`).
 
     Raises:
         ValueError: on an unknown ``cost_model``, missing/negative lengths, ``batch_size < 1``,

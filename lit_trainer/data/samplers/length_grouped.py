@@ -1,12 +1,12 @@
 """The ``sampling: group_by_length`` training samplers: indices in mega-batches sorted by length.
 
 :class:`LengthGroupedSampler` is the index order, :class:`LengthGroupedBatchSampler` (built by
-:func:`make_length_grouped_batch_sampler`) the :class:`~lit_trainer.data.batch_sampler.BatchSampler` the data modules
+:func:`make_length_grouped_batch_sampler`) the :class:`~lit_trainer.data.samplers.BatchSampler` the data modules
 use (rank-aware, the order a pure function of ``(seed, epoch)``, ``set_epoch``, ``state_dict``/``load_state_dict``
 with ``{"epoch", "position"}``, the same ``len()`` on every rank). They differ from the HF Trainer's reference sampler
 where the reference has a bug (a private RNG instead of the global one, the mega-batch that gave up its longest sample
 sorted again) and size mega-batches in optimizer steps across ranks.
-The ``batch_rebalance`` sampler is :class:`~lit_trainer.data.rebalance_sampler.BatchRebalanceSampler`.
+The ``batch_rebalance`` sampler is :class:`~lit_trainer.data.samplers.rebalance_sampler.BatchRebalanceSampler`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lit_trainer.data.batch_sampler import EpochPosition, ShardedBatchSampler, resolve_replicas
-from lit_trainer.data.lengths import check_lengths
+from lit_trainer.data.samplers.batch_sampler import EpochPosition, ShardedBatchSampler, resolve_replicas
+from lit_trainer.data.samplers.lengths import check_lengths
 
 _MEGA_BATCH_STEPS = 50  # group_by_length: at most this many optimizer steps per mega-batch (the reference's 50)
 
@@ -123,7 +123,7 @@ def make_length_grouped_batch_sampler(
     accumulate_grad_batches: int = 1,
     drop_last: bool = False,
 ) -> LengthGroupedBatchSampler:
-    """The ``group_by_length`` training batch sampler (a :class:`~lit_trainer.data.batch_sampler.BatchSampler`).
+    """The ``group_by_length`` training batch sampler (a :class:`~lit_trainer.data.samplers.BatchSampler`).
 
     Mega-batch size: ``min(n // 4, 50 optimizer steps)`` rounded down to whole micro-batches, where an optimizer step
     is ``batch_size * accumulate_grad_batches * num_replicas`` samples. On one device this is the reference's size

@@ -2,7 +2,7 @@
 
 :func:`check_lengths` validates the lengths a sampler is given, :func:`require_lengths` reads them from a data
 module's length column (with errors that name the fix), and :func:`padding_stats` / :func:`cost_spread` are pure
-diagnostics in the samplers' cost model (see :mod:`lit_trainer.data.rebalance`).
+diagnostics in the samplers' cost model (see :mod:`lit_trainer.data.samplers.rebalance`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_trainer.data.rebalance import QUADRATIC_COST_COEF
+from lit_trainer.data.samplers.rebalance import QUADRATIC_COST_COEF
 
 
 def check_lengths(lengths: Any, owner: str) -> list[int]:

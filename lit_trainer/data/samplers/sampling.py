@@ -1,7 +1,7 @@
 """The ``sampling`` option of the data modules: one table from name to batch-sampler factory.
 
 ``Sampling`` is the option's type (the CLI and the data modules validate against it) and :data:`SAMPLERS` maps each
-of its values to a factory returning a :class:`~lit_trainer.data.batch_sampler.BatchSampler`; an import-time check
+of its values to a factory returning a :class:`~lit_trainer.data.samplers.BatchSampler`; an import-time check
 keeps the two equal, so adding a strategy is one entry here plus its name in ``Sampling`` (``docs/resume.md``,
 "Adding a sampler").
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, get_args
 
-from lit_trainer.data.batch_sampler import BatchSampler, ShardedBatchSampler
-from lit_trainer.data.rebalance import CostModel
-from lit_trainer.data.rebalance_sampler import BatchRebalanceSampler
-from lit_trainer.data.samplers import make_length_grouped_batch_sampler
+from lit_trainer.data.samplers.batch_sampler import BatchSampler, ShardedBatchSampler
+from lit_trainer.data.samplers.length_grouped import make_length_grouped_batch_sampler
+from lit_trainer.data.samplers.rebalance import CostModel
+from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 
 Sampling = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
 
@@ -99,7 +99,7 @@ def make_batch_sampler(
         accumulate_grad_batches: micro-batches per optimizer step (``batch_rebalance`` balances per step).
         drop_last: drop incomplete batches instead of completing them.
         cost_model: ``batch_rebalance``'s micro-batch cost, ``"padded"`` or ``"packed"`` (padding-free rows; see
-            :mod:`lit_trainer.data.rebalance`).
+            :mod:`lit_trainer.data.samplers.rebalance`).
 
     Raises:
         ValueError: for an unknown ``sampling``.

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lit_trainer._atomic import atomic_write
-from lit_trainer.data.preference_collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
+from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
 
 CKPT_KEY = "dpo_reference_logps"
 _FORWARD_KEYS = ("input_ids", "attention_mask", "completion_mask")

@@ -1,4 +1,9 @@
-"""BEMA: bias-corrected exponential moving average of the weights (see docs/design.md#trl-bema)."""
+"""BEMA: bias-corrected exponential moving average of the weights (see docs/design.md#trl-bema).
+
+The callback is here; its private parts beside it: the maths (``_math``), the argument checks (``_options``), the
+sharded buffers (``_shards``), the checkpoint state (``_state``), the reference-model refresh (``_reference``) and the
+Hugging Face export (``_export``).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lit_trainer.callbacks._bema_export import export_bema_weights
-from lit_trainer.callbacks._bema_math import bema_coefficients, bema_update_
-from lit_trainer.callbacks._bema_options import HPARAMS, check_bema_args, check_device
-from lit_trainer.callbacks._bema_ref import resolve_ref_params
-from lit_trainer.callbacks._bema_shards import as_param_layout, gather, locals_of
-from lit_trainer.callbacks._bema_state import (
+from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.callbacks.bema._export import export_bema_weights
+from lit_trainer.callbacks.bema._math import bema_coefficients, bema_update_
+from lit_trainer.callbacks.bema._options import HPARAMS, check_bema_args, check_device
+from lit_trainer.callbacks.bema._reference import resolve_ref_params
+from lit_trainer.callbacks.bema._shards import as_param_layout, gather, locals_of
+from lit_trainer.callbacks.bema._state import (
     bema_state_from_checkpoint,
     bema_state_keys,
     check_format,
@@ -25,7 +31,6 @@ from lit_trainer.callbacks._bema_state import (
     pack_state,
     unpack_buffers,
 )
-from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.modules._sharding import is_dtensor, local
 
 
@@ -53,7 +58,7 @@ class _BEMA(PackageBound):
     and ``evaluate_with_bema`` / ``update_ref_model`` need the weights on every rank. Lightning saves rank 0's
     state; on resume every rank loads that same state. Under ``ModelParallelStrategy`` (FSDP2) each rank keeps the
     buffers of its own parameter shards (the update is elementwise); ``bema_state_dict()``, the checkpoint state,
-    the scored weights and the export hold full tensors, gathered by every rank (``_bema_shards``); a reference
+    the scored weights and the export hold full tensors, gathered by every rank (``bema._shards``); a reference
     for ``update_ref_model`` must be sharded alike. FSDP1 and DeepSpeed ZeRO-3 are refused at setup. If one batch
     makes several optimizer steps (manual optimization), the schedule is still followed, with the final weights.
 
@@ -67,7 +72,7 @@ class _BEMA(PackageBound):
         min_ema_multiplier: lower bound for ``beta_t``.
         device: where the buffers live (``None``: next to each parameter).
         update_ref_model: copy the BEMA weights into ``pl_module.ref_model`` (names mapped by
-            :func:`~lit_trainer.callbacks._bema_ref.ref_model_name`) after step ``t`` when
+            :func:`~lit_trainer.callbacks.bema._reference.ref_model_name`) after step ``t`` when
             ``t >= ref_model_update_after`` and
             ``(t - ref_model_update_after) % ref_model_update_freq == 0``.
         ref_model_update_freq: period, ref_model_update_after: first step of the reference-model refresh.
