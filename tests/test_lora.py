@@ -28,6 +28,7 @@ from lit_trainer import CausalLMModule
 from lit_trainer.callbacks import BestCheckpoint, ExactResume, HFExport, JITCheckpoint
 from lit_trainer.data import SFTDataModule
 from lit_trainer.data.builtin import sft_rows
+from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules import _adapter_checkpoint, _peft
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
@@ -240,6 +241,9 @@ def test_lora_recipes_wrap_the_model_from_the_yaml_mapping(
     from lit_trainer.cli import LitTrainerCLI
 
     monkeypatch.chdir(tmp_path)
+    base = tmp_path / "runs" / "sft" / "version_0" / "hf_model"  # where the recipes find the main job's export
+    load_model("tiny").save_pretrained(base)
+    load_tokenizer("tiny").save_pretrained(base)
     config = Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.yaml"
     cli = LitTrainerCLI(args=["--config", str(config), "--trainer.logger=false"], run=False)
     assert isinstance(cli.model.model, peft.PeftModel) and cli.model.model.peft_config["default"].r == 16

@@ -214,7 +214,10 @@ def test_reference_logps_travel_with_the_rows_and_the_fingerprint_tracks_content
 
 
 def test_builtin_addition_preferences(tokenizer):
-    assert PreferenceDataModule.builtin == {"builtin:addition": builtin.preference_rows}
+    assert PreferenceDataModule.builtin == {
+        "builtin:addition": builtin.preference_rows,
+        "builtin:subtraction": builtin.subtraction_preference_rows,
+    }
     raw = builtin.preference_rows("train").select(range(4))
     dm = make(tokenizer, raw.to_dict(), max_length=32)
     for i in range(4):

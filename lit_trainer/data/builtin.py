@@ -1,4 +1,5 @@
-"""The embedded default task: two-digit addition, generated deterministically (no download).
+"""The embedded default task: two-digit addition, generated deterministically (no download); and a second task on the
+same operands, two-digit subtraction, for adapting a trained addition model (``configs/sft_lora.yaml``).
 
 Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuffled once with a fixed seed; the first
 ``num_validation`` problems are held out and never appear in training. The same problems serve three formats:
@@ -9,6 +10,11 @@ Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuff
 * preference rows (DPO): the same prompt, ``chosen`` = the correct sum, ``rejected`` = a near miss (off by 1, 10 or
   a swapped digit), chosen deterministically per problem;
 * prompt rows (GRPO): ``prompt`` and ``answer`` for a correctness reward.
+
+``builtin:subtraction`` asks ``"a-b="`` of the same shuffled operand pairs, with the same held-out split (a pair
+held out of addition is held out of subtraction too): ``completion = answer = str(a - b)``, negative when ``a < b``
+(``"37-45="`` -> ``"-8"``). Its preference rows reject a near miss of the difference (off by one, off by ten, its
+digits swapped, or its sign flipped).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Literal
 from datasets import Dataset
 
 Split = Literal["train", "validation"]
-BUILTIN_NAMES: tuple[str, ...] = ("builtin:addition", "builtin:addition_chat")
+BUILTIN_NAMES: tuple[str, ...] = ("builtin:addition", "builtin:addition_chat", "builtin:subtraction")
 CHAT_SYSTEM = "Add the numbers."
 _SEED = 1234
 
@@ -53,6 +59,18 @@ def near_miss(a: int, b: int) -> int:
     return options[(a * 31 + b) % len(options)]
 
 
+def near_miss_difference(a: int, b: int) -> int:
+    """A plausible wrong difference for ``a - b`` (deterministic per problem): off by one, off by ten, its digits
+    swapped (sign kept) or its sign flipped."""
+    diff = a - b
+    options = [diff + 1, diff - 1, diff + 10, diff - 10]
+    sign = -1 if diff < 0 else 1
+    for wrong in (sign * int(str(abs(diff))[::-1]), -diff):
+        if wrong != diff:
+            options.append(wrong)
+    return options[(a * 31 + b) % len(options)]
+
+
 def sft_rows(split: Split, num_validation: int = 500) -> Dataset:
     """Prompt/completion rows (loss on the completion only)."""
     problems = addition_problems(split, num_validation=num_validation)
@@ -61,6 +79,31 @@ def sft_rows(split: Split, num_validation: int = 500) -> Dataset:
             "prompt": [f"{a}+{b}=" for a, b in problems],
             "completion": [str(a + b) for a, b in problems],
             "answer": [str(a + b) for a, b in problems],
+        }
+    )
+
+
+def subtraction_rows(split: Split, num_validation: int = 500) -> Dataset:
+    """Prompt/completion rows of ``builtin:subtraction``: ``"a-b="`` -> ``str(a - b)`` on the addition split's pairs."""
+    problems = addition_problems(split, num_validation=num_validation)
+    return Dataset.from_dict(
+        {
+            "prompt": [f"{a}-{b}=" for a, b in problems],
+            "completion": [str(a - b) for a, b in problems],
+            "answer": [str(a - b) for a, b in problems],
+        }
+    )
+
+
+def subtraction_preference_rows(split: Split, num_validation: int = 500) -> Dataset:
+    """Prompt/chosen/rejected rows of ``builtin:subtraction``: chosen is the difference, rejected a near miss."""
+    problems = addition_problems(split, num_validation=num_validation)
+    return Dataset.from_dict(
+        {
+            "prompt": [f"{a}-{b}=" for a, b in problems],
+            "chosen": [str(a - b) for a, b in problems],
+            "rejected": [str(near_miss_difference(a, b)) for a, b in problems],
+            "answer": [str(a - b) for a, b in problems],
         }
     )
 

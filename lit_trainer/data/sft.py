@@ -79,6 +79,7 @@ class SFTDataModule(BaseDataModule):
     builtin: ClassVar[BuiltinSources] = {
         "builtin:addition": builtin.sft_rows,
         "builtin:addition_chat": builtin.sft_chat_rows,
+        "builtin:subtraction": builtin.subtraction_rows,
     }
 
     def __init__(

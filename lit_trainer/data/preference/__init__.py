@@ -110,7 +110,10 @@ class PreferenceDataModule(BaseDataModule):
             trainer.fit(DPOModule("tiny", loss_type=["sigmoid", "sft"]), datamodule=dm)
     """
 
-    builtin: ClassVar[BuiltinSources] = {"builtin:addition": builtin.preference_rows}
+    builtin: ClassVar[BuiltinSources] = {
+        "builtin:addition": builtin.preference_rows,
+        "builtin:subtraction": builtin.subtraction_preference_rows,
+    }
 
     def __init__(
         self,
