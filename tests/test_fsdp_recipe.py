@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from lit_trainer import CausalLMModule
-from lit_trainer.data.sampling import make_batch_sampler
+from lit_trainer.data.samplers.sampling import make_batch_sampler
 from lit_trainer.modules.base import BaseModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
