@@ -1,6 +1,17 @@
 """The ``lit-trainer`` console script's first stage: what must happen before torch and Lightning are imported.
 
-Importing Lightning and transformers takes seconds (tens of seconds on a busy machine), so ``lit-trainer``,
+**OpenMP waits.** torch's CPU kernels run on OpenMP threads (libgomp in the PyPI wheels), and by default a thread that
+reaches the end of a parallel region spins, waiting for the others, for up to about 300,000 iterations before it
+sleeps. On a quiet machine that saves a wake-up per region; when other processes keep the cores busy, the spinning
+thread burns the time slice that the thread it waits for needs, and a training step of a small model can take many
+times longer (``benchmarks/busy_machine.py``). So the command sets ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep
+at once) before torch loads; libgomp reads its environment once, when torch loads it. Why the wait policy and not the
+thread count: the wait policy changes when threads sleep, never how work is split, so results are bit-identical
+whatever the load; a thread count chosen from the current load could change float reductions between the first part
+of a run and its resumed part and break exact resume. A variable the user set (``OMP_WAIT_POLICY``,
+``GOMP_SPINCOUNT``, ``KMP_BLOCKTIME``) is kept as is, and ``import lit_trainer`` alone changes nothing.
+
+**Help.** Importing Lightning and transformers takes seconds (tens of seconds on a busy machine), so ``lit-trainer``,
 ``lit-trainer -h`` and ``lit-trainer --help`` are answered here, from the recipe files alone, without them: what the
 command does, the shipped recipes (``configs/*.yaml``) with the first sentence of each one's header, the commands a
 user runs and where the docs are. Everything else goes on to :func:`lit_trainer.cli.main` (``lit-trainer fit
@@ -10,12 +21,38 @@ modules lazily, so importing it does not import torch.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 from lit_trainer import __version__
+
+# Variables that already say how waiting OpenMP threads behave (libgomp, or Intel's OpenMP for KMP_BLOCKTIME).
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def openmp_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """The OpenMP variables the ``lit-trainer`` command sets: none when the user already chose how threads wait.
+
+    Example:
+        >>> openmp_defaults({})
+        {'OMP_WAIT_POLICY': 'PASSIVE'}
+        >>> openmp_defaults({"OMP_WAIT_POLICY": "active"})
+        {}
+    """
+    if any(environ.get(name) for name in WAIT_VARIABLES):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def apply_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set :func:`openmp_defaults` in ``environ`` (before torch is imported) and return what was set."""
+    chosen = openmp_defaults(environ)
+    environ.update(chosen)
+    return chosen
+
 
 _CHECKOUT = Path(__file__).resolve().parents[1]  # the source tree (an editable install) holds configs/ and docs/
 _SENTENCE_END = re.compile(r"(?<=[^.\s])(?:\.\s|:\s|\.$)")
@@ -99,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args in _QUICK_HELP_ARGS:
         print(quick_help())
         return
+    apply_openmp_defaults()
     from lit_trainer.cli import main as cli_main
 
     cli_main(None if argv is None else args)

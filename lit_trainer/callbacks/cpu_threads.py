@@ -1,19 +1,25 @@
 """CPUThreadCheck: say once when torch's CPU threads compete with other processes for the cores.
 
 torch runs its CPU kernels on ``torch.get_num_threads()`` OpenMP threads (one per core by default). When other
-processes keep the cores busy, each parallel region waits for its slowest thread to get a core, and a step can take
-5-15 times longer than on a quiet machine (``configs/sft.yaml``: 87 s quiet, 7 to 24 minutes on a busy 2-core
-machine). One thread (``OMP_NUM_THREADS=1``) then runs far faster.
+processes keep the cores busy and OpenMP's waiting threads spin (libgomp's default), each parallel region waits for
+its slowest thread to get a core while the others burn the cores it needs, and a step can take 5-15 times longer
+than on a quiet machine (``configs/sft.yaml``: about a minute quiet, 7 to 33 minutes on a busy 2-core machine).
+
+The ``lit-trainer`` command therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (``lit_trainer.entry``:
+waiting threads sleep at once, results unchanged), and the busy-machine cost then stays close to one thread's
+(``benchmarks/busy_machine.py``). The warning is for the remaining case: torch imported with spinning waits (a
+library user's own script, or ``OMP_WAIT_POLICY=ACTIVE``) on oversubscribed cores.
 
 The check is cheap and stable: once, after ``after_steps`` optimizer steps, it compares the 1-minute load average
-(runnable threads, ours included) with the number of cores. It warns only when torch uses more than one thread and
-the load exceeds the cores by more than ``margin``.
+(runnable threads, ours included) with the number of cores. It warns only when torch uses more than one thread, its
+waiting threads spin, and the load exceeds the cores by more than ``margin``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -22,8 +28,26 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 
+def waits_passively(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether OpenMP threads sleep at once when they wait (``OMP_WAIT_POLICY=PASSIVE`` or ``GOMP_SPINCOUNT=0``).
+
+    OpenMP reads these when torch loads it, so this is right when they were set before ``import torch`` (as the
+    ``lit-trainer`` command does).
+
+    Example:
+        >>> waits_passively({"OMP_WAIT_POLICY": "passive"}), waits_passively({})
+        (True, False)
+    """
+    return environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" or environ.get("GOMP_SPINCOUNT") == "0"
+
+
 def oversubscription_warning(
-    cpu_count: int, torch_threads: int, load_1min: float, seconds_per_step: float, margin: float = 0.5
+    cpu_count: int,
+    torch_threads: int,
+    load_1min: float,
+    seconds_per_step: float,
+    margin: float = 0.5,
+    passive: bool = False,
 ) -> str | None:
     """The warning to show, or ``None`` when the cores are not oversubscribed.
 
@@ -33,6 +57,7 @@ def oversubscription_warning(
         load_1min: ``os.getloadavg()[0]``: runnable threads averaged over a minute, this process's included.
         seconds_per_step: measured wall time per optimizer step (shown in the message).
         margin: load above ``cpu_count`` that is still tolerated (noise, short-lived processes).
+        passive: waiting OpenMP threads sleep at once (:func:`waits_passively`): then nothing to warn about.
 
     Example:
         >>> oversubscription_warning(2, 2, 1.9, 0.05) is None
@@ -40,13 +65,15 @@ def oversubscription_warning(
         >>> "OMP_NUM_THREADS=1" in oversubscription_warning(2, 2, 4.0, 0.5)
         True
     """
-    if torch_threads <= 1 or load_1min <= cpu_count + margin:
+    if passive or torch_threads <= 1 or load_1min <= cpu_count + margin:
         return None
     return (
         f"Training is likely slowed down by CPU oversubscription: torch uses {torch_threads} threads on "
         f"{cpu_count} cores while the load average is {load_1min:.1f} ({seconds_per_step:.3f} s per step so "
-        "far). Its OpenMP threads stall when other processes share the cores; run with OMP_NUM_THREADS=1 (or "
-        "call torch.set_num_threads(1) before training), or give the job cores of its own."
+        "far), and its waiting OpenMP threads spin, taking the cores from the threads they wait for. Set "
+        "OMP_WAIT_POLICY=PASSIVE before torch is imported (the `lit-trainer` command's default; same results), "
+        "or run with OMP_NUM_THREADS=1 (or call torch.set_num_threads(1) before training), or give the job cores "
+        "of its own."
     )
 
 
@@ -84,6 +111,7 @@ class CPUThreadCheck(Callback):
         if trainer.strategy.root_device.type != "cpu" or not hasattr(os, "getloadavg"):
             return
         seconds = (time.monotonic() - started) / max(trainer.global_step - first_step, 1)
-        self.message = oversubscription_warning(_cores(), torch.get_num_threads(), os.getloadavg()[0], seconds)
+        threads, load = torch.get_num_threads(), os.getloadavg()[0]
+        self.message = oversubscription_warning(_cores(), threads, load, seconds, passive=waits_passively())
         if self.message:
             rank_zero_warn(self.message)
