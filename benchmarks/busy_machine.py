@@ -4,11 +4,12 @@ Runs ``lit-trainer fit --config configs/sft.yaml`` with a reduced ``--trainer.ma
 folder; no validation runs before step 500, so a run is start-up + training + the last checkpoint + the HF export),
 in separate processes, under these set-ups:
 
-  new     the ``lit-trainer`` console script as installed: it sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads
-          (waiting OpenMP threads sleep at once) and keeps torch's default thread count;
+  new     the ``lit-trainer`` console script as installed: it sets ``GOMP_SPINCOUNT=10000`` before torch loads
+          (waiting OpenMP threads spin briefly, then sleep) and keeps torch's default thread count;
   one     the same with ``OMP_NUM_THREADS=1`` (the former advice);
   old     the CLI without that entry (``lit_trainer.cli.main`` called directly): torch's default threads, libgomp's
-          default spin-then-sleep waits, as before.
+          default spin-then-sleep waits (300,000 spins), as before;
+  passive the same with ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once), the alternative considered.
 
 Busy phase: ``--busy`` pure-Python spin loops (default 4 per core, so the load is about 5x the cores with the job's
 own threads and whatever else runs) start first and stop by themselves after ``--busy-seconds`` (they are also
@@ -58,7 +59,9 @@ def command(variant: str, steps: int, root: str) -> tuple[list[str], dict[str, s
         return [script, *job], {**env, "OMP_NUM_THREADS": "1"}
     if variant == "old":
         return [sys.executable, "-c", OLD_ENTRY, *job], env
-    raise ValueError(f"unknown variant {variant!r}: use new, one or old")
+    if variant == "passive":
+        return [sys.executable, "-c", OLD_ENTRY, *job], {**env, "OMP_WAIT_POLICY": "PASSIVE"}
+    raise ValueError(f"unknown variant {variant!r}: use new, one, old or passive")
 
 
 def run_job(variant: str, steps: int) -> Run:
@@ -131,7 +134,10 @@ def main() -> None:
         if not all(p.returncode and p.returncode < 0 for p in spinners):
             print("note: the spin loops ended before the busy phase did; raise --busy-seconds", file=sys.stderr)
     if args.quiet_variants:
-        time.sleep(20)  # let the load average fall
+        # let the 1-minute load average fall (it lags a minute): `new` chooses its OpenMP waits from it at start
+        deadline = time.monotonic() + 180
+        while os.getloadavg()[0] > cores and time.monotonic() < deadline:
+            time.sleep(5)
         results["quiet"] = phase("quiet", args.quiet_variants.split(","), args.steps, args.repeats)
     print(f"\nCommand: `python benchmarks/busy_machine.py {' '.join(sys.argv[1:])}`".rstrip())
     print(f"{cores} cores; lit-trainer fit --config configs/sft.yaml --trainer.max_steps {args.steps} per run.")

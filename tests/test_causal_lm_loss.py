@@ -12,6 +12,7 @@ def test_hand_computed_loss_with_shift_and_ignore_index():
     logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0], [1.0, 2.0]]])
     labels = torch.tensor([[-100, 1, -100]])
     # p(1 | logits[0]) = 3 / (1 + 3) = 0.75 -> loss = -log(0.75)
+    # tolerance (isclose's rtol 1e-5): a float32 log-softmax of hand values against the float64 formula
     assert torch.isclose(causal_lm_loss(logits, labels), torch.tensor(-math.log(0.75)))
     assert int(count_target_tokens(labels)) == 1
     # normalised by a window count of 4 instead of the local 1

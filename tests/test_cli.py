@@ -87,7 +87,7 @@ def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
         args=["fit", "--config", "printed.yaml", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"]
     )
     assert cli.trainer.global_step == 2
-    assert cli.model.hparams.learning_rate == pytest.approx(0.003)
+    assert cli.model.hparams.learning_rate == pytest.approx(0.003)  # tolerance: a YAML float read back
     assert cli.datamodule.tokenizer_source == "tiny"
 
 

@@ -73,4 +73,4 @@ def test_step_normaliser_sums_the_step_slices_or_estimates_across_rounds():
     assert not spanning.exact and spanning.provisional.item() == 10.0  # 15 tokens x 2 / 3 slices
     spanning.add(tokens[2])
     spanning.add(torch.tensor(8.0))
-    assert spanning.correction().item() == pytest.approx(10.0 / 15.0)
+    assert spanning.correction().item() == pytest.approx(10.0 / 15.0)  # tolerance: float32 10/15 vs float64

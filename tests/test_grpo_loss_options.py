@@ -44,6 +44,7 @@ def test_metrics_take_the_vespo_shape_options() -> None:
     metrics = grpo_loss_metrics(
         logps[:1], old[:1], torch.ones(1), torch.ones(1, 2), loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=1.0
     )
+    # tolerance: float64 inputs against the float64 hand formula
     assert metrics["vespo/phi_seq_mean"].item() == pytest.approx(2 * math.exp(-1), rel=1e-12)
 
 

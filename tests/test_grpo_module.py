@@ -137,6 +137,7 @@ def test_completions_are_cut_after_the_first_eos_and_measured():
         "max_terminated_length": 2,
     }
     for key, value in expected.items():
+        # tolerance (approx's rel 1e-6): token counts and their float32 means against hand values
         assert metrics[f"completions/{key}"].item() == pytest.approx(value), key
 
 

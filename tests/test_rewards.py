@@ -50,7 +50,7 @@ def test_call_reward_functions_matrix_and_none() -> None:
     rewards = call_reward_functions(funcs, PROMPTS, COMPLETIONS, IDS, columns, extra_kwargs={"trainer_state": 7})
     assert rewards.shape == (4, 3) and rewards.dtype == torch.float32
     expected = torch.tensor([[1, 1, 0.5], [0, 1, math.nan], [1, 1, math.nan], [0, 0, math.nan]])
-    torch.testing.assert_close(rewards, expected, equal_nan=True)
+    torch.testing.assert_close(rewards, expected, equal_nan=True, atol=0, rtol=0)  # small integers and 0.5: exact
     assert seen["answer"] == [82, 82, 20, 20] and seen["level"] == ["easy"] * 4
     assert seen["ids"] == IDS and seen["trainer_state"] == 7
 

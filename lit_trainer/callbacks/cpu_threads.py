@@ -5,10 +5,10 @@ processes keep the cores busy and OpenMP's waiting threads spin (libgomp's defau
 its slowest thread to get a core while the others burn the cores it needs, and a step can take 5-15 times longer
 than on a quiet machine (``configs/sft.yaml``: about a minute quiet, 7 to 33 minutes on a busy 2-core machine).
 
-The ``lit-trainer`` command therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (``lit_trainer.entry``:
-waiting threads sleep at once, results unchanged), and the busy-machine cost then stays close to one thread's
-(``benchmarks/busy_machine.py``). The warning is for the remaining case: torch imported with spinning waits (a
-library user's own script, or ``OMP_WAIT_POLICY=ACTIVE``) on oversubscribed cores.
+The ``lit-trainer`` command therefore sets ``GOMP_SPINCOUNT=10000`` before torch loads (``lit_trainer.entry``:
+waiting threads spin briefly, then sleep; results unchanged), and the busy-machine cost then stays close to one
+thread's (``benchmarks/busy_machine.py``). The warning is for the remaining case: torch imported with long spinning
+waits (a library user's own script, or ``OMP_WAIT_POLICY=ACTIVE``) on oversubscribed cores.
 
 The check is cheap and stable: once, after ``after_steps`` optimizer steps, it compares the 1-minute load average
 (runnable threads, ours included) with the number of cores. It warns only when torch uses more than one thread, its
@@ -27,18 +27,26 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_trainer.entry import SHORT_SPIN
+
 
 def waits_passively(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether OpenMP threads sleep at once when they wait (``OMP_WAIT_POLICY=PASSIVE`` or ``GOMP_SPINCOUNT=0``).
+    """Whether waiting OpenMP threads sleep at once or after a short spin (``OMP_WAIT_POLICY=PASSIVE``, or
+    ``GOMP_SPINCOUNT`` at most the ``lit-trainer`` command's 10,000), so oversubscribed cores do not stall them.
 
     OpenMP reads these when torch loads it, so this is right when they were set before ``import torch`` (as the
     ``lit-trainer`` command does).
 
     Example:
-        >>> waits_passively({"OMP_WAIT_POLICY": "passive"}), waits_passively({})
-        (True, False)
+        >>> waits_passively({"OMP_WAIT_POLICY": "passive"}), waits_passively({"GOMP_SPINCOUNT": "10000"})
+        (True, True)
+        >>> waits_passively({}), waits_passively({"GOMP_SPINCOUNT": "300000"})
+        (False, False)
     """
-    return environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" or environ.get("GOMP_SPINCOUNT") == "0"
+    if environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":
+        return True
+    spin = environ.get("GOMP_SPINCOUNT", "").strip()
+    return spin.isdigit() and int(spin) <= SHORT_SPIN
 
 
 def oversubscription_warning(
@@ -57,7 +65,8 @@ def oversubscription_warning(
         load_1min: ``os.getloadavg()[0]``: runnable threads averaged over a minute, this process's included.
         seconds_per_step: measured wall time per optimizer step (shown in the message).
         margin: load above ``cpu_count`` that is still tolerated (noise, short-lived processes).
-        passive: waiting OpenMP threads sleep at once (:func:`waits_passively`): then nothing to warn about.
+        passive: waiting OpenMP threads sleep at once or after a short spin (:func:`waits_passively`): then
+            nothing to warn about.
 
     Example:
         >>> oversubscription_warning(2, 2, 1.9, 0.05) is None
@@ -71,7 +80,7 @@ def oversubscription_warning(
         f"Training is likely slowed down by CPU oversubscription: torch uses {torch_threads} threads on "
         f"{cpu_count} cores while the load average is {load_1min:.1f} ({seconds_per_step:.3f} s per step so "
         "far), and its waiting OpenMP threads spin, taking the cores from the threads they wait for. Set "
-        "OMP_WAIT_POLICY=PASSIVE before torch is imported (the `lit-trainer` command's default; same results), "
+        "GOMP_SPINCOUNT=10000 before torch is imported (the `lit-trainer` command's default; same results), "
         "or run with OMP_NUM_THREADS=1 (or call torch.set_num_threads(1) before training), or give the job cores "
         "of its own."
     )
