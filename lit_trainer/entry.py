@@ -12,7 +12,7 @@ torch loads it, so the command chooses how threads wait before that, from the 1-
 
 Measured with ``benchmarks/busy_machine.py`` (docs/benchmarks.md): on a quiet machine the short spin is as fast as
 libgomp's default and passive waits 5-10% slower; at load 18-19 on 2 cores passive waits are as fast as one thread and
-the short spin 1.4-1.5x slower; libgomp's default was 5.4x slower than one thread at load 10-13. Why the waits and not
+the short spin 1.5-1.9x slower; libgomp's default was 5.4x slower than one thread at load 10-13. Why the waits and not
 the thread count: waiting changes when threads sleep, never how work is split, so results are bit-identical whatever
 the load (a choice from the load is safe for exact resume); a thread count chosen from the current load could change
 float reductions between the first part of a run and its resumed part. A variable the user set
