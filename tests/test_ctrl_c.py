@@ -11,18 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.cli import QUIET_FIT
 from helpers.ddp import output_tail, run_lit_trainer, script_env
 from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.cli import LitTrainerCLI
 
 SFT = str(Path(__file__).resolve().parents[1] / "configs" / "sft.yaml")
-QUIET = [
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.limit_val_batches=0",
-    "--trainer.val_check_interval=1000",
-]
+QUIET = QUIET_FIT
 
 
 @pytest.fixture(autouse=True)

@@ -14,17 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.cli import CONFIGS, QUIET_FIT
 from lit_trainer.cli import LitTrainerCLI
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 BASE = Path("runs") / "sft" / "version_0" / "hf_model"  # relative to the working directory, as in the recipes
-QUIET = [
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.limit_val_batches=0",
-    "--trainer.val_check_interval=1000",
-    "--trainer.log_every_n_steps=1",
-]
+QUIET = [*QUIET_FIT, "--trainer.log_every_n_steps=1"]
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# `lit-trainer fit` arguments for a short test run: no bar or summary, no validation before step 1000
+QUIET_FIT = [
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=0",
+    "--trainer.val_check_interval=1000",
+]
 
 
 def cli_with_callback(model_class: type, class_path: str, init_args: dict[str, Any], cli: type = LightningCLI) -> Any:
