@@ -1,4 +1,4 @@
-"""The ``lit-trainer`` command's OpenMP default (``lit_trainer.entry``): waiting threads spin briefly, then sleep; the
+"""The ``lit-trainer`` command's OpenMP default (``lit_trainer.openmp``): waiting threads spin briefly, then sleep; the
 user's choice wins.
 
 The effective setting is read from libgomp itself: ``OMP_DISPLAY_ENV=VERBOSE`` makes it print, when torch loads it,
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lit_trainer.callbacks.cpu_threads import oversubscription_warning, waits_passively
-from lit_trainer.entry import WAIT_VARIABLES, apply_openmp_defaults, openmp_defaults
+from lit_trainer.openmp import WAIT_VARIABLES, apply_openmp_defaults, openmp_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENMP = (*WAIT_VARIABLES, "OMP_NUM_THREADS", "OMP_DISPLAY_ENV")
