@@ -11,23 +11,12 @@ import pytest
 import torch
 import yaml
 
+from helpers.cli import CONFIGS, QUIET_FIT
 from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.cli import LitTrainerCLI
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-QUIET = [
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.limit_val_batches",
-    "0",
-    "--trainer.val_check_interval",
-    "1000",
-    "--trainer.enable_model_summary",
-    "false",
-    "--trainer.log_every_n_steps",
-    "1",
-]
+QUIET = [*QUIET_FIT, "--trainer.log_every_n_steps=1"]
 FAST = {
     "sft": [],
     "dpo": ["--data.init_args.batch_size", "8"],
