@@ -64,14 +64,14 @@ METHODS = [
 # (feature, dotted path from a fresh Trainer, expected type or None) - what the callbacks read on the trainer
 TRAINER_ATTRIBUTES = [
     (
-        "EvalOnStart (restores the logger state) and the step logging (lit_trainer.modules._step_logging)",
+        "EvalOnStart (restores the logger state) and the step logging (lit_trainer.modules.base._step_logging)",
         "_logger_connector",
         None,
     ),
     ("EvalOnStart restores it after its validation pass", "_logger_connector._first_loop_iter", None),
     ("EvalOnStart removes its step-0 metrics from it", "_logger_connector._callback_metrics", dict),
     (
-        "the step logging (lit_trainer.modules._step_logging) follows log_every_n_steps with it",
+        "the step logging (lit_trainer.modules.base._step_logging) follows log_every_n_steps with it",
         "_logger_connector.should_update_logs",
         bool,
     ),

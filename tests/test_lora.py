@@ -29,7 +29,7 @@ from lit_trainer.callbacks import BestCheckpoint, ExactResume, HFExport, JITChec
 from lit_trainer.data import SFTDataModule
 from lit_trainer.data.builtin import sft_rows
 from lit_trainer.models import load_model, load_tokenizer
-from lit_trainer.modules import _adapter_checkpoint, _peft
+from lit_trainer.modules.base import _adapter_checkpoint, _peft
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 ROWS = sft_rows("train").select(range(64))

@@ -19,7 +19,7 @@ from lit_trainer.data import PromptDataModule, SFTDataModule, builtin
 from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.data.preference.collate import REF_CHOSEN_KEY
 from lit_trainer.models import build_tokenizer
-from lit_trainer.modules._peft import AdapterReference
+from lit_trainer.modules.base._peft import AdapterReference
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 TRAINER = {

@@ -16,7 +16,7 @@ from helpers.rounding import Rounding, relative_l2
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.data.packing import best_fit_decreasing, flatten_sequences
 from lit_trainer.data.sft import SFTDataModule
-from lit_trainer.modules._packing import packing_leak
+from lit_trainer.modules.base._packing import packing_leak
 from lit_trainer.modules.causal_lm import CausalLMModule
 
 

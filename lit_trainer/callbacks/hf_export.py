@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lit_trainer._atomic import atomic_directory
 from lit_trainer.callbacks._namespace import PackageBound
-from lit_trainer.modules._sharding import full_state_dict, is_sharded
+from lit_trainer.modules.base._sharding import full_state_dict, is_sharded
 
 
 def is_adapter_model(model: Any) -> bool:

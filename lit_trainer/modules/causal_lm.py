@@ -12,9 +12,8 @@ from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.metrics import greedy_exact_match, token_loss_and_accuracy
-from lit_trainer.modules import _sharding
-from lit_trainer.modules._packing import check_trainer_packing
-from lit_trainer.modules.base import BaseModule
+from lit_trainer.modules.base import BaseModule, _sharding
+from lit_trainer.modules.base._packing import check_trainer_packing
 
 LossFunc = Callable[..., Tensor]
 

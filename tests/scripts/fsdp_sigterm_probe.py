@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_trainer.modules import _sharding
+from lit_trainer.modules.base import _sharding
 
 
 class SigtermOneRank(pl.Callback):

@@ -31,7 +31,7 @@ from lit_trainer.callbacks.bema._state import (
     pack_state,
     unpack_buffers,
 )
-from lit_trainer.modules._sharding import is_dtensor, local
+from lit_trainer.modules.base._sharding import is_dtensor, local
 
 
 class _BEMA(PackageBound):

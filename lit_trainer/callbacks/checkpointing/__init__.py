@@ -75,7 +75,7 @@ from lit_trainer.callbacks.checkpointing._evaluated_weights import EVALUATED_WEI
 from lit_trainer.callbacks.checkpointing._files import load_checkpoint_state_dict, removable
 from lit_trainer.callbacks.hf_export import export_hf
 from lit_trainer.checkpoint_io import AtomicCheckpointIO, _AtomicCheckpointIO, is_async
-from lit_trainer.modules._sharding import load_full_state_dict
+from lit_trainer.modules.base._sharding import load_full_state_dict
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
 HF_EXPORT_DIRNAME = "best"

@@ -28,9 +28,8 @@ from lit_trainer.losses.dpo import (
     dpo_loss,
 )  # fmt: skip
 from lit_trainer.models import load_model
-from lit_trainer.modules import _sharding
-from lit_trainer.modules._packing import check_trainer_packing
-from lit_trainer.modules.base import BaseModule
+from lit_trainer.modules.base import BaseModule, _sharding
+from lit_trainer.modules.base._packing import check_trainer_packing
 from lit_trainer.modules.dpo import _ref_logps
 from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
 
@@ -117,7 +116,7 @@ class DPOModule(DPOScoringMixin, BaseModule):
 
     With ``peft_config`` (LoRA) and ``ref_model=None`` there is no copy: the reference is the policy network with its
     adapters disabled (the base model), or, with ``adapter_path``, with a frozen second load of that adapter active
-    (the adapter's starting point); see :class:`~lit_trainer.modules._peft.AdapterReference`. ``sync_ref_model`` is
+    (the adapter's starting point); see :class:`~lit_trainer.modules.base._peft.AdapterReference`. ``sync_ref_model`` is
     refused then; ``precompute_ref_log_probs`` works and keeps that reference for new data.
 
     Args:

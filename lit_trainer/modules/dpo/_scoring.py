@@ -13,7 +13,7 @@ from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
 from lit_trainer.losses.dpo import dpo_loss, dpo_rewards_metrics, sequence_logps
 from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
-from lit_trainer.modules._packing import masking_kwargs, per_row
+from lit_trainer.modules.base._packing import masking_kwargs, per_row
 
 
 class Scores(NamedTuple):

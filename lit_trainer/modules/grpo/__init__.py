@@ -49,8 +49,7 @@ from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import selective_log_softmax
-from lit_trainer.modules import _sharding
-from lit_trainer.modules.base import BaseModule
+from lit_trainer.modules.base import BaseModule, _sharding
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, check_grpo_options
@@ -92,7 +91,7 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         delta: two-sided cap of the unclipped ratio (> 1), None = off.
         beta: KL coefficient; != 0 keeps a frozen in-memory copy of the initial policy as reference model (with
             ``peft_config`` no copy: the policy with its adapters disabled, or the adapter ``adapter_path`` started
-            from; see :class:`~lit_trainer.modules._peft.AdapterReference`).
+            from; see :class:`~lit_trainer.modules.base._peft.AdapterReference`).
         use_bias_correction_kl: weight the k3 KL by the per-token ratio.
         importance_sampling_level: "token" or "sequence" (GSPO).
         scale_rewards: "group", "batch" or "none".

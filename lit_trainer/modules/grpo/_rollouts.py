@@ -16,7 +16,7 @@ from torch import Tensor
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
-from lit_trainer.modules import _sharding
+from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._reward_calls import score_completions
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lit_trainer.modules import _sharding
-from lit_trainer.modules._schedules import build_schedule
+from lit_trainer.modules.base import _sharding
+from lit_trainer.modules.base._schedules import build_schedule
 
 _NO_DECAY = ("bias", "norm")
 

@@ -5,7 +5,7 @@ Lightning logs the last micro-batch's value; we keep device-side sums over the l
 and log, on the steps Lightning writes logs, the mean step loss of the window, the subclass's metrics averaged over the
 window's micro-steps, the learning rate, the pre-clipping gradient norm, real (non-padding) tokens per second and the
 padding fraction, reduced over ranks once per logging step. The learning rate is the one the last optimizer step used
-(read in :meth:`~lit_trainer.modules._optimization.OptimizationMixin.optimizer_step`, before Lightning steps the
+(read in :meth:`~lit_trainer.modules.base._optimization.OptimizationMixin.optimizer_step`, before Lightning steps the
 scheduler), as the HF Trainer logs it.
 """
 

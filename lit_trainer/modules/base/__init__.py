@@ -13,8 +13,8 @@ A normaliser known only at the window's last micro-batch (GRPO's completion toke
 rounds) goes through :meth:`BaseModule.rescale_step_gradients` instead. ``docs/exactness.md`` lists what is exact.
 
 Logging over the window of ``log_every_n_steps`` optimizer steps is the mixin
-:class:`~lit_trainer.modules._step_logging.StepLoggingMixin`; the default optimizer, schedule and gradient clipping
-are :class:`~lit_trainer.modules._optimization.OptimizationMixin`.
+:class:`~lit_trainer.modules.base._step_logging.StepLoggingMixin`; the default optimizer, schedule and gradient clipping
+are :class:`~lit_trainer.modules.base._optimization.OptimizationMixin`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import load_model, load_tokenizer
-from lit_trainer.modules import _adapter_checkpoint, _peft, _sharding
-from lit_trainer.modules._optimization import OptimizationMixin
-from lit_trainer.modules._schedules import SchedulerName, check_schedule
-from lit_trainer.modules._step_logging import StepLoggingMixin
+from lit_trainer.modules.base import _adapter_checkpoint, _peft, _sharding
+from lit_trainer.modules.base._optimization import OptimizationMixin
+from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
+from lit_trainer.modules.base._step_logging import StepLoggingMixin
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -70,14 +70,14 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         optimizer: an ``OptimizerCallable`` (``params -> Optimizer``) from the CLI; default AdamW with
             ``learning_rate``/``weight_decay`` (no decay on biases and norms, as HF), using torch's fused kernel when
             every parameter supports it (as HF's default ``adamw_torch_fused``; see
-            :func:`~lit_trainer.modules._optimization.fused_adamw_supported`).
+            :func:`~lit_trainer.modules.base._optimization.fused_adamw_supported`).
         lr_scheduler: an ``LRSchedulerCallable`` (``optimizer -> scheduler``), stepped per optimizer step; default:
             transformers' ``scheduler`` over ``trainer.estimated_stepping_batches`` optimizer steps.
         learning_rate: peak learning rate of the default optimizer.
         weight_decay: weight decay of the default optimizer.
         warmup_steps: warmup length in optimizer steps, or a fraction (< 1) of the total steps (rounded up), as HF.
         scheduler: a ``TrainingArguments.lr_scheduler_type`` name (``linear``, ``cosine``, ``cosine_with_min_lr``,
-            ``warmup_stable_decay``, ...; see :mod:`lit_trainer.modules._schedules`), built with
+            ``warmup_stable_decay``, ...; see :mod:`lit_trainer.modules.base._schedules`), built with
             ``transformers.get_scheduler``: the same rate per step as the HF Trainer.
         scheduler_kwargs: the scheduler's extra arguments (HF's ``lr_scheduler_kwargs``), e.g. ``{"min_lr_rate":
             0.1}`` for ``cosine_with_min_lr`` (what ``min_lr_ratio`` did before) or ``{"num_decay_steps": 100}`` for
@@ -88,12 +88,12 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             ``peft.LoraConfig`` (any ``peft.PeftConfig``), or a mapping such as ``{r: 16, lora_alpha: 32,
             target_modules: all-linear}`` (``LoraConfig(**mapping)``; with a ``peft_type`` key,
             ``peft.get_peft_config``). The model is wrapped here; checkpoints then hold only the trainable weights
-            (see :mod:`lit_trainer.modules._peft` and :mod:`lit_trainer.modules._adapter_checkpoint`).
+            (see :mod:`lit_trainer.modules.base._peft` and :mod:`lit_trainer.modules.base._adapter_checkpoint`).
         adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
         gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
             non-reentrant): less activation memory, about one more forward of compute. Works under sharding too.
         shard_blocks: under ``ModelParallelStrategy``: class names of the transformer blocks sharded one by one
-            (default: the model's ``_no_split_modules``); see :mod:`lit_trainer.modules._sharding`.
+            (default: the model's ``_no_split_modules``); see :mod:`lit_trainer.modules.base._sharding`.
         shard_param_dtype: under ``ModelParallelStrategy``: compute dtype of the gathered parameters (FSDP2 mixed
             precision: e.g. ``bfloat16`` on GPU, gradients reduced in float32, sharded master weights stay float32);
             None keeps the parameters' dtype.
@@ -103,7 +103,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
 
     Raises:
         ValueError: on a negative learning rate, warmup or ``max_grad_norm``, or a scheduler option that does not fit
-            (see :func:`~lit_trainer.modules._schedules.check_schedule`).
+            (see :func:`~lit_trainer.modules.base._schedules.check_schedule`).
     """
 
     def __init__(
@@ -186,7 +186,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
 
     def default_reference(self) -> Any:
         """The reference model DPO/GRPO use when none is given: the policy with its adapters disabled under peft
-        (:class:`~lit_trainer.modules._peft.AdapterReference`, no copy), else a frozen in-memory copy."""
+        (:class:`~lit_trainer.modules.base._peft.AdapterReference`, no copy), else a frozen in-memory copy."""
         return _peft.reference_or_copy(self.model, frozen_copy)
 
     @override
@@ -332,7 +332,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     @override
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (``self.device_mesh`` set): FSDP2-shard :meth:`networks_to_shard` over the
-        data-parallel ranks (:mod:`lit_trainer.modules._sharding`); nothing otherwise."""
+        data-parallel ranks (:mod:`lit_trainer.modules.base._sharding`); nothing otherwise."""
         if self.device_mesh is None:
             return
         mesh = _sharding.data_parallel_mesh(self.device_mesh)
