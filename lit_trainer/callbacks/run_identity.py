@@ -121,6 +121,12 @@ def describe_differences(differences: Mapping[str, tuple], limit: int = 6) -> st
     return "; ".join(items)
 
 
+def _class_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """``key: checkpoint X, this run Y; ...`` for the :data:`IDENTITY_KEYS` that differ, ``None`` when none does."""
+    differences = {key: (recorded.get(key), current.get(key)) for key in IDENTITY_KEYS}
+    return describe_differences({k: v for k, v in differences.items() if v[0] != v[1]}) or None
+
+
 def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any], checkpoint: str | os.PathLike) -> str | None:
     """The refusal message when ``recorded`` (from the checkpoint) and ``current`` are different runs, else ``None``.
 
@@ -132,10 +138,9 @@ def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any], checkpo
         >>> identity_mismatch({"module": "a.GRPO"}, {"module": "a.SFT"}, "x.ckpt")[:60]
         'Refusing to resume from x.ckpt: it was written by another ru'
     """
-    differ = [key for key in IDENTITY_KEYS if recorded.get(key) != current.get(key)]
-    if not differ:
+    details = _class_differences(recorded, current)
+    if details is None:
         return None
-    details = "; ".join(f"{key}: checkpoint {recorded.get(key)!r}, this run {current.get(key)!r}" for key in differ)
     return (
         f"Refusing to resume from {checkpoint}: it was written by another run ({details}). Resume it with the "
         "same module, data module and run name, or start a fresh run without --ckpt_path (from Python: "
@@ -180,9 +185,7 @@ def not_continued_because(record: Mapping[str, Any] | None, current: Mapping[str
     """
     if not record:
         return "it has no lit_trainer run record, so whether it is this run cannot be checked"
-    differ = [key for key in IDENTITY_KEYS if record.get(key) != current.get(key)]
-    if differ:
-        details = "; ".join(f"{key}: checkpoint {record.get(key)!r}, this run {current.get(key)!r}" for key in differ)
+    if (details := _class_differences(record, current)) is not None:
         return f"it belongs to another run ({details})"
     if "config" in record and (differences := config_differences(record["config"], current.get("config", {}))):
         return f"its configuration differs ({describe_differences(differences)})"
