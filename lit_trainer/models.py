@@ -17,15 +17,17 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -48,6 +50,10 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+Task = Literal["causal_lm", "sequence_classification"]
+"""What :func:`load_model` builds: a causal LM, or a sequence classifier (a reward model: ``num_labels=1`` by default,
+the score read at the last non-padding token)."""
+_AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_preset_model(name: str, **config_overrides: Any) -> LlamaForCausalLM:
+def build_preset_model(
+    name: str, task: Task = "causal_lm", **config_overrides: Any
+) -> LlamaForCausalLM | LlamaForSequenceClassification:
     """Build a preset from its config (weights from the current torch RNG: seed first for reproducibility).
+
+    ``task="sequence_classification"`` builds the same body with a score head (``num_labels=1`` unless overridden),
+    padding id set so the score is read at each row's last non-padding token.
 
     Raises:
         ValueError: for an unknown preset, listing the valid ones.
@@ -126,13 +137,22 @@ def build_preset_model(name: str, **config_overrides: Any) -> LlamaForCausalLM:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        **config_overrides,
+        **{k: v for k, v in config_overrides.items() if k != "num_labels"},
     )
+    if task == "sequence_classification":
+        config.num_labels = config_overrides.get("num_labels", 1)
+        return LlamaForSequenceClassification(config)
+    _check_task(task)
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = None
     return model
+
+
+def _check_task(task: str) -> None:
+    if task not in _AUTO_CLASSES:
+        raise ValueError(f"Unknown model task {task!r}: choose one of {sorted(_AUTO_CLASSES)}.")
 
 
 def _check_source(name_or_path: str) -> None:
@@ -152,29 +172,41 @@ def _check_source(name_or_path: str) -> None:
 def load_model(
     name_or_path: str,
     *,
+    task: Task = "causal_lm",
     trust_remote_code: bool = False,
     dtype: str | torch.dtype | None = None,
     **config_overrides: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM from a preset name, a local directory or a hub id.
+    """Load a causal LM (or, with ``task``, a sequence classifier) from a preset name, a local directory or a hub id.
 
     Args:
         name_or_path: a preset (see :data:`PRESETS`), a directory written by ``save_pretrained``, or a hub id.
+        task: ``"causal_lm"`` or ``"sequence_classification"`` (a reward model: ``num_labels`` defaults to 1; a
+            causal-LM checkpoint gets a newly initialised score head, as ``AutoModelForSequenceClassification``
+            gives it). A missing ``pad_token_id`` in the config is taken from the checkpoint's tokenizer, so the
+            score is read at each row's last non-padding token.
         trust_remote_code: passed to ``from_pretrained``; False unless you set it.
         dtype: weights dtype for ``from_pretrained`` (e.g. ``"bfloat16"``); presets are float32.
         **config_overrides: extra config fields for presets (e.g. ``attention_dropout=0.1``).
 
     Raises:
-        ValueError: unknown preset (the message lists the valid ones) or a file instead of a directory.
+        ValueError: unknown preset (the message lists the valid ones), unknown task, or a file instead of a directory.
         FileNotFoundError: a local path that does not exist.
     """
+    _check_task(task)
     if is_preset(name_or_path):
-        return build_preset_model(name_or_path, **config_overrides)
+        return build_preset_model(name_or_path, task, **config_overrides)
     _check_source(name_or_path)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **config_overrides}
+    if task == "sequence_classification":
+        kwargs.setdefault("num_labels", 1)
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return AutoModelForCausalLM.from_pretrained(os.path.expanduser(name_or_path), **kwargs)
+    path = os.path.expanduser(name_or_path)
+    model = _AUTO_CLASSES[task].from_pretrained(path, **kwargs)
+    if task == "sequence_classification" and model.config.pad_token_id is None:
+        model.config.pad_token_id = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
+    return model
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

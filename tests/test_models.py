@@ -60,3 +60,31 @@ def test_trust_remote_code_defaults_to_false(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="stop"):
         load_model(str(tmp_path))
     assert seen["trust_remote_code"] is False
+
+
+def test_sequence_classification_preset_and_from_a_causal_export(tmp_path):
+    """A reward model: score head with one label, read at the last non-padding token; from an SFT export the body
+    weights are the causal LM's and the head is new."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    scorer = load_model("tiny", task="sequence_classification")
+    assert type(scorer).__name__ == "LlamaForSequenceClassification"
+    assert scorer.config.num_labels == 1 and scorer.config.pad_token_id == load_tokenizer("tiny").pad_token_id
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9]])
+    scores = scorer(input_ids=ids).logits
+    assert scores.shape == (2, 1)
+    # the padded row scores like its unpadded prefix (the head reads position 2, not the padding); 1e-6: another
+    # batch shape changes the matmul blocking (float32 rounding, values of order 1), a wrong position differs by >1e-2
+    assert torch.allclose(scores[0], scorer(input_ids=ids[:1, :3]).logits[0], atol=1e-6)
+
+    causal = load_model("tiny")
+    causal.config.pad_token_id = None  # the tokenizer's padding id must fill it in
+    causal.save_pretrained(tmp_path)
+    load_tokenizer("tiny").save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), task="sequence_classification")
+    assert isinstance(loaded, AutoModelForSequenceClassification._model_mapping[type(loaded.config)])
+    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == 0
+    assert torch.equal(loaded.model.embed_tokens.weight, causal.model.embed_tokens.weight)
+    with pytest.raises(ValueError, match=r"Unknown model task 'reward'.*causal_lm"):
+        load_model("tiny", task="reward")

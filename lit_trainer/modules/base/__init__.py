@@ -37,7 +37,7 @@ from typing_extensions import override
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
-from lit_trainer.models import load_model, load_tokenizer
+from lit_trainer.models import Task, load_model, load_tokenizer
 from lit_trainer.modules.base import _adapter_checkpoint, _peft, _sharding
 from lit_trainer.modules.base._optimization import OptimizationMixin
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
@@ -138,7 +138,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         _sharding.fsdp_policies(shard_param_dtype, False)  # validates the dtype name at construction
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
-        self.model = load_model(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
+        by_name = isinstance(model, str)
+        self.model = load_model(model, task=self.model_task, trust_remote_code=trust_remote_code) if by_name else model
         # from_pretrained returns eval-mode models and Lightning 2.6 keeps each submodule's mode: train the policy in
         # train mode (dropout on), as the HF Trainer does
         self.model.train()
@@ -149,7 +150,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             self.strict_loading = False  # checkpoints hold only the trainable weights (_adapter_checkpoint)
         self._frozen_fingerprint: dict[str, Any] | None = None
         self.parameter_counts: tuple[int, int] | None = None
-        if tokenizer is None and isinstance(model, str):
+        if tokenizer is None and by_name:
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer
         self._optimizer_fn = optimizer
@@ -167,6 +168,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
 
     #: DPO/GRPO: load ``adapter_path`` a second time as the frozen reference adapter
     uses_reference_adapter = False
+    #: what a model name or path is loaded as (:func:`~lit_trainer.models.load_model`'s ``task``)
+    model_task: Task = "causal_lm"
 
     @override
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
