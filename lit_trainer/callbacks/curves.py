@@ -116,12 +116,16 @@ def draw_curves(
     figure = Figure(figsize=(4.2 * ncols, 3.0 * nrows), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(nrows, ncols, squeeze=False).ravel()
+    steps_drawn = [step for panel in panels for key in panel.keys for step, _ in series[key]]
+    low, high = min(steps_drawn), max(steps_drawn)
+    pad = 0.03 * (high - low) or 0.5
     for ax, panel in zip(axes, panels, strict=False):
         for key in panel.keys:
             steps, ys = zip(*series[key], strict=True)
             style = {"marker": "o", "markersize": 3} if key.startswith("val_") else {"linewidth": 1.2}
             ax.plot(steps, ys, label=key, **style)
         ax.set_title(panel.title)
+        ax.set_xlim(low - pad, high + pad)  # one step axis for every panel, a lone validation point included
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if len(panel.keys) > 1:
