@@ -145,3 +145,36 @@ def test_without_trackio_the_error_says_how_to_install_it(monkeypatch):
 def test_refuses_an_unknown_resume_mode():
     with pytest.raises(ValueError, match="resume='sometimes'"):
         TrackioLogger(resume="sometimes")
+
+
+def test_the_pytorch_lightning_twin_logs_from_a_pytorch_lightning_trainer(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from lit_trainer.loggers.pytorch_lightning import TrackioLogger as PLTrackioLogger
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    project = new_project()
+    logger = PLTrackioLogger(project=project, save_dir=tmp_path, name="pl", version=0)
+    assert isinstance(logger, pl.loggers.Logger) and not isinstance(logger, L.loggers.Logger)
+    trainer = pl.Trainer(
+        max_steps=3,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), DataLoader(regression_data(0), batch_size=8))
+    (run,) = runs(project)
+    assert steps_of(project, run["id"], "train_loss") == [0, 1, 2]

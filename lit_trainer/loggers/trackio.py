@@ -76,48 +76,8 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-class TrackioLogger(Logger):
-    """Log metrics, hyper-parameters and tables to a local Trackio project (no network, no account).
-
-    Metrics go to the run's rows at Lightning's step; hyper-parameters become the run's config; ``finalize`` (the
-    end of ``fit``, also after an error) finishes the run and flushes it. Only global rank 0 writes (DDP, FSDP2):
-    the other ranks never open the store.
-
-    Which Trackio run: with ``save_dir`` and ``name`` the logger owns the folder ``save_dir/name/version_<n>`` (the
-    run folder in ``lit-trainer``), where it records the run's project, name and id (``trackio_run.json``). When
-    the record exists (a resumed run continues in its folder) the recorded run is continued; otherwise a new run is
-    created, named ``<name>-version_<n>`` (``sft-version_3``), or ``run_name``; a name already taken in the project
-    gets a ``-2``, ``-3``, ... suffix, so a run name is one run.
-
-    On resume, call :meth:`rewind` with the checkpoint's global step before ``fit`` (``lit-trainer`` does it): the
-    rows the interrupted part logged after that checkpoint are removed, and the resumed part logs them again, so a
-    chart has each step once.
-
-    Args:
-        project: the Trackio project; default the ``TRACKIO_PROJECT`` environment variable, else ``"lit_trainer"``.
-        run_name: the Trackio run's name (see above for the default).
-        config: extra config entries for the run, next to the hyper-parameters Lightning logs.
-        save_dir: the root of the run folders (``trainer.default_root_dir``); ``None``: no run record is kept.
-        name: the run name (the folder under ``save_dir``; Lightning's logger ``name``).
-        version: the version folder (``3`` or ``"version_3"``); ``None`` means ``save_dir/name`` itself.
-        resume: ``"auto"``: continue the run recorded in the run folder, else a new run; ``"allow"``, ``"must"``,
-            ``"never"``: trackio's meaning for the run named ``run_name``.
-        group: an optional Trackio group to show related runs together.
-        log_system_metrics: also let trackio sample CPU/GPU usage in the background (off: the store holds what the
-            training loop logs and nothing else).
-
-    Raises:
-        ModuleNotFoundError: ``trackio`` is not installed (when the run starts; the message says how to install it).
-        ValueError: ``resume`` is not one of the four values.
-
-    Example::
-
-        from lightning.pytorch import Trainer
-        from lit_trainer.loggers import TrackioLogger
-
-        trainer = Trainer(logger=TrackioLogger(project="addition", save_dir="runs", name="sft"), max_steps=100)
-        # then `trackio show --project addition`
-    """
+class _TrackioLogger:
+    """The implementation of :class:`TrackioLogger`, without a Lightning base (one class per Lightning package)."""
 
     def __init__(
         self,
@@ -131,7 +91,7 @@ class TrackioLogger(Logger):
         group: str | None = None,
         log_system_metrics: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__()  # the Lightning Logger base
         if resume not in ("auto", "allow", "never", "must"):
             raise ValueError(f"TrackioLogger: resume={resume!r}; use 'auto', 'allow', 'never' or 'must'.")
         self._project = project or os.environ.get("TRACKIO_PROJECT") or DEFAULT_PROJECT
@@ -341,3 +301,47 @@ class TrackioLogger(Logger):
         self._resume = "auto" if self._record_path() is not None else "allow"  # the same run, if it logs again
         self._run_name = run.name
         self._rewind_step = None
+
+
+class TrackioLogger(_TrackioLogger, Logger):
+    """Log metrics, hyper-parameters and tables to a local Trackio project (no network, no account).
+
+    Metrics go to the run's rows at Lightning's step; hyper-parameters become the run's config; ``finalize`` (the
+    end of ``fit``, also after an error) finishes the run and flushes it. Only global rank 0 writes (DDP, FSDP2):
+    the other ranks never open the store.
+
+    Which Trackio run: with ``save_dir`` and ``name`` the logger owns the folder ``save_dir/name/version_<n>`` (the
+    run folder in ``lit-trainer``), where it records the run's project, name and id (``trackio_run.json``). When
+    the record exists (a resumed run continues in its folder) the recorded run is continued; otherwise a new run is
+    created, named ``<name>-version_<n>`` (``sft-version_3``), or ``run_name``; a name already taken in the project
+    gets a ``-2``, ``-3``, ... suffix, so a run name is one run.
+
+    On resume, call :meth:`rewind` with the checkpoint's global step before ``fit`` (``lit-trainer`` does it): the
+    rows the interrupted part logged after that checkpoint are removed, and the resumed part logs them again, so a
+    chart has each step once.
+
+    Args:
+        project: the Trackio project; default the ``TRACKIO_PROJECT`` environment variable, else ``"lit_trainer"``.
+        run_name: the Trackio run's name (see above for the default).
+        config: extra config entries for the run, next to the hyper-parameters Lightning logs.
+        save_dir: the root of the run folders (``trainer.default_root_dir``); ``None``: no run record is kept.
+        name: the run name (the folder under ``save_dir``; Lightning's logger ``name``).
+        version: the version folder (``3`` or ``"version_3"``); ``None`` means ``save_dir/name`` itself.
+        resume: ``"auto"``: continue the run recorded in the run folder, else a new run; ``"allow"``, ``"must"``,
+            ``"never"``: trackio's meaning for the run named ``run_name``.
+        group: an optional Trackio group to show related runs together.
+        log_system_metrics: also let trackio sample CPU/GPU usage in the background (off: the store holds what the
+            training loop logs and nothing else).
+
+    Raises:
+        ModuleNotFoundError: ``trackio`` is not installed (when the run starts; the message says how to install it).
+        ValueError: ``resume`` is not one of the four values.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lit_trainer.loggers import TrackioLogger
+
+        trainer = Trainer(logger=TrackioLogger(project="addition", save_dir="runs", name="sft"), max_steps=100)
+        # then `trackio show --project addition`
+    """
