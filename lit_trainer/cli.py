@@ -15,6 +15,10 @@ What it changes from a plain ``LightningCLI``:
   module or run name is refused even as an explicit path; a resumed part never overwrites the records of the earlier
   parts (:func:`lit_trainer.runs.keep_part_records`);
 * a fresh run that fails before its first optimizer step removes the run folder it made;
+* ``--report_to trackio,tensorboard`` chooses experiment trackers by name next to the run's CSV log
+  (:mod:`lit_trainer.cli_trackers`); a resumed run continues its Trackio run without duplicated steps;
+* every ``fit`` draws its curves to ``curves.png`` in the run folder when matplotlib is installed
+  (:class:`~lit_trainer.callbacks.CurvesPlot`);
 * after a ``JITCheckpoint`` stop (SIGTERM, Ctrl-C) the command to continue the run is printed;
 * no sanity-check validation by default (generation-based validation is costly and its result is thrown away);
 * ``fit`` refuses to run without a bound (``max_steps``, ``max_epochs`` or ``max_time``);
@@ -39,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from lit_trainer.callbacks.checkpoint_resolution import complete_checkpoints, resolve_resume
 from lit_trainer.callbacks.cpu_threads import CPUThreadCheck
+from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
 from lit_trainer.callbacks.run_identity import (
@@ -62,6 +67,7 @@ from lit_trainer.cli_noise import (
     quiet_progress_bars_off_terminal,
     quiet_startup_noise,
 )
+from lit_trainer.cli_trackers import REPORT_TO_HELP, parse_report_to, place_remote_trackers, tracker_loggers
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.runs import (
@@ -75,7 +81,7 @@ from lit_trainer.runs import (
 )
 
 DEFAULT_SEED = 1234
-_RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger")  # loggers placed in the run folder
+_RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger", "TrackioLogger")  # placed in the run folder
 # Lightning's CSVLogger deletes the metrics.csv of a folder it finds in use: in a run folder it is our appending one
 _LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger")
 
@@ -154,7 +160,7 @@ def _init_arg(entry: Any, key: str) -> Any:
 
 class LitTrainerCLI(LightningCLI):
     """The ``lit-trainer`` command (``fit``, ``validate``, ``test``, ``predict`` subcommands, ``--config``,
-    ``--print_config``, ``--run_name``)."""
+    ``--print_config``, ``--run_name``, ``--report_to``)."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
@@ -185,7 +191,7 @@ class LitTrainerCLI(LightningCLI):
             )
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        """Link the model's name/path to the data module's tokenizer; add ``--run_name``."""
+        """Link the model's name/path to the data module's tokenizer; add ``--run_name`` and ``--report_to``."""
         parser.link_arguments("model.init_args.model", "data.init_args.tokenizer", apply_on="parse")
         parser.add_argument(
             "--run_name",
@@ -194,6 +200,7 @@ class LitTrainerCLI(LightningCLI):
             help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
             "from the model class; the class name in lower case for other modules).",
         )
+        parser.add_argument("--report_to", type=str | None, default=None, help=REPORT_TO_HELP)
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
         """Lightning's subcommand parser; ``fit --ckpt_path`` explains what ``last`` and a path mean here."""
@@ -227,6 +234,10 @@ class LitTrainerCLI(LightningCLI):
         root = trainer.get("default_root_dir") or DEFAULT_ROOT
         name = config.get("run_name") or default_run_name(config["model"]["class_path"])
         trainer["default_root_dir"], config["run_name"] = str(root), name
+        if config.get("report_to") is not None:
+            trainer["logger"] = tracker_loggers(
+                parse_report_to(config["report_to"]), _as_list(trainer.get("logger")), str(root)
+            )
         loggers = [lg for lg in _as_list(trainer.get("logger")) if str(lg.get("class_path", "")).endswith(_RUN_LOGGERS)]
         for logger in loggers:
             if logger.get("class_path") in _LIGHTNING_CSV:
@@ -250,6 +261,7 @@ class LitTrainerCLI(LightningCLI):
         for logger in loggers:
             for key, value in (("save_dir", str(root)), ("name", name), ("version", version)):
                 logger["init_args"][key] = value
+        place_remote_trackers(_as_list(trainer.get("logger")), str(root), name, version_folder(version))
 
     def instantiate_classes(self) -> None:
         """Build the classes; a validation error of ours comes out alone, not inside jsonargparse's Union text."""
@@ -308,7 +320,7 @@ class LitTrainerCLI(LightningCLI):
         given = _as_list(config.get("callbacks")) + callbacks
         run_name = (self.config[self.subcommand] if self.subcommand else self.config).get("run_name")
         identity = RunIdentity(run_name=run_name, config=self._identity_config)
-        extra: list[Callback] = [identity, FinalMetrics(), CPUThreadCheck()]
+        extra: list[Callback] = [identity, FinalMetrics(), CPUThreadCheck(), CurvesPlot()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             extra.append(default_progress_bar())
         present = {type(c) for c in given}
@@ -336,7 +348,20 @@ class LitTrainerCLI(LightningCLI):
             resolve_resume("never", [], self.trainer)
         else:  # continuing in the run's own folder is the point; Lightning would warn that it is not empty
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            rewind_trackers(self.trainer.loggers, self._resume_from)
         config["ckpt_path"] = self._resume_from
+
+
+def rewind_trackers(loggers: list[Any], checkpoint: str) -> None:
+    """Before a resume from ``checkpoint``: loggers that can (``rewind(step)``, e.g. ``TrackioLogger``) drop what the
+    interrupted run logged after that checkpoint, since the resumed run logs those steps again."""
+    step = (read_record(checkpoint) or {}).get("global_step")
+    if step is None:
+        return
+    for logger in loggers:
+        rewind = getattr(logger, "rewind", None)
+        if callable(rewind):
+            rewind(int(step))
 
 
 def _nothing_to_continue(requested: str, run_root: Path, skipped: list[tuple[str, str]]) -> str:

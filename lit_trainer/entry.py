@@ -72,6 +72,7 @@ def quick_help(cwd: Path | None = None) -> str:
         (f"lit-trainer fit --config {config}", "train (the main job: built-in tiny model and data, no download)"),
         (f"lit-trainer fit --config {config} --ckpt_path last", "continue the newest unfinished run of this config"),
         (f"lit-trainer fit --config {config} --model.learning_rate 1e-3", "override any option"),
+        (f"lit-trainer fit --config {config} --report_to trackio", "also log to Trackio (or tensorboard, wandb, ...)"),
         (f"lit-trainer fit --config {config} --print_config", "the full configuration with every default"),
         ("lit-trainer fit --help", "trainer options, and how to list the model and data options"),
         ("lit-trainer validate --config CONFIG --ckpt_path PATH", "evaluate a checkpoint (also test, predict)"),
@@ -81,7 +82,7 @@ def quick_help(cwd: Path | None = None) -> str:
         lines += [f"  {command}", f"      {what}"]
     lines += [
         "",
-        "A run writes runs/<run name>/version_<n>/: metrics.csv, config.yaml, checkpoints/ and hf_model/,",
+        "A run writes runs/<run name>/version_<n>/: metrics.csv, curves.png, config.yaml, checkpoints/ and hf_model/,",
         "a Hugging Face export that loads with transformers.AutoModelForCausalLM.from_pretrained.",
         "Ctrl-C or SIGTERM saves a checkpoint at the next optimizer step (the recipes' JITCheckpoint);",
         "--ckpt_path last continues from it.",

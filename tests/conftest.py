@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# trackio picks its store when it is imported: the tests' runs go to a temporary one, never the user's
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="lit_trainer_trackio_")
 torch.set_num_threads(max(1, int(os.environ.get("LIT_TRAINER_TEST_THREADS", "1"))))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lit_trainer.cli import CKPT_PATH_HELP, LitTrainerCLI
+from lit_trainer.cli_trackers import REPORT_TO_HELP
 from lit_trainer.entry import quick_help, recipe_summary
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -33,7 +34,14 @@ def test_quick_help_names_every_recipe_with_a_whole_sentence_and_the_commands(tm
         summary = recipe_summary(config.read_text())
         assert summary and line.rstrip().endswith(summary), config.name
         assert not summary.endswith((",", " the", " a", " so", " no", " and")), summary  # never cut mid-sentence
-    for command in ("fit --config configs/sft.yaml", "--ckpt_path last", "fit --help", "validate", "mkdocs serve"):
+    for command in (
+        "fit --config configs/sft.yaml",
+        "--ckpt_path last",
+        "--report_to",
+        "fit --help",
+        "validate",
+        "mkdocs serve",
+    ):
         assert command in text
 
 
@@ -60,4 +68,5 @@ def test_fit_help_says_how_to_list_model_and_data_options_and_what_ckpt_path_mea
     assert "--model.help lit_trainer.CausalLMModule" in text and "--data.help lit_trainer.data.SFTDataModule" in text
     assert "--model.init_args.learning_rate" in text
     assert " ".join(CKPT_PATH_HELP.split()[:12]) in text
+    assert "--report_to REPORT_TO" in text and " ".join(REPORT_TO_HELP.split()[:10]) in text
     assert "from which training is resumed" not in text  # Lightning's own --ckpt_path text is gone

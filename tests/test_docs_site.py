@@ -24,7 +24,13 @@ DOCS = ROOT / "docs"
 GENERATED = {"contributing.md"}  # made from CONTRIBUTING.md by mkdocs_hooks.py
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 # The public names that must have an API reference entry: (module, names), from the packages' __all__.
-PUBLIC_MODULES = ("lit_trainer", "lit_trainer.data", "lit_trainer.callbacks", "lit_trainer.losses")
+PUBLIC_MODULES = (
+    "lit_trainer",
+    "lit_trainer.data",
+    "lit_trainer.callbacks",
+    "lit_trainer.loggers",
+    "lit_trainer.losses",
+)
 PUBLIC_SAMPLERS = ("LengthGroupedSampler", "LengthGroupedBatchSampler")  # lit_trainer.data.samplers
 
 _FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)

@@ -24,7 +24,7 @@ from lit_trainer.callbacks._namespace import twin  # noqa: E402
 from lit_trainer.data.loader import TrainLoader  # noqa: E402
 from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler  # noqa: E402
 
-NAMES = ["BEMA", "BestCheckpoint", "EvalOnStart", "ExactResume", "HFExport", "JITCheckpoint", "NEFTune"]
+NAMES = ["BEMA", "BestCheckpoint", "CurvesPlot", "EvalOnStart", "ExactResume", "HFExport", "JITCheckpoint", "NEFTune"]
 
 
 class Regressor(pl.LightningModule):
@@ -201,6 +201,18 @@ def test_hf_export_writes_the_trained_model_and_refuses_a_plain_module(tmp_path:
     with pytest.raises(TypeError, match="HFExport needs `Regressor.model`"):
         _trainer(tmp_path, [plc.HFExport(dirpath=tmp_path / "hf2")], enable_checkpointing=False).fit(plain, ids)
     assert plain.forwards == 0
+
+
+def test_curves_plot_draws_from_a_pytorch_lightning_csv_logger(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    train, val = _loaders()
+    plot = plc.CurvesPlot()
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    _trainer(tmp_path, [plot], max_steps=4, logger=logger, log_every_n_steps=1, val_check_interval=2).fit(
+        Regressor(), train, val
+    )
+    assert plot.path == os.path.join(logger.log_dir, "curves.png") and os.path.isfile(plot.path)
+    assert plot.panels == ["loss"]  # this module logs val_loss only: the loss panel
 
 
 def test_configurable_from_a_pytorch_lightning_cli() -> None:

@@ -7,6 +7,7 @@ For ``pytorch_lightning.Trainer`` (``import pytorch_lightning as pl``), import t
 from lit_trainer.callbacks.bema import BEMA
 from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_resume_checkpoint
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
+from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.hf_export import HFExport
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
@@ -17,6 +18,7 @@ from lit_trainer.callbacks.run_identity import RunIdentity
 __all__ = [
     "BEMA",
     "BestCheckpoint",
+    "CurvesPlot",
     "EvalOnStart",
     "ExactResume",
     "HFExport",

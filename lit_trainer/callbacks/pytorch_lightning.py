@@ -17,7 +17,7 @@ as far as Lightning itself allows). Importing this module needs the ``pytorch_li
 
 from __future__ import annotations
 
-from lit_trainer.callbacks import bema, checkpointing, eval_on_start, hf_export, jit_checkpoint, neftune, resume
+from lit_trainer.callbacks import bema, checkpointing, curves, eval_on_start, hf_export, jit_checkpoint, neftune, resume
 from lit_trainer.callbacks._namespace import namespace, twin
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.checkpoint_io import atomic_checkpoint_io_class
@@ -27,6 +27,7 @@ from lightning_fabric.plugins import CheckpointIO  # noqa: E402  (after the chec
 
 BEMA = twin(bema.BEMA, "pytorch_lightning", __name__)
 BestCheckpoint = twin(checkpointing.BestCheckpoint, "pytorch_lightning", __name__)
+CurvesPlot = twin(curves.CurvesPlot, "pytorch_lightning", __name__)
 EvalOnStart = twin(eval_on_start.EvalOnStart, "pytorch_lightning", __name__)
 ExactResume = twin(resume.ExactResume, "pytorch_lightning", __name__)
 HFExport = twin(hf_export.HFExport, "pytorch_lightning", __name__)
@@ -39,6 +40,7 @@ __all__ = [
     "BEMA",
     "AtomicCheckpointIO",
     "BestCheckpoint",
+    "CurvesPlot",
     "EvalOnStart",
     "ExactResume",
     "HFExport",
