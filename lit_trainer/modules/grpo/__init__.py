@@ -108,6 +108,36 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         vespo_lambda_pos: VESPO rate ``lambda`` for advantages >= 0.
         vespo_k_neg: VESPO ``k`` for negative advantages.
         vespo_lambda_neg: VESPO ``lambda`` for negative advantages.
+        sync_ref_model: TR-DPO for the KL reference: after every ``ref_model_sync_steps``-th optimizer step
+            ``θ_ref ← (1−α)θ_ref + αθ_policy`` (needs ``beta != 0`` and no ``peft_config``/``adapter_path``; shared
+            with :class:`~lit_trainer.modules.dpo.DPOModule`).
+        ref_model_mixup_alpha: ``α`` of TR-DPO, in [0, 1].
+        ref_model_sync_steps: TR-DPO period in optimizer steps.
+        top_entropy_quantile: ``ρ``: train the policy term on the tokens whose entropy is in the top ``ρ`` fraction
+            (threshold: the ``1 − ρ`` quantile of the masked entropies of every rank's micro-batch); 1.0 = all tokens.
+        entropy_coef: entropy bonus: the loss becomes ``policy − c * H`` with ``H`` the mean token entropy (with
+            gradient) of the trained tokens, the same for every loss type (see
+            :mod:`lit_trainer.modules.grpo._entropy`); 0.0 = off. With ``use_adaptive_entropy``, the starting value.
+        use_adaptive_entropy: Skywork-OR1's adaptive coefficient: after each optimizer step it moves by
+            ``entropy_coef_delta`` (up while the step's entropy over all ranks is <= ``entropy_target``, else down),
+            and it is applied only while that entropy is <= ``entropy_target``. Checkpointed: resume is exact.
+        entropy_coef_min: lower bound of the adaptive coefficient.
+        entropy_coef_max: upper bound of the adaptive coefficient.
+        entropy_coef_delta: step of the adaptive coefficient.
+        entropy_target: target mean token entropy in nats (the logged ``entropy`` early in training is a good start).
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage is
+            dropped from the policy term when its mean ``old − logp`` exceeds this (e.g. 0.5); None = off.
+        log_completions: at every logging step, write the last round's prompts, completions, rewards per function and
+            advantages (all ranks' rows) to the console (rank 0, rich), ``completions.csv`` in a CSVLogger's folder,
+            TensorBoard (``add_text``) and any logger with ``log_table`` (WandbLogger, Trackio).
+        num_completions_to_print: rows printed on the console (a sample seeded by the step); None = all.
+        cache_implementation: ``GenerationConfig.cache_implementation`` of the sampling ``generate`` (e.g.
+            ``"static"``); None = the model's default (dynamic).
+        use_transformers_continuous_batching: generate with transformers' continuous-batching engine
+            (``generate_batch``, paged KV cache) instead of ``generate``; not under sharding.
+        transformers_continuous_batching_config: ``transformers.ContinuousBatchingConfig`` fields
+            (``max_memory_percent`` defaults to 0.5, as the reference).
+        use_transformers_paged: deprecated alias of ``use_transformers_continuous_batching`` (as in TRL 1.16).
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.

@@ -85,7 +85,7 @@ class EntropyControl:
         self.pending = masked_mean_entropy(entropies, mask)
         if self.adaptive:
             mask_f = mask.to(entropies.dtype)
-            stats = torch.stack([(entropies * mask_f).sum(), mask_f.sum()]).detach().float()
+            stats = torch.stack([(entropies * mask_f).sum(), mask_f.sum()]).detach()
             self.window = stats if self.window is None else self.window + stats
 
     def take_bonus(self, micro_steps_times_world: int) -> Tensor | float:
