@@ -354,7 +354,7 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         super()._write_logs()
         if self.hparams.log_completions and self.completion_table is not None and self.trainer.is_global_zero:
             columns, rows = self.completion_table
-            step = self.trainer.global_step
+            step = self.trainer.global_step - 1  # the step Lightning gives this step's metrics (metrics.csv, TB)
             write_completion_table(
                 self.trainer.loggers, columns, rows, step, num_to_print=self.hparams.num_completions_to_print
             )
