@@ -69,7 +69,8 @@ def test_continuous_batching_is_seeded_and_greedy_equals_generate():
     greedy, model = _config(generation_kwargs={"do_sample": False}), tiny_llama(0)  # no EOS bias: EOS is not argmax
     plain = rollout.generate_completions(model, ids, mask, greedy, [1])
     paged = rollout.generate_completions_continuous(model, ids, mask, greedy, [1], SMALL_CACHE)
-    assert torch.equal(plain.mask, paged.mask) and torch.equal(plain.ids[plain.mask.bool()], paged.ids[paged.mask.bool()])
+    assert torch.equal(plain.mask, paged.mask)
+    assert torch.equal(plain.ids[plain.mask.bool()], paged.ids[paged.mask.bool()])
     assert plain.mask.sum() > plain.mask.shape[0]  # more than one token per row
 
 
