@@ -85,7 +85,7 @@ def independent_gradient(model: Any, slices: list[dict], rho: float, coef: float
     for s in slices:
         terms = [_row_terms(model, {k: s[k][i] for k in s}) for i in range(s["advantages"].shape[0])]
         pool = torch.cat([t[1].detach() for t in terms if t is not None])
-        threshold = torch.quantile(pool.float(), 1 - rho).to(pool.dtype)
+        threshold = torch.quantile(pool, 1 - rho)  # in the twin's dtype
         kept_entropy, kept_count = 0.0, 0
         for advantage, t in zip(s["advantages"], terms):
             if t is None:
