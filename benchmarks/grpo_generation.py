@@ -117,7 +117,7 @@ def main() -> None:
     for name, values in times.items():
         median = statistics.median(values)
         rate = tokens[name] / sum(values)
-        print(f"{name:<42} {median:>9.3f} {rate:>9.0f} {base / median:>17.2f}x")
+        print(f"{name:<42} {median:>9.3f} {rate:>9.0f} {base / median:>17.3g}x")
     print(f"\ncommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
 
 

@@ -3,12 +3,13 @@ it to the console and to every logger of the run.
 
 * console: a ``rich`` table of ``num_completions_to_print`` rows (all when None), chosen with a generator seeded by
   the step (never the global RNG, so logging does not change a run);
-* a logger with a ``log_dir`` and the CSV logger's type: ``completions.csv`` in that folder, appended, with the step;
-* a TensorBoard logger: a markdown table through ``add_text("completions", ...)``;
+* a ``CSVLogger``: ``completions.csv`` in its ``log_dir``, appended, with the step;
+* a ``TensorBoardLogger``: a markdown table through ``add_text("completions", ...)``;
 * any other logger with a ``log_table(key=..., columns=..., data=..., step=...)`` method (Lightning's WandbLogger, a
   Trackio logger): called with ``key="completions"``.
 
-The rank that calls it (rank 0) passes the rows of every rank.
+Loggers are recognised by class name (``lightning.pytorch`` and ``pytorch_lightning`` have one class each) or by the
+``log_table`` method. The rank that calls it (rank 0) passes the rows of every rank.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import os
 import random
 from collections.abc import Iterable, Sequence
 from typing import Any
-
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 CSV_NAME = "completions.csv"
 TABLE_KEY = "completions"
@@ -56,12 +55,16 @@ def write_completion_table(
     if console:
         _print_rich(columns, rows, step, num_to_print)
     for logger in loggers:
-        if isinstance(logger, CSVLogger):
+        if _is_a(logger, "CSVLogger"):
             _append_csv(os.path.join(logger.log_dir, CSV_NAME), columns, rows, step)
-        elif isinstance(logger, TensorBoardLogger):
+        elif _is_a(logger, "TensorBoardLogger"):
             logger.experiment.add_text(TABLE_KEY, markdown_table(columns, rows), global_step=step)
         elif callable(getattr(logger, "log_table", None)):
             logger.log_table(key=TABLE_KEY, columns=list(columns), data=[list(r) for r in rows], step=step)
+
+
+def _is_a(logger: Any, class_name: str) -> bool:
+    return any(cls.__name__ == class_name for cls in type(logger).__mro__)
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
