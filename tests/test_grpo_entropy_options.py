@@ -29,7 +29,7 @@ def _batch(seed: int = 0, rows: int = 4, length: int = 5) -> dict[str, torch.Ten
         "old": -torch.rand(rows, length, generator=g, dtype=torch.float64) * 3,
         "ref": -torch.rand(rows, length, generator=g, dtype=torch.float64) * 3,
         "mask": mask,
-        "adv": torch.tensor([1.0, -0.5, -1.0, 0.5], dtype=torch.float64)[:rows],
+        "adv": torch.tensor([1.0, -0.5, -1.0, 0.0], dtype=torch.float64)[:rows],  # 0: a zero-spread group
     }
 
 
@@ -68,6 +68,7 @@ def test_off_policy_mask_by_hand():
     keep = off_policy_mask(torch.tensor([-1.0, -1.0, 2.0]), logps, old, mask, 0.5)
     assert keep.tolist() == [[0.0], [1.0], [1.0]]  # dropped: negative advantage AND mean > 0.5
     assert off_policy_mask(torch.tensor([-1.0, -1.0, -1.0]), logps, old, mask, 3.0).tolist() == [[1.0]] * 3
+    assert off_policy_mask(torch.tensor([0.0]), logps[:1], old[:1], mask[:1], 0.5).tolist() == [[1.0]]  # A >= 0
     on_policy = off_policy_mask(-torch.ones(3), logps, logps.detach(), mask, 0.0)  # old = logp: kl = 0 <= 0
     assert on_policy.tolist() == [[1.0]] * 3
     assert masked_mean_entropy(torch.tensor([[1.0, 3.0, 7.0]]), torch.tensor([[1, 1, 0]])) == 2.0
