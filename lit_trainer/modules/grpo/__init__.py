@@ -21,7 +21,10 @@ Randomness and resume. Sampling runs on the global RNG forked and seeded with a 
 rank)``, and the buffer shuffle uses its own generator, so the training RNG stream is untouched and a resumed run
 regenerates identical rounds. Checkpoints store the round counters and every rank's buffered rollouts (tensors only,
 gathered to the checkpoint under DDP), so resuming in the middle of a round is exact, on one process or several. Only
-a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts).
+a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts). A
+checkpoint written inside an optimizer step (a validation between its micro-batches, with ``ExactResume``) resumes
+exactly too: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in the
+buffer, unless the step began in the previous generation round (then only its remaining micro-batches are counted).
 
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
 loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
@@ -370,7 +373,7 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
             self._make_rollouts(batch)
         micro, slice_index = self._buffer.next()
         start, stop = self.step_window(batch_idx)
-        num_items = self._num_items(slice_index, stop - batch_idx, new_window)
+        num_items = self._num_items(slice_index, stop - batch_idx, new_window, batch_idx - start)
         loss, metrics = self.compute_loss(micro, num_items)
         world = self.trainer.world_size
         share = (stop - start) * world  # micro-steps of this optimizer step x ranks
@@ -400,17 +403,24 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
             metrics["entropy_coef"] = torch.tensor(self._entropy.coef * micro_steps, device=self.device)
         return contribution, metrics
 
-    def _num_items(self, slice_index: int, remaining: int, new_window: bool) -> Tensor | None:
+    def _num_items(self, slice_index: int, remaining: int, new_window: bool, done: int = 0) -> Tensor | None:
         """The dapo/cispo normaliser of this micro-step (module docstring); None for per-micro-batch-mean types.
 
-        ``remaining``: micro-steps of the optimizer step from this one on (all of them on its first micro-step).
+        ``remaining``: micro-steps of the optimizer step from this one on (all of them on its first micro-step);
+        ``done``: the step's micro-steps before this one, more than 0 on a new window only when resuming inside a step.
         """
         if self.hparams.loss_type not in _TOKEN_NORMALISED:
             return None
         tokens = self._buffer.slice_tokens
         if new_window or self._normaliser is None:
             position = self._buffer.served - 1  # this micro-step's position in the round
-            self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
+            if done and position >= done:  # resumed inside the step: its earlier micro-steps are in this round
+                position, remaining = position - done, remaining + done
+                self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
+                for k in range(done):
+                    self._normaliser.add(tokens[(position + k) % tokens.numel()])
+            else:
+                self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
         self._normaliser.add(tokens[slice_index])
         return self._normaliser.provisional
 
