@@ -207,3 +207,53 @@ def test_adaptive_entropy_state_resumes_exactly(tmp_path):
     assert resumed._entropy.last_entropy == straight._entropy.last_entropy
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_adaptive_entropy_state_resumes_exactly_from_inside_an_optimizer_step(tmp_path):
+    """A validation between the two micro-batches of step 1 writes a checkpoint holding that step's partial entropy
+    sums (and, with ExactResume, its gradients so far); resuming from it ends with the uninterrupted run's weights and
+    coefficient. It also needs the dapo normaliser of the resumed step to count the micro-batch run before the
+    checkpoint."""
+    from lit_trainer.callbacks import ExactResume
+
+    options = {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 100.0, "entropy_coef_delta": 0.1}
+
+    def fit(ckpt: str | None, callbacks: list) -> tuple[GRPOModule, dict[int, float]]:
+        module, measured = grpo(**options), MeasuredEntropy()
+        callbacks = [*callbacks, measured]
+        prompts = Dataset.from_dict({"prompt": [f"{10 + i}+11=" for i in range(24)]})
+        dm = PromptDataModule(
+            tokenizer=transformers.ByT5Tokenizer(), dataset=prompts, batch_size=4, max_length=16, val_size=4,
+            sampling="sequential",
+        )  # fmt: skip
+        trainer = L.Trainer(
+            max_steps=4, accumulate_grad_batches=2, val_check_interval=3, callbacks=[ExactResume(), *callbacks],
+            default_root_dir=tmp_path, **{**QUIET, "limit_val_batches": None, "enable_checkpointing": bool(callbacks)},
+        )  # fmt: skip
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+        return module, measured.steps
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="val_reward", mode="max", save_top_k=-1)
+    straight, straight_entropy = fit(None, [saves])
+    path = tmp_path / "ck" / "epoch=0-step=1.ckpt"
+    saved = torch.load(path, weights_only=True)["grpo_entropy_control"]
+    assert saved["windows"][0] is not None and saved["windows"][0][1] > 0  # step 1's first micro-batch: tokens
+    resumed, resumed_entropy = fit(str(path), [])
+    assert resumed._entropy.coef == straight._entropy.coef == pytest.approx(0.45)
+    # the entropy measured at the end of every step after the checkpoint, step 2 included (its first micro-batch ran
+    # before the checkpoint: its sums come from the checkpoint)
+    assert list(resumed_entropy) == [2, 3, 4]
+    assert resumed_entropy == {k: straight_entropy[k] for k in (2, 3, 4)}
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+class MeasuredEntropy(L.Callback):
+    """The entropy the adaptive control measured at the end of each optimizer step, by step."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step not in self.steps and trainer.global_step > 0:
+            self.steps[trainer.global_step] = pl_module._entropy.last_entropy
