@@ -257,3 +257,26 @@ class MeasuredEntropy(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
         if trainer.global_step not in self.steps and trainer.global_step > 0:
             self.steps[trainer.global_step] = pl_module._entropy.last_entropy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile=1.5.*in \[0, 1\]"),
+        ({"entropy_coef": float("nan")}, r"entropy_coef=nan.*finite"),
+        ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, r"entropy_coef_min=0.5, entropy_coef_max=0.1"),
+        ({"entropy_coef_delta": -0.1}, r"entropy_coef_delta=-0.1.*>= 0"),
+        ({"off_policy_mask_threshold": float("inf")}, r"off_policy_mask_threshold=inf.*e.g. 0.5"),
+    ],
+)
+def test_entropy_and_mask_options_are_validated_with_a_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grpo(**kwargs)
+
+
+def test_bonus_with_a_step_spanning_two_rounds_is_refused_at_setup():
+    """dapo with steps_per_generation 3 and accumulate 2 rescales the whole step gradient at its end, bonus included."""
+    module = grpo(entropy_coef=0.1, steps_per_generation=3)
+    trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, **QUIET)
+    with pytest.raises(ValueError, match="Make steps_per_generation a multiple of accumulate_grad_batches"):
+        trainer.fit(module, datamodule=data())
