@@ -1,5 +1,5 @@
 """GRPOModule's ``sync_ref_model`` (TR-DPO for the KL reference, shared with DPOModule): the mixing schedule against
-TRL's formula, the option checks, and exact resume of the synced reference."""
+TRL 1.16's own SyncRefModelCallback, the option checks, and exact resume of the synced reference."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin
 from lit_trainer.modules.dpo import DPOModule
 from lit_trainer.modules.grpo import GRPOModule
+
+SyncRefModelCallback = pytest.importorskip("trl.trainer.callbacks").SyncRefModelCallback
 
 QUIET = {
     "accelerator": "cpu",
@@ -51,6 +53,16 @@ def data(n: int = 16) -> PromptDataModule:
     )  # fmt: skip
 
 
+class _Params:
+    """What TRL's ``SyncRefModelCallback._sync_target_model`` reads from a model: ``parameters()``."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+
 class Snapshots(L.Callback):
     """Policy and reference parameters after every optimizer step (``on_train_batch_end`` sees the synced ref)."""
 
@@ -69,8 +81,11 @@ def test_reference_is_mixed_every_n_steps_as_the_reference_formula():
     L.Trainer(max_steps=4, callbacks=[snapshots], **QUIET).fit(module, datamodule=data())
     snap = snapshots.steps
 
-    def mixed(ref: dict, policy: dict) -> dict:  # TRL's SyncRefModelCallback: ref.mul_(1 - α).add_(policy, alpha=α)
-        return {n: ref[n].mul(1 - 0.6).add(policy[n], alpha=0.6) for n in ref}
+    def mixed(ref: dict, policy: dict) -> dict:  # TRL 1.16's own SyncRefModelCallback on copies of the tensors
+        target = {n: torch.nn.Parameter(t.clone()) for n, t in ref.items()}
+        source = {n: torch.nn.Parameter(policy[n].clone()) for n in ref}
+        SyncRefModelCallback._sync_target_model(_Params(source), _Params(target), 0.6)
+        return {n: p.detach() for n, p in target.items()}
 
     assert all(torch.equal(snap[1][1][n], ref0[n]) for n in ref0)  # step 1: untouched
     after2 = mixed(ref0, snap[2][0])
