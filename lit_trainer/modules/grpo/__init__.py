@@ -146,8 +146,10 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
-        ValueError: on any invalid option (see :func:`check_grpo_options`), a bad reward function or weight count; at
-            setup, on a batch geometry the reference rejects (the message gives a valid one).
+        ValueError: on any invalid option (see :func:`check_grpo_options`), a bad reward function or weight count,
+            ``sync_ref_model`` with ``beta=0`` or a peft-wrapped policy; at setup, on a batch geometry the reference
+            rejects (the message gives a valid one), the entropy bonus on a step whose gradient is rescaled at its end,
+            or continuous batching under sharding.
 
     Example::
 
