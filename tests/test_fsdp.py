@@ -170,6 +170,12 @@ def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
         ddp = rank["ddp"]["weights"]
         rounding = Rounding.of(ddp, rank["ddp64"]["weights"], what="GRPO weights")
         rounding.check(rank["sharded"]["weights"], ddp, mistake=_step_change(ddp, rank["ddp"]["initial"], 4))
+        # the reference synced at step 2 (sync_ref_model) on the shards equals the DDP one, and moved off the start
+        ref = rank["ddp"]["ref"]
+        assert any(not torch.equal(ref[n], rank["ddp"]["initial"][n]) for n in ref)
+        Rounding.of(ref, rank["ddp64"]["ref"], what="GRPO synced reference").check(
+            rank["sharded"]["ref"], ref, mistake=_step_change(ref, rank["ddp"]["initial"], 4)
+        )
 
 
 def _fake_trainer(strategy_name: str, gradient_clip_val: float | None = None) -> SimpleNamespace:

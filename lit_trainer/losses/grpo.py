@@ -160,6 +160,10 @@ def grpo_policy_loss(
     * vespo: ``-phi A logp`` with ``phi`` the no-grad gamma weight of the sequence ratio (:func:`vespo_weights`);
       token-level only, no clipping (``epsilon``/``delta`` unused).
 
+    ``policy_mask`` (0/1, ``(B, T)`` or ``(B, 1)``) multiplies this policy term (TRL's ``top_entropy_quantile`` and
+    ``off_policy_mask_threshold`` masks, :mod:`lit_trainer.losses.grpo_masks`); the normalisers below still count
+    every token of ``mask``.
+
     If ``beta != 0``: ``L += beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``, multiplied by the
     PER-TOKEN ratio ``exp(lr)`` when ``use_bias_correction_kl`` (not detached). Deliberate fix of the reference:
     TRL 1.16 multiplies by the (B, 1) sequence ratio under ``importance_sampling_level="sequence"``, which adds a
@@ -204,6 +208,7 @@ def grpo_policy_loss(
             * ``vespo_lambda_pos``: VESPO rate ``lambda`` for A >= 0 (reference default 3.0).
             * ``vespo_k_neg``: VESPO ``k`` for A < 0 (reference default 3.0).
             * ``vespo_lambda_neg``: VESPO ``lambda`` for A < 0 (reference default 2.0).
+            * ``policy_mask``: ``(B, T)`` or ``(B, 1)`` multiplier of the policy term (not of the KL), None = all 1.
 
     Returns:
         0-dim loss tensor.
@@ -230,6 +235,8 @@ def grpo_policy_loss(
         loss = -vespo_weights(log_ratio, mask_f, adv, vespo_shape(c)) * adv * logps
     else:
         loss = _TOKEN_LOSSES[loss_type](ratio, adv, logps, c)
+    if c["policy_mask"] is not None:  # entropy / off-policy masks: the policy term only, not the KL
+        loss = loss * c["policy_mask"].to(loss.dtype)
     if beta != 0:
         loss = loss + beta * _kl_term(logps, c["ref_logps"], log_ratio, c)
     return _AGGREGATORS[loss_type](loss, mask_f, c)

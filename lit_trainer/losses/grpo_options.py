@@ -40,13 +40,14 @@ class GRPOLossOptions(TypedDict, total=False):
     vespo_lambda_pos: float
     vespo_k_neg: float
     vespo_lambda_neg: float
+    policy_mask: Tensor | None
 
 
 GRPO_LOSS_DEFAULTS: GRPOLossOptions = {
     "loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "delta": None, "beta": 0.0, "ref_logps": None,
     "use_bias_correction_kl": True, "importance_sampling_level": "token", "max_completion_length": None,
     "num_items_in_batch": None, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05,
-    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
+    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "policy_mask": None,
 }  # fmt: skip
 """The default of every :class:`GRPOLossOptions` key (the reference's defaults; ``GRPOModule`` uses the same)."""
 
@@ -89,6 +90,11 @@ def check_loss_inputs(c: GRPOLossOptions, logps: Tensor, old: Tensor | None, adv
     for name, other in (("old_logps", old), ("ref_logps", ref)):
         if other is not None and other.shape != logps.shape:
             raise ValueError(f"`{name}` has shape {tuple(other.shape)}, expected {tuple(logps.shape)} like `logps`.")
+    policy_mask = c["policy_mask"]
+    if policy_mask is not None and policy_mask.shape not in (logps.shape, (logps.shape[0], 1)):
+        raise ValueError(
+            f"`policy_mask` has shape {tuple(policy_mask.shape)}: give (B, T) = {tuple(logps.shape)} or (B, 1)."
+        )
     if adv.numel() != logps.shape[0]:
         raise ValueError(f"`advantages` has {adv.numel()} values for {logps.shape[0]} rows: give one per row.")
     if c["epsilon"] < 0 or c["epsilon_high"] < 0:

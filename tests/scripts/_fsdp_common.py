@@ -113,7 +113,8 @@ def dpo_module(tokenizer: Any) -> Any:
 
 def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
     """GRPO, 2 ranks, 4 optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds, so the
-    step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round, the
+    step's token count is only known at its end: the gradient-rescale path), with ``sync_ref_model`` and
+    ``top_entropy_quantile``. Returns the module and, per round, the
     longest completion this rank kept (they differ between ranks), the clipping record and the initial weights.
     ``precision="64-true"``:
     the same run in float64, the calibration of the float32 comparisons (``tests/helpers/rounding.py``)."""
@@ -140,6 +141,9 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
         beta=0.04,
         max_grad_norm=1.0,
         generation_seed=0,
+        sync_ref_model=True,  # TR-DPO on the sharded reference: mixed after step 2, used by round 3's KL
+        ref_model_sync_steps=2,
+        top_entropy_quantile=0.5,  # the entropy pool is gathered over ranks (a collective under sharding)
     )
     longest: list[int] = []
     inner = module._score

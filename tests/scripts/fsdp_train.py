@@ -108,5 +108,6 @@ if __name__ == "__main__":
         module, longest, clip, initial = common.grpo_run(strategy, precision)
         weights = common.full_weights(module)
         grpo[name] = {"weights": weights, "initial": initial, "longest": longest, "pre": clip.pre, "post": clip.post}
+        grpo[name]["ref"] = common.full_weights(module, "ref_model")
         grpo[name]["post64"] = clip.post64
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))

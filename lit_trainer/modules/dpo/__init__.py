@@ -30,6 +30,7 @@ from lit_trainer.losses.dpo import (
 from lit_trainer.models import load_model
 from lit_trainer.modules.base import BaseModule, _sharding
 from lit_trainer.modules.base._packing import check_trainer_packing
+from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.dpo import _ref_logps
 from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
 
@@ -93,7 +94,7 @@ def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: 
     return types, weights
 
 
-class DPOModule(DPOScoringMixin, BaseModule):
+class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
     """Align a causal LM on preference pairs with DPO and its variants (TRL 1.16 ``DPOTrainer`` semantics).
 
     Each step runs chosen and rejected rows in ONE forward of 2B rows; per-sequence log-probs are sums of
@@ -199,11 +200,6 @@ class DPOModule(DPOScoringMixin, BaseModule):
         self.sft_weight = sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
         if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
             raise ValueError(f"`DPOModule(ld_alpha={ld_alpha})` is invalid: use a weight in [0, 1] or None.")
-        if not 0.0 <= ref_model_mixup_alpha <= 1.0 or ref_model_sync_steps < 1:
-            raise ValueError(
-                f"`DPOModule(ref_model_mixup_alpha={ref_model_mixup_alpha}, ref_model_sync_steps="
-                f"{ref_model_sync_steps})` is invalid: alpha must be in [0, 1] and the period >= 1."
-            )
         if sync_ref_model and precompute_ref_log_probs:
             raise ValueError(
                 "`DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference "
@@ -211,12 +207,9 @@ class DPOModule(DPOScoringMixin, BaseModule):
             )
         if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
             raise ValueError(f"`precompute_ref_batch_size={precompute_ref_batch_size}` is invalid: use >= 1 or None.")
-        if sync_ref_model and self.is_peft:
-            raise ValueError(
-                "`DPOModule(sync_ref_model=True)` with `peft_config`/`adapter_path` is invalid: the "
-                "reference is the policy network with its adapters disabled, which TR-DPO cannot mix "
-                "into. Turn sync_ref_model off, or fine-tune all weights."
-            )
+        check_ref_sync_options(
+            "DPOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
+        )
         if reference is self.model:
             raise ValueError(
                 "`DPOModule(ref_model=...)` is the policy object itself: pass a separate model, or None "
@@ -230,7 +223,6 @@ class DPOModule(DPOScoringMixin, BaseModule):
         for name in ("loss", *METRIC_NAMES, _SFT_NLL):
             self.val_metrics.add(name, MeanMetric())
         self._precomputed = _ref_logps.PrecomputedReference(ld_alpha, precompute_ref_batch_size, ref_logps_cache_dir)
-        self._sync_params: tuple[list[Tensor], list[Tensor]] | None = None
 
     def _build_reference(self, reference: Any, precompute: bool, trust_remote_code: bool) -> torch.nn.Module | None:
         if reference is None:  # under peft: the adapter-disabled policy (no copy), kept for precomputing new data
@@ -283,35 +275,6 @@ class DPOModule(DPOScoringMixin, BaseModule):
         return self
 
     @override
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        step = self.trainer.global_step + 1  # Lightning counts this step once the hook returns
-        if self.hparams.sync_ref_model and step % self.hparams.ref_model_sync_steps == 0:
-            self.sync_reference_model()  # before any callback's on_train_batch_end: checkpoints see the synced ref
-
-    @torch.no_grad()
-    def sync_reference_model(self, alpha: float | None = None) -> None:
-        """TR-DPO (reference 1.8): ``θ_ref ← (1−α)θ_ref + αθ_policy`` for every parameter; buffers untouched.
-
-        Raises:
-            ValueError: without a reference model, or when its parameter names do not mirror the policy's.
-        """
-        if self.ref_model is None:
-            raise ValueError("`sync_reference_model` needs a reference model, but it has been released.")
-        if self._sync_params is None:
-            policy, ref = dict(self.model.named_parameters()), dict(self.ref_model.named_parameters())
-            if policy.keys() != ref.keys():
-                raise ValueError(
-                    f"The reference model's parameters do not mirror the policy's (e.g. "
-                    f"{sorted(policy.keys() ^ ref.keys())[:3]}): TR-DPO mixes them by name."
-                )
-            self._sync_params = ([ref[n] for n in policy], [policy[n].detach() for n in policy])
-        alpha = self.hparams.ref_model_mixup_alpha if alpha is None else alpha
-        ref_params, policy_params = self._sync_params
-        torch._foreach_mul_(ref_params, 1.0 - alpha)
-        torch._foreach_add_(ref_params, policy_params, alpha=alpha)
-
-    @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if not _sharding.has_local_grads(self.trainer.strategy):
@@ -334,7 +297,7 @@ class DPOModule(DPOScoringMixin, BaseModule):
 
     @override
     def on_fit_start(self) -> None:
-        self._sync_params = None
+        self.reset_reference_sync()
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference_logps(("train", "validation"))
 

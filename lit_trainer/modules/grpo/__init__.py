@@ -21,7 +21,10 @@ Randomness and resume. Sampling runs on the global RNG forked and seeded with a 
 rank)``, and the buffer shuffle uses its own generator, so the training RNG stream is untouched and a resumed run
 regenerates identical rounds. Checkpoints store the round counters and every rank's buffered rollouts (tensors only,
 gathered to the checkpoint under DDP), so resuming in the middle of a round is exact, on one process or several. Only
-a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts).
+a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts). A
+checkpoint written inside an optimizer step (a validation between its micro-batches, with ``ExactResume``) resumes
+exactly too: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in the
+buffer, unless the step began in the previous generation round (then only its remaining micro-batches are counted).
 
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
 loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
@@ -32,6 +35,7 @@ step normaliser (``_normaliser``) and the option checks (``_options``) each have
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,22 +51,27 @@ from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeo
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
+from lit_trainer.losses.grpo_masks import high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import selective_log_softmax
 from lit_trainer.modules.base import BaseModule, _sharding
+from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._completion_table import write_completion_table
+from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
-from lit_trainer.modules.grpo._options import OPTION_NAMES, check_grpo_options
+from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
 from lit_trainer.modules.grpo._reward_calls import score_completions
 from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
 from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
+_ENTROPY_KEY = "grpo_entropy_control"
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 
 
-class GRPOModule(GRPORolloutMixin, BaseModule):
+class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
@@ -102,13 +111,45 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         vespo_lambda_pos: VESPO rate ``lambda`` for advantages >= 0.
         vespo_k_neg: VESPO ``k`` for negative advantages.
         vespo_lambda_neg: VESPO ``lambda`` for negative advantages.
+        sync_ref_model: TR-DPO for the KL reference: after every ``ref_model_sync_steps``-th optimizer step
+            ``θ_ref ← (1−α)θ_ref + αθ_policy`` (needs ``beta != 0`` and no ``peft_config``/``adapter_path``; shared
+            with :class:`~lit_trainer.modules.dpo.DPOModule`).
+        ref_model_mixup_alpha: ``α`` of TR-DPO, in [0, 1].
+        ref_model_sync_steps: TR-DPO period in optimizer steps.
+        top_entropy_quantile: ``ρ``: train the policy term on the tokens whose entropy is in the top ``ρ`` fraction
+            (threshold: the ``1 − ρ`` quantile of the masked entropies of every rank's micro-batch); 1.0 = all tokens.
+        entropy_coef: entropy bonus: the loss becomes ``policy − c * H`` with ``H`` the mean token entropy (with
+            gradient) of the trained tokens, the same for every loss type (see
+            :mod:`lit_trainer.modules.grpo._entropy`); 0.0 = off. With ``use_adaptive_entropy``, the starting value.
+        use_adaptive_entropy: Skywork-OR1's adaptive coefficient: after each optimizer step it moves by
+            ``entropy_coef_delta`` (up while the step's entropy over all ranks is <= ``entropy_target``, else down),
+            and it is applied only while that entropy is <= ``entropy_target``. Checkpointed: resume is exact.
+        entropy_coef_min: lower bound of the adaptive coefficient.
+        entropy_coef_max: upper bound of the adaptive coefficient.
+        entropy_coef_delta: step of the adaptive coefficient.
+        entropy_target: target mean token entropy in nats (the logged ``entropy`` early in training is a good start).
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage is
+            dropped from the policy term when its mean ``old − logp`` exceeds this (e.g. 0.5); None = off.
+        log_completions: at every logging step, write the last round's prompts, completions, rewards per function and
+            advantages (all ranks' rows) to the console (rank 0, rich), ``completions.csv`` in a CSVLogger's folder,
+            TensorBoard (``add_text``) and any logger with ``log_table`` (WandbLogger, Trackio).
+        num_completions_to_print: rows printed on the console (a sample seeded by the step); None = all.
+        cache_implementation: ``GenerationConfig.cache_implementation`` of the sampling ``generate`` (e.g.
+            ``"static"``); None = the model's default (dynamic).
+        use_transformers_continuous_batching: generate with transformers' continuous-batching engine
+            (``generate_batch``, paged KV cache) instead of ``generate``; not under sharding.
+        transformers_continuous_batching_config: ``transformers.ContinuousBatchingConfig`` fields
+            (``max_memory_percent`` defaults to 0.5, as the reference).
+        use_transformers_paged: deprecated alias of ``use_transformers_continuous_batching`` (as in TRL 1.16).
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
-        ValueError: on any invalid option (see :func:`check_grpo_options`), a bad reward function or weight count; at
-            setup, on a batch geometry the reference rejects (the message gives a valid one).
+        ValueError: on any invalid option (see :func:`check_grpo_options`), a bad reward function or weight count,
+            ``sync_ref_model`` with ``beta=0`` or a peft-wrapped policy; at setup, on a batch geometry the reference
+            rejects (the message gives a valid one), the entropy bonus on a step whose gradient is rescaled at its end,
+            or continuous batching under sharding.
 
     Example::
 
@@ -153,12 +194,45 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         vespo_lambda_pos: float = 3.0,
         vespo_k_neg: float = 3.0,
         vespo_lambda_neg: float = 2.0,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        entropy_target: float = 0.2,
+        off_policy_mask_threshold: float | None = None,
+        log_completions: bool = False,
+        num_completions_to_print: int | None = None,
+        cache_implementation: CacheImplementation | None = None,
+        use_transformers_continuous_batching: bool = False,
+        transformers_continuous_batching_config: dict[str, Any] | None = None,
+        use_transformers_paged: bool = False,
         generation_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
         options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
         check_grpo_options(options)
+        if use_transformers_paged:
+            warnings.warn(
+                "`GRPOModule(use_transformers_paged=True)` is deprecated (as in TRL 1.16): use "
+                "`use_transformers_continuous_batching=True`.",
+                FutureWarning,
+                stacklevel=2,
+            )
         super().__init__(model, **kwargs)
+        check_ref_sync_options(
+            "GRPOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
+        )
+        self.continuous_batching = use_transformers_continuous_batching or use_transformers_paged
+        self._entropy = EntropyControl(
+            entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
+        )
+        self._restored_entropy: dict[str, Any] | None = None
+        self.completion_table: tuple[list[str], list[list[Any]]] | None = None  # the last round's (log_completions)
         self.reward_funcs = rollout.resolve_reward_funcs(reward_funcs)
         self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
         self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
@@ -207,17 +281,33 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         )
         self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
+        self._check_geometry(spg)
+
+    def _check_geometry(self, spg: int) -> None:
+        """Refuse what cannot be exact with this ``steps_per_generation`` and strategy (the fix in the message)."""
+        hp, accumulate = self.hparams, self.trainer.accumulate_grad_batches
         strategy = type(self.trainer.strategy).__name__
-        if (
-            hp.loss_type in _TOKEN_NORMALISED
-            and spg % self.trainer.accumulate_grad_batches
-            and not _sharding.has_local_grads(self.trainer.strategy)
-        ):
+        corrected = hp.loss_type in _TOKEN_NORMALISED and spg % accumulate
+        if corrected and not _sharding.has_local_grads(self.trainer.strategy):
             raise ValueError(
                 f"GRPOModule(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
-                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} corrects the step's "
+                f"accumulate_grad_batches={accumulate} corrects the step's "
                 f"gradient in `param.grad`, which {strategy} does not use: use strategy 'ddp', or make "
                 "steps_per_generation a multiple of accumulate_grad_batches."
+            )
+        if corrected and self._entropy.enabled:
+            raise ValueError(
+                f"GRPOModule(entropy_coef={hp.entropy_coef}, use_adaptive_entropy={hp.use_adaptive_entropy}) with "
+                f"loss_type={hp.loss_type!r} and steps_per_generation={spg} not a multiple of "
+                f"accumulate_grad_batches={accumulate}: the step's token normaliser is corrected by rescaling the "
+                "whole gradient, entropy bonus included. Make steps_per_generation a multiple of "
+                "accumulate_grad_batches, or turn the entropy bonus off."
+            )
+        if self.continuous_batching and _sharding.is_sharded(self.model):
+            raise ValueError(
+                "`GRPOModule(use_transformers_continuous_batching=True)` cannot generate with sharded weights "
+                f"({strategy}): every forward is a collective and the engine schedules each rank on its own. Use "
+                "strategy 'ddp', or plain `generate` (use_transformers_continuous_batching=False)."
             )
 
     @override
@@ -230,8 +320,14 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
                 self._buffer.load_state_dict(ranks[self.global_rank], self.device)
             else:  # another world size: counters only, the interrupted round is regenerated
                 self._buffer.load_state_dict({k: ranks[0][k] for k in ("served", "rounds")}, self.device)
+        if self._restored_entropy is not None:
+            state, self._restored_entropy = self._restored_entropy, None
+            windows = state["windows"]  # another world size: the interrupted step's entropy window starts empty
+            window = windows[self.global_rank] if len(windows) == self.trainer.world_size else None
+            self._entropy.load_state_dict({**state, "window": window}, self.device)
         if self._seed is None:
             self._seed = torch.initial_seed()
+        self.reset_reference_sync()
 
     @override
     def train(self, mode: bool = True) -> Self:
@@ -246,11 +342,27 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         if self._buffer is not None:
             ranks = gather_from_all_ranks(self._buffer.state_dict(with_rollouts=True))  # a collective under DDP
             checkpoint[_STATE_KEY] = {"seed": self._seed, "world_size": len(ranks), "ranks": ranks}
+        if self._entropy.enabled:
+            state = self._entropy.state_dict()
+            windows = gather_from_all_ranks(state.pop("window"))  # a collective under DDP
+            checkpoint[_ENTROPY_KEY] = {**state, "windows": windows}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self._restored = checkpoint.get(_STATE_KEY)
+        self._restored_entropy = checkpoint.get(_ENTROPY_KEY)
+
+    @override
+    def _write_logs(self) -> None:
+        """The step's logs, and with ``log_completions`` the last round's completions table (rank 0)."""
+        super()._write_logs()
+        if self.hparams.log_completions and self.completion_table is not None and self.trainer.is_global_zero:
+            columns, rows = self.completion_table
+            step = self.trainer.global_step - 1  # the step Lightning gives this step's metrics (metrics.csv, TB)
+            write_completion_table(
+                self.trainer.loggers, columns, rows, step, num_to_print=self.hparams.num_completions_to_print
+            )
 
     # ---------------------------------------------------------------------------------------------- training
     @override
@@ -263,28 +375,54 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
             self._make_rollouts(batch)
         micro, slice_index = self._buffer.next()
         start, stop = self.step_window(batch_idx)
-        num_items = self._num_items(slice_index, stop - batch_idx, new_window)
+        num_items = self._num_items(slice_index, stop - batch_idx, new_window, batch_idx - start)
         loss, metrics = self.compute_loss(micro, num_items)
         world = self.trainer.world_size
-        contribution = loss if num_items is not None else loss / ((stop - start) * world)
+        share = (stop - start) * world  # micro-steps of this optimizer step x ranks
+        contribution = loss if num_items is not None else loss / share
+        step_ends = batch_idx + 1 == stop or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self._entropy.enabled:
+            contribution, metrics = self._add_entropy_bonus(contribution, metrics, share, step_ends)
         masks = {"prompt_attention_mask": micro["prompt_mask"], "completion_attention_mask": micro["completion_mask"]}
         self._track(contribution.detach(), {**metrics, **self._buffer.metrics}, masks)
-        step_ends = batch_idx + 1 == stop or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if num_items is not None and step_ends and (factor := self._normaliser.correction()) is not None:
             self.rescale_step_gradients(factor)
         return contribution * self.trainer.accumulate_grad_batches * world
 
-    def _num_items(self, slice_index: int, remaining: int, new_window: bool) -> Tensor | None:
+    def _add_entropy_bonus(
+        self, contribution: Tensor, metrics: dict[str, Tensor], share: int, step_ends: bool
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Add ``-c * H / share`` (:mod:`lit_trainer.modules.grpo._entropy`); at the step's end move the adaptive
+        coefficient. Logs ``policy_loss`` (the loss without the bonus) and ``entropy_coef`` (mean over the window's
+        optimizer steps of the coefficient after each step, as the reference)."""
+        world = self.trainer.world_size
+        metrics = {**metrics, "policy_loss": contribution.detach() * share}  # averaged over micro-steps and ranks
+        contribution = contribution + self._entropy.take_bonus(share)
+        if step_ends:
+            reduce = (lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")) if world > 1 else (lambda t: t)
+            self._entropy.end_step(reduce)
+            micro_steps = share // world
+            metrics["entropy_coef"] = torch.tensor(self._entropy.coef * micro_steps, device=self.device)
+        return contribution, metrics
+
+    def _num_items(self, slice_index: int, remaining: int, new_window: bool, done: int = 0) -> Tensor | None:
         """The dapo/cispo normaliser of this micro-step (module docstring); None for per-micro-batch-mean types.
 
-        ``remaining``: micro-steps of the optimizer step from this one on (all of them on its first micro-step).
+        ``remaining``: micro-steps of the optimizer step from this one on (all of them on its first micro-step);
+        ``done``: the step's micro-steps before this one, more than 0 on a new window only when resuming inside a step.
         """
         if self.hparams.loss_type not in _TOKEN_NORMALISED:
             return None
         tokens = self._buffer.slice_tokens
         if new_window or self._normaliser is None:
             position = self._buffer.served - 1  # this micro-step's position in the round
-            self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
+            if done and position >= done:  # resumed inside the step: its earlier micro-steps are in this round
+                position, remaining = position - done, remaining + done
+                self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
+                for k in range(done):
+                    self._normaliser.add(tokens[(position + k) % tokens.numel()])
+            else:
+                self._normaliser = StepNormaliser.start(tokens, position, remaining, self._buffer.round_length)
         self._normaliser.add(tokens[slice_index])
         return self._normaliser.provisional
 
@@ -292,26 +430,60 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
     def compute_loss(
         self, batch: dict[str, Any], num_items_in_batch: Tensor | None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Policy loss of one buffered micro-batch (``grpo_policy_loss``) and its ``grpo_loss_metrics`` + entropy."""
+        """Policy loss of one buffered micro-batch (``grpo_policy_loss``) and its ``grpo_loss_metrics`` + entropy.
+
+        With the entropy bonus on, the micro-batch's mean entropy (with grad) over the trained tokens is handed to the
+        entropy control; :meth:`training_step` adds the bonus with the step's accumulation share.
+        """
         hp = self.hparams
-        logps, entropy = self.completion_logps(self.model, batch, with_entropy=True)
+        bonus = self._entropy.enabled and self.training
+        logps, entropy = self.completion_logps(self.model, batch, with_entropy=True, entropy_grad=bonus)
         mask = batch["completion_mask"]
         options = {k: hp[k] for k in GRPO_LOSS_DEFAULTS.keys() & hp.keys()}  # the loss options GRPOModule takes
         old, advantages, ref = batch.get("old_logps"), batch["advantages"], batch.get("ref_logps")
+        entropy_mask, policy_mask = self._policy_masks(logps, entropy.detach(), old, advantages, mask)
         loss = grpo_policy_loss(
-            logps, old, advantages, mask, ref_logps=ref, num_items_in_batch=num_items_in_batch, **options
+            logps,
+            old,
+            advantages,
+            mask,
+            ref_logps=ref,
+            num_items_in_batch=num_items_in_batch,
+            policy_mask=policy_mask,
+            **options,
         )
         metrics = grpo_loss_metrics(logps, old, advantages, mask, ref_logps=ref, **options)
-        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        metrics["entropy"] = masked_mean_entropy(entropy.detach(), mask)
+        if bonus:  # the bonus acts on the tokens the policy term trains on (all, or the high-entropy ones)
+            self._entropy.observe(entropy, mask if entropy_mask is None else mask * entropy_mask)
         return loss, metrics
 
+    def _policy_masks(
+        self, logps: Tensor, entropy: Tensor, old: Tensor | None, advantages: Tensor, mask: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``(entropy mask, product of the policy masks)``: ``top_entropy_quantile`` (threshold from the masked
+        entropies of every rank's micro-batch) and ``off_policy_mask_threshold`` (old = ``logps.detach()`` when the
+        round stored none); None when off."""
+        hp = self.hparams
+        entropy_mask = sequence_mask = None
+        if hp.top_entropy_quantile < 1.0:
+            pool = gather_entropy_pool(entropy, mask, self.trainer.world_size, self.all_gather)
+            entropy_mask = high_entropy_mask(entropy, mask, pool, 1.0 - hp.top_entropy_quantile).to(mask.dtype)
+        if hp.off_policy_mask_threshold is not None:
+            reference = logps.detach() if old is None else old
+            sequence_mask = off_policy_mask(advantages, logps, reference, mask, hp.off_policy_mask_threshold)
+        masks = [m for m in (entropy_mask, sequence_mask) if m is not None]
+        policy_mask = masks[0] * masks[1] if len(masks) == 2 else (masks[0] if masks else None)
+        return entropy_mask, policy_mask
+
     def completion_logps(
-        self, model: Any, rows: dict[str, Tensor], with_entropy: bool = False
+        self, model: Any, rows: dict[str, Tensor], with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (B, C) of the completion tokens under ``model``, logits divided by the temperature.
 
         The input is ``[left-padded prompt ; right-padded completion]`` with position ids from the attention mask
-        (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy (no grad) when asked.
+        (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy when asked (with gradient
+        only when ``entropy_grad``: the entropy bonus).
         """
         completion = rows["completion_ids"]
         ids = torch.cat([rows["prompt_ids"], completion], dim=1)
@@ -328,7 +500,7 @@ class GRPOModule(GRPORolloutMixin, BaseModule):
         logps = selective_log_softmax(logits, completion, temperature)
         if not with_entropy:
             return logps, None
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             z = logits.float() / temperature
             entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
         return logps, entropy

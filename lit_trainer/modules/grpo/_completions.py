@@ -80,12 +80,17 @@ def sampling_config(
     min_p: float | None,
     repetition_penalty: float,
     generation_kwargs: dict[str, Any] | None = None,
+    cache_implementation: str | None = None,
 ) -> GenerationConfig:
-    """The sampling ``GenerationConfig`` of the reference's transformers path (``generation_kwargs`` win)."""
+    """The sampling ``GenerationConfig`` of the reference's transformers path (``generation_kwargs`` win).
+
+    As the reference, ``disable_compile=True``: a static cache would otherwise make ``generate`` compile the forward.
+    """
     options = {
         "max_new_tokens": max_completion_length, "do_sample": True, "temperature": temperature, "top_p": top_p,
         "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty, "pad_token_id": pad_token_id,
-        "eos_token_id": eos_ids, "use_cache": True,
+        "eos_token_id": eos_ids, "use_cache": True, "cache_implementation": cache_implementation,
+        "disable_compile": True,
     }  # fmt: skip
     options.update(generation_kwargs or {})
     return GenerationConfig(**options)
@@ -131,6 +136,48 @@ def generate_completions(
     if completion.shape[1] == 0:  # every row stopped at once (cannot happen with max_new_tokens >= 1)
         completion = torch.full_like(prompt_ids[:, :1], config.pad_token_id)
     return cut_after_eos(completion, eos_ids, config.pad_token_id)
+
+
+@torch.no_grad()
+def generate_completions_continuous(
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    config: GenerationConfig,
+    eos_ids: Sequence[int],
+    batching_options: dict[str, Any] | None = None,
+) -> Completions:
+    """transformers' continuous-batching engine (``generate_batch``, paged KV cache) instead of ``generate``.
+
+    The prompts go in without their left padding; the completions come back in prompt order, are right-padded and
+    cut after EOS as :func:`generate_completions`. The engine samples from the global RNG (which the caller seeds),
+    so a round is reproducible as long as its scheduler is (it is on one CPU process). ``batching_options`` are
+    ``ContinuousBatchingConfig`` fields (``max_memory_percent`` defaults to 0.5 as the reference, to leave memory for
+    training); ``seed`` is left unset so the engine draws it from the seeded RNG. The model's train/eval mode is
+    restored afterwards.
+    """
+    from transformers.generation import ContinuousBatchingConfig
+
+    options = {"max_memory_percent": 0.5, **(batching_options or {})}
+    prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    training = model.training
+    try:
+        outputs = model.generate_batch(
+            prompts,
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(**options),
+            progress_bar=False,
+        )
+    finally:
+        model.train(training)
+    generated = [list(out.generated_tokens)[: config.max_new_tokens] for out in outputs.values()]
+    if len(generated) != len(prompts):
+        raise RuntimeError(f"Continuous batching returned {len(generated)} completions for {len(prompts)} prompts.")
+    width = max(1, max(len(g) for g in generated))
+    ids = torch.full((len(generated), width), config.pad_token_id, dtype=torch.long)
+    for i, tokens in enumerate(generated):
+        ids[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    return cut_after_eos(ids.to(prompt_ids.device), eos_ids, config.pad_token_id)
 
 
 def decode_completions(tokenizer: Any, completions: Completions, conversational: bool) -> tuple[list, list[list[int]]]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_options import ImportanceSamplingLevel, LossType
@@ -27,6 +28,17 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sapo_temperature_neg": (lambda v: v > 0, "it must be > 0"),
     "vespo_lambda_pos": (lambda v: v >= 0, "it must be >= 0 (reference default 3.0)"),
     "vespo_lambda_neg": (lambda v: v >= 0, "it must be >= 0 (reference default 2.0)"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "it must be in [0, 1]; 1.0 trains on every token, 0.2 is usual"),
+    "entropy_coef": (math.isfinite, "it must be a finite number; 0.0 disables the entropy bonus"),
+    "entropy_coef_min": (lambda v: v >= 0, "it must be >= 0 (reference default 0.0)"),
+    "entropy_coef_max": (lambda v: v >= 0, "it must be >= 0 (reference default 1.0)"),
+    "entropy_coef_delta": (lambda v: v >= 0, "it must be >= 0 (reference default 0.005)"),
+    "entropy_target": (lambda v: v >= 0, "it must be >= 0 nats (e.g. the entropy logged early in training)"),
+    "off_policy_mask_threshold": (
+        lambda v: v is None or math.isfinite(v),
+        "it must be a finite number (e.g. 0.5), or None to disable the mask",
+    ),
+    "num_completions_to_print": (lambda v: v is None or v >= 1, "use >= 1, or None to print every completion"),
 }
 _CHOICES = {
     "loss_type": LossType,
@@ -34,7 +46,16 @@ _CHOICES = {
     "scale_rewards": ScaleRewards,
     "multi_objective_aggregation": Aggregation,
 }
-OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES)
+CacheImplementation = Literal[
+    "static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
+    "offloaded_hybrid_chunked", "dynamic", "offloaded", "quantized",
+]  # fmt: skip
+"""transformers' KV-cache implementations (``GenerationConfig.cache_implementation``)."""
+_FLAGS = (
+    "sync_ref_model", "use_adaptive_entropy", "log_completions", "use_transformers_continuous_batching",
+    "use_transformers_paged", "cache_implementation",
+)  # fmt: skip
+OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES) | frozenset(_FLAGS)
 """The ``GRPOModule`` arguments :func:`check_grpo_options` expects."""
 
 
@@ -56,8 +77,35 @@ def check_grpo_options(options: dict[str, Any]) -> None:
             "`GRPOModule(loss_type='vespo')` weights each sequence by its own summed log-ratio: "
             "`importance_sampling_level` must be 'token'."
         )
+    _check_option_pairs(options)
     if options["steps_per_generation"] is not None and options["generation_batch_size"] is not None:
         raise ValueError(
             "`steps_per_generation` and `generation_batch_size` are mutually exclusive: set only one "
             "(generation_batch_size = batch_size x world_size x steps_per_generation)."
+        )
+
+
+def _check_option_pairs(options: dict[str, Any]) -> None:
+    """Options that only make sense together (TRL 1.16's conditions, with the fix in the message)."""
+    cache = options["cache_implementation"]
+    if cache is not None and cache not in get_args(CacheImplementation):
+        raise ValueError(
+            f"`GRPOModule(cache_implementation={cache!r})` is invalid: choose one of {get_args(CacheImplementation)}, "
+            "or None for the model's default cache."
+        )
+    if options["sync_ref_model"] and options["beta"] == 0:
+        raise ValueError(
+            "`GRPOModule(sync_ref_model=True)` with beta=0.0 is invalid: without the KL term there is no reference "
+            "model to synchronise. Set beta > 0 (e.g. 0.04), or sync_ref_model=False."
+        )
+    if options["entropy_coef_min"] > options["entropy_coef_max"]:
+        raise ValueError(
+            f"`GRPOModule(entropy_coef_min={options['entropy_coef_min']}, entropy_coef_max="
+            f"{options['entropy_coef_max']})` is invalid: the minimum must not exceed the maximum."
+        )
+    continuous = options["use_transformers_continuous_batching"] or options["use_transformers_paged"]
+    if continuous and cache is not None:
+        raise ValueError(
+            f"`GRPOModule(cache_implementation={cache!r})` applies to `generate`, but continuous batching uses its "
+            "own paged cache: set cache_implementation=None, or use_transformers_continuous_batching=False."
         )

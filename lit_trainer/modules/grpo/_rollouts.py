@@ -13,11 +13,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
 
 
@@ -43,11 +45,17 @@ class GRPORolloutMixin:
             self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
             temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
             repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
+            cache_implementation=hp.cache_implementation,
         )  # fmt: skip
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
-            completions = rollout.generate_completions(
-                self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
-            )
+            if self.continuous_batching:
+                completions = rollout.generate_completions_continuous(
+                    self.model, prompt_ids, prompt_mask, config, eos, hp.transformers_continuous_batching_config
+                )
+            else:
+                completions = rollout.generate_completions(
+                    self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
+                )
         advantages, metrics = self._score(batch, completions)
         mask = completions.mask
         if hp.mask_truncated_completions:
@@ -94,7 +102,20 @@ class GRPORolloutMixin:
         metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_names=self.reward_names, **scoring)
         metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
         metrics.update(logged)
+        if hp.log_completions:
+            self._record_completions(batch[PROMPTS], texts, all_rewards, advantages)
         return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
+
+    def _record_completions(self, prompts: Sequence[Any], texts: Sequence[Any], rewards: Tensor, adv: Tensor) -> None:
+        """Keep the round's table (rows of every rank, on rank 0) for ``log_completions``: prompt, completion, one
+        column per reward function (NaN = unscored), advantage."""
+        pairs = gather_from_all_ranks([(render_text(p), render_text(t)) for p, t in zip(prompts, texts)])
+        if not self.trainer.is_global_zero:
+            return
+        pairs = [pair for rank in pairs for pair in rank]
+        columns = ["prompt", "completion", *self.reward_names, "advantage"]
+        values = torch.cat([rewards, adv.reshape(-1, 1).to(rewards)], dim=1).cpu().tolist()
+        self.completion_table = (columns, [[p, c, *v] for (p, c), v in zip(pairs, values)])
 
     def _pad_token_id(self, eos: list[int]) -> int:
         """Padding id for generation: the model's generation config, else the tokenizer's, else the first EOS."""
