@@ -149,3 +149,27 @@ def test_fit_mixes_a_reward_model_with_a_function_and_weights(tmp_path):
     checkpoint_keys = module.state_dict().keys()
     assert not any("score" in k for k in checkpoint_keys)  # not in checkpoints: reloaded from its path
     assert module.hparams.reward_funcs == [str(tmp_path / "rm"), "recorded_arithmetic"]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_each_rank_scores_its_own_rows_under_ddp_and_sharding(tmp_path):
+    """2 CPU ranks: every rank runs the reward model on its own completions, and the round's reward metrics are over
+    the rows of both ranks (DDP, and ModelParallelStrategy with a sharded policy)."""
+    from helpers.ddp import output_tail, run_script
+
+    model = saved_reward_model(tmp_path / "rm")
+    proc = run_script("grpo_reward_model_ranks.py", tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
+    for strategy in ("ddp", "model_parallel"):
+        ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        assert [r["world_size"] for r in ranks] == [2, 2] and {r["device"] for r in ranks} == {"cpu"}
+        assert [len(r["scored"]) for r in ranks] == [1, 1]  # one round each
+        (p0, c0), (p1, c1) = ranks[0]["scored"][0], ranks[1]["scored"][0]
+        assert len(p0) == len(p1) == 4 and set(p0).isdisjoint(p1)  # each rank its own prompts' rows
+        scores = independent_scores(model, [p + c for p, c in zip(p0 + p1, c0 + c1)])
+        for rank in ranks:
+            metrics = rank["metrics"][0]
+            # gathered over ranks: the mean of all 8 rows; 1e-5: another batch shape in float32 (scores spread > 1e-2)
+            assert metrics["rewards/rm/mean"] == pytest.approx(sum(scores) / 8, abs=1e-5)
+        assert max(scores) - min(scores) > 1e-2
