@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 if __name__ == "__main__":
-    import transformers
     import lightning as L
+    import transformers
     from _fsdp_common import model_parallel
     from datasets import Dataset, disable_progress_bars
     from ddp_grpo import build_model, prompt_texts
