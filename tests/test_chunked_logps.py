@@ -94,3 +94,23 @@ def test_options_are_checked_and_the_default_chunk_is_bounded():
         chunked_token_logps(hidden, weight, targets[:, :3])
     assert default_chunk_size(151_936) * 151_936 * 4 <= 64 * 2**20  # one chunk of float32 logits <= 64 MiB
     assert default_chunk_size(384) > 4096
+
+
+def test_logp_sum_forms_the_same_gradients_in_the_forward_pass():
+    from lit_trainer.losses.chunked import chunked_logp_sum
+
+    hidden, weight, bias, targets, g_logp, _ = inputs(torch.float64)
+    weights = (g_logp > 0).to(torch.float64)  # a 0/1 loss mask
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        total = fn(*leaves)
+        (3.0 * total).backward()  # an upstream factor: the backward pass must scale the precomputed gradients
+        return [total.detach()] + [leaf.grad for leaf in leaves]
+
+    full = run(lambda h, w, b: (full_path(h, w, b, targets, 1.0)[0] * weights).sum())
+    ours = run(lambda h, w, b: chunked_logp_sum(h, w, targets, weights, bias=b, chunk_size=5))
+    for name, a, b in zip(["sum", "grad hidden", "grad weight", "grad bias"], ours, full):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name  # float64, same formulas (see above)
+    with pytest.raises(ValueError, match="shaped like targets"):
+        chunked_logp_sum(hidden, weight, targets, weights[:, :2])

@@ -114,9 +114,18 @@ class CausalLMModule(BaseModule):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         labels = batch["labels"]
         if self.compute_loss_func is None and self._chunked():
-            logps = self._token_scores(batch).logps
+            extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+            total = _logits.summed_logps(
+                self.model,
+                _logits.next_token_targets(labels),
+                chunk_size=self.hparams.get("logits_chunk_size"),
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                use_cache=False,
+                **extra,
+            )
             count = (labels[:, 1:] != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-            return -logps.sum() / torch.as_tensor(count, device=logps.device).clamp(min=1), {}
+            return -total / torch.as_tensor(count, device=total.device).clamp(min=1), {}
         outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)

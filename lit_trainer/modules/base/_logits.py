@@ -22,7 +22,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor
 
-from lit_trainer.losses.chunked import chunked_token_logps, default_chunk_size
+from lit_trainer.losses.chunked import chunked_logp_sum, chunked_token_logps, default_chunk_size
 from lit_trainer.losses.logprobs import IGNORE_INDEX, selective_log_softmax
 
 ChunkedLogits = Literal["auto", "on", "off"]
@@ -169,3 +169,26 @@ def score_tokens(
     return TokenScores(
         fields["logps"].masked_fill(~valid, 0.0), fields.get("entropy"), fields.get("mean"), fields.get("hits")
     )
+
+
+def summed_logps(model: Any, targets: Tensor, *, chunk_size: int | None = None, **forward_kwargs: Any) -> Tensor:
+    """``sum`` of the log-probabilities of ``targets`` (``-100`` = not counted) through the chunked head, with the
+    gradients formed in the forward pass (:func:`~lit_trainer.losses.chunked.chunked_logp_sum`): the SFT loss's sum."""
+    length, keep = forward_kwargs["input_ids"].shape[1], targets.shape[1]
+    if keep < length:
+        forward_kwargs["logits_to_keep"] = keep
+    valid = targets != IGNORE_INDEX
+    head, result = output_head(model), {}
+
+    def forward(hidden: Tensor) -> Tensor:
+        weight = head.weight
+        size = chunk_size or default_chunk_size(weight.shape[0])
+        weights = valid.to(hidden.dtype)
+        result["sum"] = chunked_logp_sum(
+            hidden, weight, targets.masked_fill(~valid, 0), weights, bias=head.bias, chunk_size=size
+        )
+        return result["sum"].reshape(1, 1, 1).expand(*targets.shape, 1)  # a stand-in for the logits
+
+    with _head_forward(head, forward):
+        model(**forward_kwargs)
+    return result["sum"]
