@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -92,6 +93,98 @@ def format_reward(
         One float per completion.
     """
     return [1.0 if _INTEGER.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+class RewardModelScorer:
+    """A sequence-classification reward model used as a GRPO reward function (TRL 1.16's ``reward_funcs`` model entry).
+
+    Called like any reward function, it scores ``prompt + completion``: the two strings joined for standard data; for
+    conversational data the prompt messages followed by the completion's assistant message, rendered with the reward
+    tokenizer's chat template (no generation prompt). The texts are tokenized without special tokens, padded on the
+    right, and the reward is ``logits[:, 0]`` of the frozen model in eval mode under ``torch.no_grad`` (the score of
+    each row's last non-padding token), as ``trl.GRPOTrainer`` computes it.
+
+    Args:
+        model: a ``PreTrainedModel`` for sequence classification, or a preset name / local directory / hub id loaded
+            with :func:`lit_trainer.models.load_model` (``task="sequence_classification"``, one label; a causal-LM
+            export gets a new, untrained score head).
+        tokenizer: the reward model's tokenizer (object, or a name/path to load); default: the one of ``model``'s
+            name or path (``config._name_or_path`` for an object). Its padding id becomes the model's, so the score is
+            read at the last real token; a tokenizer without padding token pads with EOS, as TRL.
+        batch_size: rows per forward pass (None = all rows of a call in one pass, as TRL).
+        trust_remote_code: passed to the loaders; False unless you set it.
+
+    The model is not a submodule of the LightningModule using it: it is frozen, left out of checkpoints (a resumed run
+    loads it again from its path) and moved to the policy's device by :class:`~lit_trainer.modules.grpo.GRPOModule`
+    before each scoring (:meth:`to`).
+
+    Raises:
+        ValueError: if ``model`` is not a sequence classifier with one output, or its tokenizer cannot be found.
+    """
+
+    def __init__(
+        self, model: Any, tokenizer: Any = None, *, batch_size: int | None = None, trust_remote_code: bool = False
+    ) -> None:
+        from lit_trainer.models import load_model, load_tokenizer
+
+        source = ""
+        if isinstance(model, (str, os.PathLike)):
+            source = str(model)
+            model = load_model(source, task="sequence_classification", trust_remote_code=trust_remote_code)
+        if not isinstance(model, torch.nn.Module) or getattr(getattr(model, "config", None), "num_labels", None) != 1:
+            raise ValueError(
+                f"Reward model {type(model).__name__} is not a sequence classifier with one label: give a path or a "
+                "`PreTrainedModel` loaded with `AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)`."
+            )
+        source = source or getattr(model.config, "_name_or_path", "") or ""
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            path = str(tokenizer) if tokenizer is not None else source
+            if not path:
+                raise ValueError(
+                    "The reward model has no `config._name_or_path` to load its tokenizer from: pass its tokenizer "
+                    "(`reward_processing_classes` in GRPOModule)."
+                )
+            tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"`batch_size={batch_size}` is invalid: use >= 1, or None for one pass per call.")
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.__name__ = source.rstrip("/").split("/")[-1] or type(model).__name__  # TRL's display name
+
+    def to(self, device: torch.device | str) -> RewardModelScorer:
+        """Move the model to ``device`` (a no-op when it is there); returns self."""
+        self.model.to(device)
+        return self
+
+    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+        """The texts the model scores: ``prompt + completion``, through the chat template for conversations."""
+        if prompts and not isinstance(prompts[0], str):
+            return [
+                self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        return [p + c for p, c in zip(prompts, completions, strict=True)]
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
+        texts = self.texts(prompts, completions)
+        device = next(self.model.parameters()).device
+        size = self.batch_size or max(len(texts), 1)
+        scores: list[float] = []
+        for start in range(0, len(texts), size):
+            inputs = self.tokenizer(
+                text=texts[start : start + size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            ).to(device)
+            scores.extend(self.model(**inputs).logits[:, 0].float().tolist())
+        return scores
 
 
 def reward_function_name(func: Callable[..., Any]) -> str:

@@ -11,8 +11,9 @@ from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
+from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.metrics import greedy_exact_match, token_loss_and_accuracy
-from lit_trainer.modules.base import BaseModule, _sharding
+from lit_trainer.modules.base import BaseModule, _logits, _sharding
 from lit_trainer.modules.base._packing import check_trainer_packing
 
 LossFunc = Callable[..., Tensor]
@@ -111,19 +112,53 @@ class CausalLMModule(BaseModule):
     def compute_loss(
         self, batch: dict[str, Any], num_items_in_batch: Tensor | None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         labels = batch["labels"]
+        if self.compute_loss_func is None and self._chunked():
+            extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+            total = _logits.summed_logps(
+                self.model,
+                _logits.next_token_targets(labels),
+                chunk_size=self.hparams.get("logits_chunk_size"),
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                use_cache=False,
+                **extra,
+            )
+            count = (labels[:, 1:] != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+            return -total / torch.as_tensor(count, device=total.device).clamp(min=1), {}
+        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
             loss = causal_lm_loss(outputs.logits, labels, num_items_in_batch)
         return loss, {}
 
+    def _chunked(self) -> bool:
+        return _logits.wants_chunked(self.model, self.hparams.get("chunked_logits", "auto"))
+
+    def _token_scores(self, batch: dict[str, Any], **options: Any) -> _logits.TokenScores:
+        """Chunked per-token scores of ``batch`` (log-probs of each position's next label; ``options``: extra ones)."""
+        extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+        return self.score_tokens(
+            self.model,
+            _logits.next_token_targets(batch["labels"]),
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            use_cache=False,
+            **extra,
+            **options,
+        )
+
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        outputs = self(batch["input_ids"], batch.get("attention_mask"))
         labels = batch["labels"]
-        loss, accuracy, count = token_loss_and_accuracy(outputs.logits, labels)
+        if self._user_metrics is None and self._chunked():
+            scores = self._token_scores({k: v for k, v in batch.items() if k != "position_ids"}, with_hits=True)
+            count = (labels[:, 1:] != IGNORE_INDEX).sum()
+            loss, accuracy = -scores.logps.sum() / count.clamp(min=1), scores.hits.sum() / count.clamp(min=1)
+        else:
+            outputs = self(batch["input_ids"], batch.get("attention_mask"))
+            loss, accuracy, count = token_loss_and_accuracy(outputs.logits, labels)
         if count:
             self.val_metrics["loss"].update(loss, weight=count)
             self.val_metrics["token_accuracy"].update(accuracy, weight=count)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import inspect
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -38,7 +38,8 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
-from lit_trainer.modules.base import _adapter_checkpoint, _peft, _sharding
+from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _sharding
+from lit_trainer.modules.base._logits import ChunkedLogits
 from lit_trainer.modules.base._optimization import OptimizationMixin
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
 from lit_trainer.modules.base._step_logging import StepLoggingMixin
@@ -100,6 +101,13 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         shard_cpu_offload: under ``ModelParallelStrategy``: keep sharded parameters, gradients and optimizer state
             on the CPU (FSDP2 ``CPUOffloadPolicy``; the optimizer step then runs on the CPU). Needs a GPU: FSDP2
             refuses it on a CPU-only machine.
+        chunked_logits: ``"auto"`` (default), ``"on"`` or ``"off"``: compute the per-token log-probabilities (and
+            entropies) of the loss and of validation from the last hidden states a chunk of tokens at a time, so the
+            ``batch x length x vocabulary`` logits never exist at once, forward or backward
+            (:mod:`lit_trainer.modules.base._logits`). ``"auto"`` does so for vocabularies of 32,000 tokens or more
+            when the model's head allows it; ``"on"`` raises for a model whose head does not; results equal the
+            full-logits path to float rounding.
+        logits_chunk_size: tokens per chunk of the chunked path (default: about 64 MiB of float32 logits per chunk).
 
     Raises:
         ValueError: on a negative learning rate, warmup or ``max_grad_norm``, or a scheduler option that does not fit
@@ -126,6 +134,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         shard_blocks: list[str] | None = None,
         shard_param_dtype: _sharding.ParamDtype | None = None,
         shard_cpu_offload: bool = False,
+        chunked_logits: ChunkedLogits = "auto",
+        logits_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self._peft_hparam = _peft.config_hparam(peft_config)
@@ -135,6 +145,11 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         if max_grad_norm is not None and max_grad_norm < 0:
             raise ValueError(f"`max_grad_norm={max_grad_norm}` is invalid: use a positive norm, or 0/None to disable.")
         check_schedule(scheduler, warmup_steps, scheduler_kwargs)
+        if chunked_logits not in get_args(ChunkedLogits) or (logits_chunk_size is not None and logits_chunk_size < 1):
+            raise ValueError(
+                f"`chunked_logits={chunked_logits!r}, logits_chunk_size={logits_chunk_size!r}` is invalid: choose "
+                f"chunked_logits from {get_args(ChunkedLogits)} and a chunk size >= 1 tokens (or None)."
+            )
         _sharding.fsdp_policies(shard_param_dtype, False)  # validates the dtype name at construction
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
@@ -168,6 +183,15 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
 
     #: DPO/GRPO: load ``adapter_path`` a second time as the frozen reference adapter
     uses_reference_adapter = False
+
+    def score_tokens(self, model: Any, targets: Tensor, **options: Any) -> _logits.TokenScores:
+        """Per-token scores of ``model`` for ``targets`` (:func:`~lit_trainer.modules.base._logits.score_tokens`),
+        chunked or not as ``chunked_logits`` says for this model; ``options`` are the scores asked and the model
+        inputs."""
+        chunked = _logits.wants_chunked(model, self.hparams.get("chunked_logits", "auto"))
+        size = self.hparams.get("logits_chunk_size")
+        return _logits.score_tokens(model, targets, chunked=chunked, chunk_size=size, **options)
+
     #: what a model name or path is loaded as (:func:`~lit_trainer.models.load_model`'s ``task``)
     model_task: Task = "causal_lm"
 

@@ -12,7 +12,8 @@ from torch import Tensor
 from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
 from lit_trainer.losses.dpo import dpo_loss, dpo_rewards_metrics, sequence_logps
-from lit_trainer.losses.logprobs import IGNORE_INDEX, per_token_logps
+from lit_trainer.losses.logprobs import IGNORE_INDEX
+from lit_trainer.modules.base._logits import next_token_targets
 from lit_trainer.modules.base._packing import masking_kwargs, per_row
 
 
@@ -31,10 +32,18 @@ class DPOScoringMixin:
 
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
         """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
-        logits = model(input_ids=batch["input_ids"], use_cache=False, **masking_kwargs(batch)).logits
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
-        token_logps, mask = per_token_logps(logits, labels)
-        logits_mean = logits[:, :-1].detach().mean(-1).float() if stats else None
+        targets = next_token_targets(labels)
+        scores = self.score_tokens(
+            model,
+            targets,
+            with_logits_mean=stats,
+            input_ids=batch["input_ids"],
+            use_cache=False,
+            **masking_kwargs(batch),
+        )
+        token_logps, mask = scores.logps[:, :-1], targets[:, :-1] != IGNORE_INDEX
+        logits_mean = scores.logits_mean[:, :-1] if stats else None
         token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)  # a packed batch: (2B, .)
         seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
         return Scores(seq, token_logps, mask, logits_mean)

@@ -61,7 +61,7 @@ from lit_trainer.modules.grpo._completion_table import write_completion_table
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
-from lit_trainer.modules.grpo._reward_calls import score_completions
+from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
 from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
 from lit_trainer.rewards import reward_function_name
@@ -80,8 +80,15 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
     Args:
         model: preset name, local directory, hub id, or a ``PreTrainedModel``.
         reward_funcs: callables ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` or their
-            import paths (``"lit_trainer.rewards.arithmetic_reward"``); only these run.
+            import paths (``"lit_trainer.rewards.arithmetic_reward"``), and reward models: a sequence-classification
+            ``PreTrainedModel``, or a directory / preset / hub id ``org/name`` loaded with one label (a string is a
+            model when it is an existing directory, a preset name or contains '/'; otherwise an import path). Each
+            model scores ``prompt + completion`` (see :class:`~lit_trainer.rewards.RewardModelScorer`); only these run.
         reward_weights: one weight per function (default all 1.0).
+        reward_processing_classes: one entry per ``reward_funcs`` entry: for a reward model its tokenizer (object or
+            path; None = the model's own), None for functions (TRL 1.16's argument).
+        reward_model_batch_size: rows per reward-model forward pass (None = a rank's whole generation batch in one
+            pass, as TRL).
         num_generations: completions per prompt ``G`` (>= 2).
         steps_per_generation: micro-steps served by one generation (default: ``accumulate_grad_batches``).
         generation_batch_size: completions per generation over all ranks (exclusive with the above).
@@ -167,6 +174,8 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         *,
         reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any],
         reward_weights: Sequence[float] | None = None,
+        reward_processing_classes: Sequence[Any] | Any = None,
+        reward_model_batch_size: int | None = None,
         num_generations: int = 8,
         steps_per_generation: int | None = None,
         generation_batch_size: int | None = None,
@@ -233,7 +242,12 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         )
         self._restored_entropy: dict[str, Any] | None = None
         self.completion_table: tuple[list[str], list[list[Any]]] | None = None  # the last round's (log_completions)
-        self.reward_funcs = rollout.resolve_reward_funcs(reward_funcs)
+        self.reward_funcs = resolve_reward_funcs(
+            reward_funcs,
+            reward_processing_classes,
+            batch_size=reward_model_batch_size,
+            trust_remote_code=kwargs.get("trust_remote_code", False),
+        )
         self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
         self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
@@ -241,10 +255,14 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
                 f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
                 "functions: give one weight per function (or none for all 1.0)."
             )
-        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs"])
-        self.hparams["reward_funcs"] = [
-            f if isinstance(f, str) else reward_function_name(f) for f in rollout.as_list(reward_funcs)
-        ]  # names only: checkpoint-safe
+        ignore = ["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs", "reward_processing_classes"]
+        self.save_hyperparameters(ignore=ignore)
+        self.hparams["reward_funcs"] = [spec_name(f) for f in as_list(reward_funcs)]  # names only: checkpoint-safe
+        if reward_processing_classes is not None:
+            self.hparams["reward_processing_classes"] = [
+                None if t is None else t if isinstance(t, str) else getattr(t, "name_or_path", type(t).__name__)
+                for t in as_list(reward_processing_classes)
+            ]
         self.ref_model = self.default_reference() if beta != 0 else None  # under peft: adapters disabled, no copy
         self.rollout_geometry: RolloutGeometry | None = None
         self._buffer: RolloutBuffer | None = None

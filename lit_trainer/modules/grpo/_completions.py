@@ -7,8 +7,7 @@ docs/design.md#trl-grpo). Nothing here knows about Lightning; scoring and advant
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -216,39 +215,3 @@ def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, Tensor]:
         "completions/min_terminated_length": done.min() if done.numel() else empty,
         "completions/max_terminated_length": done.max() if done.numel() else empty,
     }
-
-
-def as_list(funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any]) -> list[Any]:
-    """A single reward function (or path) as a one-item list; a sequence as a list."""
-    return [funcs] if isinstance(funcs, str) or callable(funcs) else list(funcs)
-
-
-def resolve_reward_funcs(funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any]) -> list[Callable]:
-    """Reward callables from callables or import paths (``"lit_trainer.rewards.arithmetic_reward"``).
-
-    Only what the user's config or code names is imported (docs/design.md#nothing-unasked).
-
-    Raises:
-        ValueError: on an empty list, a path that does not import, or an object that is not callable.
-    """
-    items = as_list(funcs)
-    if not items:
-        raise ValueError(
-            "`reward_funcs` is empty: give at least one reward function, e.g. "
-            "['lit_trainer.rewards.arithmetic_reward']."
-        )
-    resolved = []
-    for item in items:
-        if isinstance(item, str):
-            module_name, _, attr = item.rpartition(".")
-            try:
-                item = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError, ValueError) as err:
-                raise ValueError(
-                    f"Reward function {item!r} cannot be imported ({err}): give 'package.module.function'"
-                    " of an importable function."
-                ) from err
-        if not callable(item):
-            raise ValueError(f"Reward function {item!r} is not callable: give a function or its import path.")
-        resolved.append(item)
-    return resolved

@@ -18,11 +18,18 @@ here).
 
 Under DDP the metric names of all ranks are merged (one small object all-gather per scoring), so a function that logs
 a metric on some ranks only never desynchronises the collectives.
+
+``reward_funcs`` entries are resolved here too (:func:`resolve_reward_funcs`): functions and their import paths, and
+reward models (a directory, preset or hub id, or a model object), which become
+:class:`~lit_trainer.rewards.RewardModelScorer` callables scored on every rank's own rows.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
 
@@ -31,7 +38,89 @@ from torch import Tensor
 from transformers import TrainerState
 
 from lit_trainer.data.prompt import PROMPTS, REWARD_COLUMNS
-from lit_trainer.rewards import call_reward_functions
+from lit_trainer.models import is_preset
+from lit_trainer.rewards import RewardModelScorer, call_reward_functions, reward_function_name
+
+RewardSpec = str | Callable[..., Any]
+"""A ``reward_funcs`` entry: a callable (a function, a ``PreTrainedModel``), an import path, or a model path."""
+
+
+def as_list(items: Any) -> list[Any]:
+    """A single entry (a string, callable or None) as a one-item list; a sequence as a list."""
+    return [items] if items is None or isinstance(items, str) or callable(items) else list(items)
+
+
+def is_model_path(spec: str) -> bool:
+    """A reward-model source rather than an import path: an existing directory, a preset, or a hub id with a '/'."""
+    return os.path.isdir(os.path.expanduser(spec)) or is_preset(spec) or "/" in spec
+
+
+def _import(path: str) -> Callable[..., Any]:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(
+            f"Reward function {path!r} cannot be imported ({err}): give 'package.module.function' of an importable "
+            "function, or for a reward model an existing directory, a preset or a hub id 'org/name'."
+        ) from err
+
+
+def resolve_reward_funcs(
+    funcs: Sequence[RewardSpec] | RewardSpec,
+    processing_classes: Sequence[Any] | Any = None,
+    *,
+    batch_size: int | None = None,
+    trust_remote_code: bool = False,
+) -> list[Callable[..., Any]]:
+    """Reward callables from TRL-style ``reward_funcs`` and ``reward_processing_classes``.
+
+    A function (or ``'package.module.function'``) is used as is. A reward model (a ``torch.nn.Module``, or a string
+    that :func:`is_model_path`) becomes a :class:`~lit_trainer.rewards.RewardModelScorer` with the matching
+    ``processing_classes`` entry as tokenizer (None = the model's own). Only what the user's config or code names is
+    imported or loaded (docs/design.md#nothing-unasked).
+
+    Raises:
+        ValueError: on an empty list, a path that does not import, an object that is not callable, a
+            ``processing_classes`` list of another length, or a tokenizer given for a function.
+    """
+    items = as_list(funcs)
+    if not items:
+        raise ValueError(
+            "`reward_funcs` is empty: give at least one reward function, e.g. "
+            "['lit_trainer.rewards.arithmetic_reward']."
+        )
+    tokenizers = [None] * len(items) if processing_classes is None else as_list(processing_classes)
+    if len(tokenizers) != len(items):
+        raise ValueError(
+            f"`reward_processing_classes` has {len(tokenizers)} entries for {len(items)} reward functions: give one "
+            "per entry of `reward_funcs` (None for functions and for models that use their own tokenizer)."
+        )
+    resolved = []
+    for item, tokenizer in zip(items, tokenizers, strict=True):
+        if isinstance(item, str) and not is_model_path(item):
+            item = _import(item)
+        if isinstance(item, (str, torch.nn.Module)):
+            item = RewardModelScorer(item, tokenizer, batch_size=batch_size, trust_remote_code=trust_remote_code)
+        elif tokenizer is not None and not isinstance(item, RewardModelScorer):
+            raise ValueError(
+                f"`reward_processing_classes` gives a tokenizer for reward function {item!r}: tokenizers are for "
+                "reward models only; put None at that position."
+            )
+        if not callable(item):
+            raise ValueError(f"Reward function {item!r} is not callable: give a function or its import path.")
+        resolved.append(item)
+    return resolved
+
+
+def spec_name(spec: Any) -> str:
+    """What the hyperparameters record for a ``reward_funcs`` entry: a string as given, else the display name
+    (for a model its ``config._name_or_path``)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, torch.nn.Module):
+        return getattr(getattr(spec, "config", None), "_name_or_path", "") or type(spec).__name__
+    return reward_function_name(spec)
 
 
 def trainer_state(trainer: Any) -> TrainerState:
@@ -103,6 +192,9 @@ def score_completions(
         ``(rewards, logged)``: the ``(N, F)`` reward matrix of :func:`~lit_trainer.rewards.call_reward_functions` and
         the logged scalars averaged over ranks; sets ``module.reward_extra`` to the ``log_extra`` columns.
     """
+    for func in module.reward_funcs:
+        if isinstance(func, RewardModelScorer):
+            func.to(module.device)
     log = RewardLog()
     keywords = {
         "trainer_state": trainer_state(module.trainer),
