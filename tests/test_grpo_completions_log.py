@@ -121,6 +121,16 @@ def test_table_writers_by_hand(tmp_path, capsys):
     assert sum(p in out for p in ("p1", "p2", "p3")) == 1 and "p4" in out  # one row of step 7 printed
     with pytest.raises(ValueError, match="new log directory"):
         write_completion_table([logger], ["other"], [["x"]], 9, console=False)
+    unique = CSVLogger(tmp_path, name="unique")
+    rows = [["p1", 1.0], ["p2", 2.0], ["p1", 3.0], [[{"role": "user", "content": "q"}], 4.0]]
+    rows.append([[{"role": "user", "content": "q"}], 5.0])  # the same conversation again
+    write_completion_table([unique], ["prompt", "r"], rows, 3, console=False, unique_prompts=True)
+    with open(tmp_path / "unique" / "version_0" / "completions.csv", newline="") as f:
+        assert [r[1:] for r in csv.reader(f)][1:] == [
+            ["p1", "1.0"],
+            ["p2", "2.0"],
+            ["[{'role': 'user', 'content': 'q'}]", "4.0"],
+        ]
 
 
 def test_num_completions_to_print_is_validated():

@@ -141,6 +141,7 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
             advantages (all ranks' rows) to the console (rank 0, rich), ``completions.csv`` in a CSVLogger's folder,
             TensorBoard (``add_text``) and any logger with ``log_table`` (WandbLogger, Trackio).
         num_completions_to_print: rows printed on the console (a sample seeded by the step); None = all.
+        log_unique_prompts: the loggers get one row per distinct prompt (its first completion) instead of all rows.
         cache_implementation: ``GenerationConfig.cache_implementation`` of the sampling ``generate`` (e.g.
             ``"static"``); None = the model's default (dynamic).
         use_transformers_continuous_batching: generate with transformers' continuous-batching engine
@@ -216,6 +217,7 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         off_policy_mask_threshold: float | None = None,
         log_completions: bool = False,
         num_completions_to_print: int | None = None,
+        log_unique_prompts: bool = False,
         cache_implementation: CacheImplementation | None = None,
         use_transformers_continuous_batching: bool = False,
         transformers_continuous_batching_config: dict[str, Any] | None = None,
@@ -379,7 +381,12 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
             columns, rows = self.completion_table
             step = self.trainer.global_step - 1  # the step Lightning gives this step's metrics (metrics.csv, TB)
             write_completion_table(
-                self.trainer.loggers, columns, rows, step, num_to_print=self.hparams.num_completions_to_print
+                self.trainer.loggers,
+                columns,
+                rows,
+                step,
+                num_to_print=self.hparams.num_completions_to_print,
+                unique_prompts=self.hparams.log_unique_prompts,
             )
 
     # ---------------------------------------------------------------------------------------------- training

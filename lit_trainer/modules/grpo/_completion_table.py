@@ -41,6 +41,7 @@ def write_completion_table(
     *,
     num_to_print: int | None = None,
     console: bool = True,
+    unique_prompts: bool = False,
 ) -> None:
     """Write one completions table to the console and to each logger (see the module docstring).
 
@@ -51,9 +52,14 @@ def write_completion_table(
         step: the training step the table belongs to.
         num_to_print: rows shown on the console (a seeded random sample); None = all. Loggers get every row.
         console: print the rich table.
+        unique_prompts: the loggers get only the first row of each prompt (TRL's ``log_unique_prompts``; the first
+            column is the prompt, compared by its text); the console sample is drawn from every row.
     """
     if console:
         _print_rich(columns, rows, step, num_to_print)
+    if unique_prompts:
+        seen: set[str] = set()
+        rows = [row for row in rows if not (render_text(row[0]) in seen or seen.add(render_text(row[0])))]
     for logger in loggers:
         if _is_a(logger, "CSVLogger"):
             _append_csv(os.path.join(logger.log_dir, CSV_NAME), columns, rows, step)
