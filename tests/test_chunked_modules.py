@@ -165,3 +165,37 @@ def test_a_large_vocabulary_takes_the_chunked_path_by_default_with_the_same_loss
     assert calls[-1] == (2, 12, 32_000)
     # a mean of 22 float32 log-probs over 32,000 classes: rounding ~1e-6 relative; a mistake changes it by > 1e-2
     assert torch.allclose(loss_auto, loss_full, rtol=1e-5, atol=0)
+
+
+def test_grpo_completion_logps_and_entropy_gradients_equal_the_full_path():
+    from lit_trainer.modules.grpo import GRPOModule
+
+    g = torch.Generator().manual_seed(0)
+    rows = {
+        "prompt_ids": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]),  # left-padded prompts
+        "prompt_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+        "completion_ids": torch.tensor([[11, 12, 1, 0], [13, 14, 15, 16]]),  # right-padded completions
+        "completion_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+    }
+    weights = torch.randn(2, 4, generator=g, dtype=torch.float64)
+
+    def run(setting: str, dtype: torch.dtype, rows: dict) -> dict[str, torch.Tensor]:
+        module = GRPOModule(
+            tiny_llama(0, eos_bias=2.0),
+            tokenizer=transformers.ByT5Tokenizer(),
+            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+            temperature=0.7,
+            chunked_logits=setting,
+            logits_chunk_size=3,
+        ).to(dtype)
+        logps, entropy = module.completion_logps(module.model, rows, with_entropy=True, entropy_grad=True)
+        mask = rows["completion_mask"].to(dtype)
+        ((logps * weights.to(dtype) * mask).sum() + 0.3 * (entropy * mask).sum()).backward()
+        out = {"logps": (logps * mask).detach(), "entropy": (entropy * mask).detach()}
+        return out | {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    full32, full64 = run("off", torch.float32, rows), run("off", torch.float64, rows)
+    chunked = run("on", torch.float32, rows)
+    wrong_rows = {**rows, "completion_ids": rows["completion_ids"].roll(1, -1)}
+    mistake = relative_l2(run("off", torch.float64, wrong_rows), full64)
+    Rounding.of(full32, full64, what="GRPO log-probs, entropy, gradients").check(chunked, full32, mistake=mistake)

@@ -102,6 +102,7 @@ class _ChunkedHead(torch.autograd.Function):
                 entropy[start:stop] = lse[start:stop] - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.set_materialize_grads(False)  # an unused output (e.g. a detached entropy) gets None, not zeros
         return logps, entropy
 
     @staticmethod
@@ -109,6 +110,8 @@ class _ChunkedHead(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
         with_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel()
+        if grad_logps is None:
+            grad_logps = lse.new_zeros(lse.shape)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:stop]

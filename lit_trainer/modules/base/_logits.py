@@ -106,6 +106,7 @@ def score_tokens(
     chunked: bool,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     with_logits_mean: bool = False,
     with_hits: bool = False,
     chunk_size: int | None = None,
@@ -118,7 +119,8 @@ def score_tokens(
         targets: ``(B, K)`` the token each of the last ``K`` positions predicts; ``-100`` = not scored.
         chunked: compute from the hidden states a chunk at a time (see the module docstring) instead of full logits.
         temperature: logits are divided by it (GRPO's sampling temperature).
-        with_entropy: also the entropy per position (differentiable when grad is enabled).
+        with_entropy: also the entropy per position.
+        entropy_grad: the entropy carries a gradient (when grad is enabled); False: it is a measurement only.
         with_logits_mean: also the vocabulary-mean logit per position (no grad).
         with_hits: also whether the argmax is the target (no grad).
         chunk_size: tokens per chunk (default: about 64 MiB of float32 logits).
@@ -135,8 +137,9 @@ def score_tokens(
         logps = selective_log_softmax(logits, safe, temperature)
         entropy = mean = hits = None
         if with_entropy:
-            z = logits.float() / temperature
-            entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                z = logits.float() / temperature
+                entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
         if with_logits_mean:
             mean = logits.detach().mean(-1).float()
         if with_hits:
@@ -152,7 +155,8 @@ def score_tokens(
         logps, entropy = chunked_token_logps(
             hidden, weight, safe, bias=bias, temperature=temperature, chunk_size=size, with_entropy=with_entropy
         )
-        fields["logps"], fields["entropy"] = logps, entropy
+        fields["logps"] = logps
+        fields["entropy"] = entropy if entropy is None or entropy_grad else entropy.detach()
         if with_logits_mean or with_hits:
             with torch.no_grad():
                 if with_logits_mean:

@@ -53,7 +53,7 @@ from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_masks import high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
-from lit_trainer.losses.logprobs import selective_log_softmax
+from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base import BaseModule, _sharding
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.grpo import _completions as rollout
@@ -514,20 +514,23 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         ids = torch.cat([rows["prompt_ids"], completion], dim=1)
         attention = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = model(
+        # the last C + 1 positions: position i predicts completion token i, the last one nothing
+        targets = torch.cat([completion, completion.new_full((completion.shape[0], 1), IGNORE_INDEX)], dim=1)
+        scores = self.score_tokens(
+            model,
+            targets,
+            temperature=self.hparams.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
             input_ids=ids,
             attention_mask=attention,
             position_ids=positions,
             use_cache=False,
-            logits_to_keep=completion.shape[1] + 1,
-        ).logits[:, :-1]
-        temperature = self.hparams.temperature
-        logps = selective_log_softmax(logits, completion, temperature)
+        )
+        logps = scores.logps[:, :-1]
         if not with_entropy:
             return logps, None
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            z = logits.float() / temperature
-            entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+        entropy = scores.entropy[:, :-1]
         return logps, entropy
 
     # -------------------------------------------------------------------------------------------- validation
