@@ -210,3 +210,21 @@ def test_drop_mode_drops_pairs_that_do_not_fit():
     dm.setup("fit")  # "10+10=200</s>" has 10 tokens: that pair goes, whole
     assert len(dm.train_dataset) == 1 and dm.stats["train_rows_dropped_too_long"] == 1
     assert dm.stats["train_rows_truncated"] == 0
+
+
+@pytest.mark.slow
+def test_recipe_runs_with_the_console_script_and_exports_a_reward_model(tmp_path):
+    from helpers.cli import CONFIGS, QUIET_FIT
+    from helpers.ddp import output_tail, run_lit_trainer
+
+    data = tmp_path / "pairs.jsonl"
+    _rows("train", 40).to_json(data)  # the recipe's data module on a small file: the tokenizing takes no time
+    args = ["fit", "--config", CONFIGS / "reward.yaml", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1"]
+    quick = ["--data.init_args.batch_size=8", f"--data.init_args.dataset={data}"]
+    proc = run_lit_trainer(*args, *QUIET_FIT, *quick, cwd=tmp_path)
+    assert proc.returncode == 0, output_tail(proc)
+    run = tmp_path / "runs" / "reward" / "version_0"
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train_loss", "accuracy", "margin", "mean_reward"} <= set(header)
+    model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")
+    assert model.config.num_labels == 1
