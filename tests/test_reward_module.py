@@ -228,3 +228,12 @@ def test_recipe_runs_with_the_console_script_and_exports_a_reward_model(tmp_path
     assert {"train_loss", "accuracy", "margin", "mean_reward"} <= set(header)
     model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")
     assert model.config.num_labels == 1
+
+
+@pytest.mark.parametrize("margins", [[1.0, None], [1.0, float("nan")], ["1", "0.5"]], ids=["null", "nan", "text"])
+def test_a_bad_margin_is_named(margins):
+    rows = Dataset.from_dict({"prompt": ["1+1=", "2+2="], "chosen": ["2", "4"], "rejected": ["3", "5"]})
+    rows = rows.add_column("margin", margins)
+    dm = PreferenceDataModule(tokenizer=load_tokenizer("tiny"), dataset=rows, val_size=0, max_length=16)
+    with pytest.raises(ValueError, match=f"'margin' column holds .* at row {1 if margins[0] == 1.0 else 0}"):
+        dm.setup("fit")

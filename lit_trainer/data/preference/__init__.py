@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import warnings
 from typing import Any, ClassVar, Literal, get_args
 
@@ -68,6 +69,16 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
                 i -= 1
             break
     return chosen[:i], chosen[i:], rejected[i:]
+
+
+def _check_margins(margins: list[Any], split: str) -> None:
+    """Raise on the first ``margin`` cell that is not a finite number (it would fail deep inside the collator)."""
+    for index, value in enumerate(margins):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(
+                f"The {split} data's 'margin' column holds {value!r} at row {index}: margins must be finite numbers "
+                "(the reward model's loss subtracts them). Fix or drop that row, or remove the column."
+            )
 
 
 class PreferenceDataModule(BaseDataModule):
@@ -221,6 +232,8 @@ class PreferenceDataModule(BaseDataModule):
                 "and optionally 'prompt'. Rename your columns."
             )
         self._require_rows(rows, split)
+        if MARGIN_KEY in rows.column_names:
+            _check_margins(rows[MARGIN_KEY], split)
         explicit = "prompt" in rows.column_names
         keep = [c for c in ("answer", MARGIN_KEY) if c in rows.column_names]
         with warnings.catch_warnings():
