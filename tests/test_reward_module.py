@@ -35,7 +35,7 @@ def _datamodule(train: int = 16, val: int = 0, batch_size: int = 4, **kwargs) ->
         eval_batch_size=kwargs.pop("eval_batch_size", 7),
         max_length=32,
         truncation_mode="drop",
-        sampling="sequential",
+        sampling=kwargs.pop("sampling", "sequential"),
         **kwargs,
     )
 
@@ -46,11 +46,10 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 
 def _trainer(max_steps: int, **kwargs) -> pl.Trainer:
-    options = {"limit_val_batches": 0, "num_sanity_val_steps": 0, **kwargs}
+    options = {"limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False, **kwargs}
     return pl.Trainer(
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         **options,
@@ -237,3 +236,25 @@ def test_a_bad_margin_is_named(margins):
     dm = PreferenceDataModule(tokenizer=load_tokenizer("tiny"), dataset=rows, val_size=0, max_length=16)
     with pytest.raises(ValueError, match=f"'margin' column holds .* at row {1 if margins[0] == 1.0 else 0}"):
         dm.setup("fit")
+
+
+def test_resume_from_a_checkpoint_is_bit_exact(tmp_path):
+    """6 steps straight vs 2 steps, a checkpoint, then resumed to 6 (shuffled data, accumulation 2): same weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_trainer.callbacks import ExactResume
+
+    def run(max_steps: int, ckpt_path: str | None = None, save: bool = False) -> dict[str, torch.Tensor]:
+        pl.seed_everything(7)
+        module = RewardModule(_model(), tokenizer=load_tokenizer("tiny"), learning_rate=3e-3, warmup_steps=2)
+        callbacks = [ExactResume()]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True))
+        trainer = _trainer(max_steps, accumulate_grad_batches=2, callbacks=callbacks, enable_checkpointing=save)
+        trainer.fit(module, datamodule=_datamodule(train=20, batch_size=3, sampling="random"), ckpt_path=ckpt_path)
+        return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+
+    straight = run(6)
+    run(2, save=True)
+    resumed = run(6, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert all(torch.equal(resumed[k], v) for k, v in straight.items())
