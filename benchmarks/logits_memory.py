@@ -190,11 +190,14 @@ def run_dpo(runner: str, args: argparse.Namespace, timer: StepTimer) -> None:
         report["baseline"] = _rss_mib()
         trainer.fit(module, datamodule=dm)
         return
+    import copy
+
     from trl import DPOConfig, DPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
         trainer = DPOTrainer(
             model=model,
+            ref_model=copy.deepcopy(model),  # the same frozen copy ours keeps (the model was built, not loaded)
             args=hf_args(DPOConfig, out, args, max_length=args.seq + 8),
             train_dataset=rows,
             processing_class=build_tokenizer(),

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CausalLMModule", "DPOModule", "GRPOModule"]
+__all__ = ["CausalLMModule", "DPOModule", "GRPOModule", "RewardModule"]
 
 if TYPE_CHECKING:
-    from lit_trainer.modules import CausalLMModule, DPOModule, GRPOModule
+    from lit_trainer.modules import CausalLMModule, DPOModule, GRPOModule, RewardModule
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,7 @@ What it changes from a plain ``LightningCLI``:
 * optimizers and schedulers are injected into the module (``OptimizerCallable``/``LRSchedulerCallable``, trainable
   parameters only, stepped per optimizer step); the CLI's automatic ``--optimizer`` is off;
 * a fixed default seed (1234) instead of a random one, so a rerun or resume is reproducible;
-* one run = one folder: ``<trainer.default_root_dir (runs)>/<run_name (sft|dpo|grpo)>/version_<n>/`` holds the
+* one run = one folder: ``<trainer.default_root_dir (runs)>/<run_name (sft|dpo|grpo|reward)>/version_<n>/`` holds the
   CSV (and TensorBoard) logs, ``config.yaml``, ``checkpoints/`` and ``hf_model/``; a fresh run never writes into a
   folder that holds files, a resumed run continues in its checkpoint's folder (:mod:`lit_trainer.runs`);
 * ``--ckpt_path last`` resumes the newest complete checkpoint of an unfinished run with this run name AND the same
@@ -87,9 +87,9 @@ _LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.logg
 
 
 FIT_DESCRIPTION = (
-    "Train a LightningModule: lit_trainer's CausalLMModule (SFT), DPOModule or GRPOModule, or your own. The options "
-    "listed here are the trainer's and the run's. To list the model's and the data module's options: "
-    "`lit-trainer fit --model.help lit_trainer.CausalLMModule` (or DPOModule, GRPOModule) and "
+    "Train a LightningModule: lit_trainer's CausalLMModule (SFT), DPOModule, GRPOModule or RewardModule, or your "
+    "own. The options listed here are the trainer's and the run's. To list the model's and the data module's options: "
+    "`lit-trainer fit --model.help lit_trainer.CausalLMModule` (or DPOModule, GRPOModule, RewardModule) and "
     "`lit-trainer fit --data.help lit_trainer.data.SFTDataModule` (or PreferenceDataModule, PromptDataModule). They "
     "print the short spelling `--model.learning_rate`; the docs and configs write `--model.init_args.learning_rate`: "
     "both set the same option. Recipes and commands: `lit-trainer --help`."
@@ -197,8 +197,8 @@ class LitTrainerCLI(LightningCLI):
             "--run_name",
             type=str | None,
             default=None,
-            help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo "
-            "from the model class; the class name in lower case for other modules).",
+            help="Folder name of the run under trainer.default_root_dir (default: sft, dpo, grpo, "
+            "reward from the model class; the class name in lower case for other modules).",
         )
         parser.add_argument("--report_to", type=str | None, default=None, help=REPORT_TO_HELP)
 

@@ -21,12 +21,12 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
 DEFAULT_ROOT = "runs"
-_RECIPE_NAMES = {"CausalLMModule": "sft", "DPOModule": "dpo", "GRPOModule": "grpo"}
+_RECIPE_NAMES = {"CausalLMModule": "sft", "DPOModule": "dpo", "GRPOModule": "grpo", "RewardModule": "reward"}
 _VERSION = re.compile(r"^version_(\d+)$")
 
 
 def default_run_name(module_class_path: str) -> str:
-    """``sft``, ``dpo`` or ``grpo`` for our modules; the class name in lower case for any other LightningModule.
+    """``sft``, ``dpo``, ``grpo`` or ``reward`` for our modules; the class name in lower case for any other module.
 
     Example:
         >>> default_run_name("lit_trainer.DPOModule"), default_run_name("my.pkg.MyNet")

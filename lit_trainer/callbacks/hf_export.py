@@ -87,7 +87,8 @@ class _HFExport(PackageBound):
     """Export ``pl_module.model`` (and ``pl_module.tokenizer``) with ``save_pretrained`` when fit ends.
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
-    ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
+    ``AutoModelForCausalLM.from_pretrained`` (a ``RewardModule``'s with ``AutoModelForSequenceClassification``) /
+    ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
     A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step. Under
     ``ModelParallelStrategy`` (FSDP2) the full weights are gathered to rank 0's CPU first (every rank takes part).
     For a peft (LoRA) model it writes the adapter, which loads with ``peft.PeftModel.from_pretrained(base, dirpath)``

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import warnings
 from typing import Any, ClassVar, Literal, get_args
 
@@ -35,6 +36,7 @@ from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.packing import check_packing_options, row_completion_mask
 from lit_trainer.data.preference._checks import RowProblem, check_row, value_problem
 from lit_trainer.data.preference.collate import (
+    MARGIN_KEY,
     REF_CHOSEN_KEY,
     REF_REJECTED_KEY,
     PreferenceCollator,
@@ -69,25 +71,41 @@ def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list
     return chosen[:i], chosen[i:], rejected[i:]
 
 
+def _check_margins(margins: list[Any], split: str) -> None:
+    """Raise on the first ``margin`` cell that is not a finite number (it would fail deep inside the collator)."""
+    for index, value in enumerate(margins):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(
+                f"The {split} data's 'margin' column holds {value!r} at row {index}: margins must be finite numbers "
+                "(the reward model's loss subtracts them). Fix or drop that row, or remove the column."
+            )
+
+
 class PreferenceDataModule(BaseDataModule):
-    """Preference pairs for :class:`~lit_trainer.modules.dpo.DPOModule` (TRL 1.16 preprocessing and collation).
+    """Preference pairs for :class:`~lit_trainer.modules.dpo.DPOModule` and
+    :class:`~lit_trainer.modules.reward.RewardModule` (TRL 1.16 preprocessing and collation).
 
         Rows are ``{"prompt", "chosen", "rejected"}`` (explicit prompt) or ``{"chosen", "rejected"}`` (implicit prompt,
         split off as the common prefix); each is standard (strings) or conversational (lists of ``{"role", "content"}``
         messages, rendered with ``tokenizer.chat_template``; optional ``tools`` and ``chat_template_kwargs`` columns are
-        forwarded). ``count_items`` gives two counts: PAIRS (the pair losses are per-pair means) and chosen completion
-    tokens after the causal shift (the ``"sft"`` term is a token mean). The ``length`` column holds
-        the longer of prompt+chosen and prompt+rejected (capped at ``max_length``), for the length-aware samplers.
-        Counters in ``self.stats``: ``<split>_rows_truncated``, ``<split>_rows_dropped_prompt_too_long`` and
-        ``<split>_rows_identical_pairs``.
+        forwarded; an optional numeric ``margin`` column is kept and collated as a float ``margin`` (B,), for
+        :class:`~lit_trainer.modules.reward.RewardModule`). ``count_items`` gives two counts: PAIRS (the pair losses
+        are per-pair means) and chosen completion tokens after the causal shift (the ``"sft"`` term is a token
+        mean). The ``length`` column holds the longer of prompt+chosen and prompt+rejected (capped at
+        ``max_length``), for the length-aware samplers.
+        Counters in ``self.stats``: ``<split>_rows_truncated``, ``<split>_rows_dropped_prompt_too_long`` (with
+        ``truncation_mode="drop"``: ``<split>_rows_dropped_too_long``) and ``<split>_rows_identical_pairs``.
 
         Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
         instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
         inside the tokenizer or training on empty completions.
 
         Args:
-            truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped)
-                or ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped).
+            truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped),
+                ``keep_end`` (keeps each row's last ``max_length`` tokens; nothing is dropped) or ``drop`` (nothing is
+                cut: pairs whose prompt+chosen or prompt+rejected is longer than ``max_length`` are dropped, counted
+                as ``<split>_rows_dropped_too_long``; TRL's ``RewardTrainer`` filter, for reward models, whose score
+                is read at a row's last token).
             pad_to_multiple_of: round padded lengths up to a multiple.
             packing: ``"none"`` (right-padded) or ``"padding_free"``: each training micro-batch's 2B rows flattened into
                 one row, ``position_ids`` restarting per row, no padding (TRL's ``padding_free``); validation and the
@@ -214,8 +232,10 @@ class PreferenceDataModule(BaseDataModule):
                 "and optionally 'prompt'. Rename your columns."
             )
         self._require_rows(rows, split)
+        if MARGIN_KEY in rows.column_names:
+            _check_margins(rows[MARGIN_KEY], split)
         explicit = "prompt" in rows.column_names
-        keep = ["answer"] if "answer" in rows.column_names else []
+        keep = [c for c in ("answer", MARGIN_KEY) if c in rows.column_names]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
             data = rows.map(
@@ -224,26 +244,32 @@ class PreferenceDataModule(BaseDataModule):
                 remove_columns=[c for c in rows.column_names if c not in keep],
                 desc=f"Tokenizing {split}",
             )
-        usable = data
-        if self.hparams.truncation_mode == "keep_start":
-            limit = self.hparams.max_length
+        usable, limit, mode = data, self.hparams.max_length, self.hparams.truncation_mode
+        if mode == "keep_start":
             usable = data.filter(lambda b: [len(p) < limit for p in b["prompt_ids"]], batched=True)
+        elif mode == "drop":  # TRL RewardTrainer: a pair is kept only when both its rows fit whole
+            usable = data.filter(lambda b: [not t for t in b["truncated"]], batched=True)
         dropped = len(data) - len(usable)
         usable, identical = self._identical_pairs(usable, split)
         truncated = sum(usable["truncated"])
+        why = "whose prompt alone reaches" if mode != "drop" else "with a row longer than"
         self._count_filtered(
             split,
             truncated,
-            ("dropped_prompt_too_long", dropped),
-            f"{truncated} preference rows longer than max_length={self.hparams.max_length} are truncated "
-            f"({self.hparams.truncation_mode}); {dropped} rows whose prompt alone reaches max_length were dropped.",
+            ("dropped_prompt_too_long" if mode != "drop" else "dropped_too_long", dropped),
+            f"{truncated} preference rows longer than max_length={limit} are truncated ({mode}); {dropped} rows "
+            f"{why} max_length were dropped.",
         )
         if len(usable) == 0:
             raise ValueError(
                 f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "
-                f"max_length={self.hparams.max_length} tokens (raise max_length, shorten the prompts or "
-                f"use truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
+                f"max_length={limit} tokens (raise max_length, shorten the prompts or use "
+                f"truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
                 "drop_identical_pairs=False keeps them)."
+                if mode != "drop"
+                else f"No {split} row is left: of {len(data)} rows, {dropped} had a chosen or rejected row longer "
+                f"than max_length={limit} tokens (truncation_mode='drop'; raise max_length or shorten the rows) "
+                f"and {identical} had chosen == rejected (drop_identical_pairs=False keeps them)."
             )
         return usable.remove_columns(["truncated", "identical"])
 

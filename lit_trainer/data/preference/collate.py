@@ -3,7 +3,7 @@
 A micro-batch of B pairs becomes 2B right-padded rows, chosen rows ``0..B-1`` then rejected rows ``B..2B-1``, each
 truncated to ``max_length`` on its own (first or last tokens), with ``input_ids``, ``attention_mask`` and the unshifted
 ``completion_mask``; precomputed reference log-probs travel along as ``ref_chosen_logps``/``ref_rejected_logps``
-(B,) when the dataset has them (see
+(B,) when the dataset has them, and a ``margin`` column as a float ``margin`` (B,) (see
 :meth:`~lit_trainer.data.preference.PreferenceDataModule.set_reference_logps`). With ``packed=True`` the 2B rows are
 one padding-free row instead (:func:`packed_pairs`).
 """
@@ -16,9 +16,11 @@ import torch
 
 from lit_trainer.data.collate import pad_right
 
-TruncationMode = Literal["keep_start", "keep_end"]
+TruncationMode = Literal["keep_start", "keep_end", "drop"]
 REF_CHOSEN_KEY, REF_REJECTED_KEY = "ref_chosen_logps", "ref_rejected_logps"
-_TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:]}
+MARGIN_KEY = "margin"  # the optional per-pair margin of reward-model data (TRL's RewardTrainer column)
+# "drop": the data module keeps only pairs that fit, so the first max_length tokens are the whole row
+_TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:], "drop": lambda seq, n: seq[:n]}
 
 
 def same_model_inputs(
@@ -59,7 +61,8 @@ class PreferenceCollator:
     Args:
         pad_token_id: id used for padding ``input_ids`` (masked out by ``attention_mask``).
         max_length: per-row token budget, applied to each of the 2B rows on its own.
-        truncation_mode: ``keep_start`` keeps a row's first ``max_length`` tokens, ``keep_end`` its last.
+        truncation_mode: ``keep_start`` keeps a row's first ``max_length`` tokens, ``keep_end`` its last; ``drop``
+            (the data module dropped every pair that does not fit) cuts nothing.
         pad_to_multiple_of: round the padded length up.
         packed: flatten the 2B rows into ONE padding-free row instead (:func:`packed_pairs`).
     """
@@ -94,4 +97,6 @@ class PreferenceCollator:
         if all(REF_CHOSEN_KEY in row for row in rows):
             batch[REF_CHOSEN_KEY] = torch.tensor([row[REF_CHOSEN_KEY] for row in rows], dtype=torch.float32)
             batch[REF_REJECTED_KEY] = torch.tensor([row[REF_REJECTED_KEY] for row in rows], dtype=torch.float32)
+        if all(MARGIN_KEY in row for row in rows):
+            batch[MARGIN_KEY] = torch.tensor([float(row[MARGIN_KEY]) for row in rows], dtype=torch.float32)
         return batch
