@@ -111,12 +111,14 @@ def dpo_module(tokenizer: Any) -> Any:
     )
 
 
-def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
-    """GRPO, 2 ranks, 4 optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds, so the
-    step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round, the
-    longest completion this rank kept (they differ between ranks), the clipping record and the initial weights.
-    ``precision="64-true"``:
-    the same run in float64, the calibration of the float32 comparisons (``tests/helpers/rounding.py``)."""
+def grpo_run(
+    strategy: Any, precision: str = "32-true", steps: int = 4, **module_kwargs: Any
+) -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
+    """GRPO, 2 ranks, ``steps`` optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds,
+    so the step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round,
+    the longest completion this rank kept (they differ between ranks), the clipping record and the initial trainable
+    weights. ``precision="64-true"``: the same run in float64, the calibration of the float32 comparisons
+    (``tests/helpers/rounding.py``). ``module_kwargs`` go to ``GRPOModule`` (e.g. ``peft_config``)."""
     import transformers
     from ddp_grpo import build_model, length_reward, prompt_texts
 
@@ -127,7 +129,6 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
     model = build_model()
     with torch.no_grad():
         model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     module = GRPOModule(
         model,
         tokenizer=tokenizer,
@@ -140,7 +141,9 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
         beta=0.04,
         max_grad_norm=1.0,
         generation_seed=0,
+        **module_kwargs,
     )
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
     longest: list[int] = []
     inner = module._score
 
@@ -158,7 +161,7 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
         dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}),
     )
     clip = ClipRecorder()
-    trainer(strategy, 2, 4, [clip], precision=precision).fit(module, datamodule=dm)
+    trainer(strategy, 2, steps, [clip], precision=precision).fit(module, datamodule=dm)
     return module, longest, clip, initial
 
 
