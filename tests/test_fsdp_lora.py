@@ -101,9 +101,7 @@ def test_sharded_lora_dpo_with_the_adapter_disabled_reference_matches_one_proces
     from transformers import ByT5Tokenizer
 
     sharded = torch.load(run / "dpo.pt", weights_only=False)
-    single = _single(
-        lora_common.dpo_module, lambda: common.dpo_datamodule(ByT5Tokenizer(), 4), lora_common.DPO_STEPS
-    )
+    single = _single(lora_common.dpo_module, lambda: common.dpo_datamodule(ByT5Tokenizer(), 4), lora_common.DPO_STEPS)
     single.rounding.check(sharded["weights"], single.weights, mistake=single.step)
 
 

@@ -55,13 +55,12 @@ def model_parallel(devices: int = 2) -> Any:
 
 
 def trainer(strategy: Any, devices: int, max_steps: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
-    options = {"limit_val_batches": 0, "enable_checkpointing": False, **kwargs}
+    options = {"limit_val_batches": 0, "enable_checkpointing": False, "accumulate_grad_batches": ACCUMULATE, **kwargs}
     return pl.Trainer(
         accelerator="cpu",
         strategy=strategy,
         devices=devices,
         max_steps=max_steps,
-        accumulate_grad_batches=ACCUMULATE,
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
@@ -112,13 +111,14 @@ def dpo_module(tokenizer: Any) -> Any:
 
 
 def grpo_run(
-    strategy: Any, precision: str = "32-true", steps: int = 4, **module_kwargs: Any
+    strategy: Any, precision: str = "32-true", steps: int = 4, accumulate: int = ACCUMULATE, **module_kwargs: Any
 ) -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
     """GRPO, 2 ranks, ``steps`` optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds,
     so the step's token count is only known at its end: the gradient-rescale path). Returns the module and, per round,
     the longest completion this rank kept (they differ between ranks), the clipping record and the initial trainable
     weights. ``precision="64-true"``: the same run in float64, the calibration of the float32 comparisons
-    (``tests/helpers/rounding.py``). ``module_kwargs`` go to ``GRPOModule`` (e.g. ``peft_config``)."""
+    (``tests/helpers/rounding.py``). ``accumulate``: micro-batches per optimizer step. ``module_kwargs`` go to
+    ``GRPOModule`` (e.g. ``peft_config``)."""
     import transformers
     from ddp_grpo import build_model, length_reward, prompt_texts
 
@@ -161,7 +161,8 @@ def grpo_run(
         dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}),
     )
     clip = ClipRecorder()
-    trainer(strategy, 2, steps, [clip], precision=precision).fit(module, datamodule=dm)
+    fitter = trainer(strategy, 2, steps, [clip], precision=precision, accumulate_grad_batches=accumulate)
+    fitter.fit(module, datamodule=dm)
     return module, longest, clip, initial
 
 

@@ -39,9 +39,9 @@ if __name__ == "__main__":
     types = {type(p).__name__ for p in module.model.parameters()}  # before a forward leaves the root gathered
     logits = lora_common.probe_logits(module.model)  # a collective: every rank runs the sharded forward
     resumed = lora_common.sft_module()
-    common.trainer(
-        common.model_parallel(), 2, lora_common.SFT_STEPS, [], enable_checkpointing=False
-    ).fit(resumed, datamodule=lora_common.sft_datamodule(2), ckpt_path=os.path.join(out, "sft_ckpt", "step=2.ckpt"))
+    common.trainer(common.model_parallel(), 2, lora_common.SFT_STEPS, [], enable_checkpointing=False).fit(
+        resumed, datamodule=lora_common.sft_datamodule(2), ckpt_path=os.path.join(out, "sft_ckpt", "step=2.ckpt")
+    )
     resumed_weights = lora_common.adapter_weights(resumed)
     if trainer.is_global_zero:
         torch.save(
