@@ -29,7 +29,7 @@ def _sum_of_squares(tensor: Tensor) -> Tensor:
     """``sum(tensor ** 2)`` in float64, converting at most :data:`CHUNK` elements at a time."""
     total = torch.zeros((), dtype=torch.float64, device=tensor.device)
     for chunk in tensor.detach().reshape(-1).split(CHUNK):
-        total += chunk.to(torch.float64).square().sum()
+        total += torch.linalg.vector_norm(chunk, dtype=torch.float64).square()  # one float64 pass per chunk
     return total
 
 
