@@ -28,8 +28,6 @@ from helpers.models import tiny_llama
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.modules.base import _adapter_checkpoint
 
-pytestmark = pytest.mark.ddp
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -59,6 +57,7 @@ def _single(build, datamodule, steps: int) -> SimpleNamespace:
     )
 
 
+@pytest.mark.ddp
 def test_sharded_lora_sft_ends_with_the_single_process_adapters(run: Path):
     sharded = torch.load(run / "sft.pt", weights_only=False)
     assert sharded["param_types"] == {"DTensor"}  # base and adapters sharded
@@ -67,6 +66,7 @@ def test_sharded_lora_sft_ends_with_the_single_process_adapters(run: Path):
     single.rounding.check(sharded["weights"], single.weights, mistake=single.step)
 
 
+@pytest.mark.ddp
 def test_sharded_lora_checkpoint_holds_only_the_adapters_and_resumes_exactly(run: Path):
     folder = run / "sft_ckpt" / "step=2.ckpt"
     assert folder.is_dir()  # a distributed checkpoint: each rank wrote its shards
@@ -86,6 +86,7 @@ def test_sharded_lora_checkpoint_holds_only_the_adapters_and_resumes_exactly(run
         assert torch.equal(sharded["resumed"][name], value), name
 
 
+@pytest.mark.ddp
 def test_sharded_lora_export_is_the_gathered_adapter_and_loads_on_the_base(run: Path):
     sharded = torch.load(run / "sft.pt", weights_only=False)
     loaded = peft.PeftModel.from_pretrained(tiny_llama(seed=1, layers=2), str(run / "sft_export"))
@@ -97,6 +98,7 @@ def test_sharded_lora_export_is_the_gathered_adapter_and_loads_on_the_base(run: 
     assert torch.equal(lora_common.probe_logits(loaded), sharded["logits"])
 
 
+@pytest.mark.ddp
 def test_sharded_lora_dpo_with_the_adapter_disabled_reference_matches_one_process(run: Path):
     from transformers import ByT5Tokenizer
 
@@ -105,6 +107,7 @@ def test_sharded_lora_dpo_with_the_adapter_disabled_reference_matches_one_proces
     single.rounding.check(sharded["weights"], single.weights, mistake=single.step)
 
 
+@pytest.mark.ddp
 def test_sharded_lora_grpo_matches_ddp(run: Path):
     for rank in (0, 1):
         grpo = torch.load(run / f"grpo_rank{rank}.pt", weights_only=False)
@@ -113,3 +116,25 @@ def test_sharded_lora_grpo_matches_ddp(run: Path):
         rounding = Rounding.of(ddp, grpo["ddp64"]["weights"], what="GRPO LoRA weights")
         step = _step(ddp, grpo["ddp"]["initial"], lora_common.GRPO_STEPS)
         rounding.check(grpo["sharded"]["weights"], ddp, mistake=step)
+
+
+def test_the_pieces_of_lora_under_sharding_that_need_no_launch(monkeypatch: pytest.MonkeyPatch):
+    from lit_trainer.callbacks import HFExport, hf_export
+    from lit_trainer.modules.base import _peft, _sharding
+
+    module = lora_common.sft_module()
+    # FSDP2's root group is the transformers model inside the peft wrapper: peft's generate calls that model's forward
+    assert _sharding.shard_root(module.model) is module.model.get_base_model()
+    plain = tiny_llama(layers=1)
+    assert _sharding.shard_root(plain) is plain
+    _peft.check_strategy(type("ModelParallelStrategy", (), {})())  # accepted now
+    with pytest.raises(ValueError, match="DeepSpeedStrategy is not supported.*ModelParallelStrategy"):
+        _peft.check_strategy(type("DeepSpeedStrategy", (), {})())
+    monkeypatch.setattr(hf_export, "is_sharded", lambda model: True)  # as after configure_model under FSDP2
+    with pytest.raises(ValueError, match=r"merge_adapters=True.*merge_and_unload"):
+        HFExport(merge_adapters=True).check_merge(module)
+    HFExport().check_merge(module)  # the adapter export is gathered and written
+    # the module's state_dict leaves the frozen base out once configure_model has sharded a peft model
+    full = module.state_dict()
+    module._adapter_only_state = True
+    assert set(module.state_dict()) == {n for n, p in module.named_parameters() if p.requires_grad} < set(full)
