@@ -89,6 +89,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             target_modules: all-linear}`` (``LoraConfig(**mapping)``; with a ``peft_type`` key,
             ``peft.get_peft_config``). The model is wrapped here; checkpoints then hold only the trainable weights
             (see :mod:`lit_trainer.modules.base._peft` and :mod:`lit_trainer.modules.base._adapter_checkpoint`).
+            Under ``ModelParallelStrategy`` the wrapped model is then sharded: adapters over a sharded, frozen base.
         adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
         gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
             non-reentrant): less activation memory, about one more forward of compute. Works under sharding too.
