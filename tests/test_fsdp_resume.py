@@ -118,7 +118,10 @@ def _free_port() -> int:
 def _two_nodes(out: Path, port: int, sigterm_at: int | None) -> list[tuple[int, str]]:
     """The config on two "nodes": one torchrun launcher per node, one rank each, static rendezvous on 127.0.0.1 (the
     docs/cluster.md command with ``--nnodes 2``). Returns each node's (launcher exit status, output)."""
+    # --shutdown-timeout: how long a signalled launcher lets its worker finish the JIT save before SIGKILL (default
+    # 30 s, which a heavily loaded test machine could exceed)
     torchrun = [str(_tool("torchrun")), "--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1"]
+    torchrun.append("--shutdown-timeout=300")
     lit_trainer = [*_command(out), "--trainer.num_nodes=2", "--trainer.devices=1"]
     env = _env(sigterm_at, FSDP_TEST_SIGTERM_TARGET="launcher")
     procs = []
@@ -126,7 +129,12 @@ def _two_nodes(out: Path, port: int, sigterm_at: int | None) -> list[tuple[int, 
         with open(out / f"node{node}.log", "w") as log:
             command = [*torchrun, f"--node-rank={node}", f"--master-port={port}", *lit_trainer]
             procs.append(subprocess.Popen(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT))
-    codes = [proc.wait(timeout=600) for proc in procs]
+    try:
+        codes = [proc.wait(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:  # a hang guard, not a speed requirement: never leave a launcher behind
+            if proc.poll() is None:
+                proc.kill()
     return [(code, (out / f"node{node}.log").read_text()) for node, code in enumerate(codes)]
 
 
