@@ -7,6 +7,8 @@ The same config as two nodes on this machine: two ``torchrun --nnodes 2 --nproc-
 rendezvous on 127.0.0.1), one rank each; SIGTERM to node 1's launcher -> both nodes' ranks save one checkpoint and exit
 143; the same two commands resume and end bit for bit with the uninterrupted run of two ranks on one node (Lightning's
 own launcher). What this proves and what it does not: ``docs/cluster.md``.
+
+And with LoRA over the sharded base: the JIT checkpoint holds the adapters only, and the same command resumes it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _tool(name: str) -> Path | str:
     return beside if beside.exists() else shutil.which(name) or name
 
 
-def _command(out: Path) -> list[str]:
+def _command(out: Path, *extra: str) -> list[str]:
     data = out / "rows.jsonl"  # small data: the test is about the checkpoint, not the task
     data.write_text("".join(f'{{"text": "{i} plus {i} is {2 * i}"}}\n' for i in range(48)))
     return [
@@ -60,6 +62,7 @@ def _command(out: Path) -> list[str]:
         "--data.eval_batch_size=4",
         "--trainer.callbacks+=fsdp_sigterm_probe.SigtermOneRank",
         f"--trainer.callbacks.out={out}",
+        *extra,
     ]
 
 
@@ -107,6 +110,31 @@ def test_sigterm_to_one_rank_saves_once_and_the_same_command_resumes_bit_exact(t
     assert second.returncode == 0, second.stderr[-3000:]
     assert "jit-epoch=0-step=3.ckpt" in second.stdout + second.stderr  # resumed from the JIT checkpoint
     _assert_resumed_equals_uninterrupted(tmp_path, uninterrupted)
+
+
+def test_lora_on_the_sharded_base_resumes_from_its_adapter_only_jit_checkpoint(tmp_path: Path):
+    """The same, with LoRA adapters over the sharded, frozen base: the JIT checkpoint folder holds the adapters only,
+    and the same command line resumes bit-exact with an uninterrupted LoRA run."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    lora = "--model.peft_config={r: 4, lora_alpha: 8, target_modules: all-linear}"
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    interrupted.mkdir()
+    reference.mkdir()
+    command = _command(interrupted, lora)
+    first = _run(interrupted, command, sigterm_at=3)
+    assert first.returncode == 143, first.stderr[-3000:]
+    folder = interrupted / "runs" / "sft_fsdp" / "jit" / "jit-epoch=0-step=3.ckpt"
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("state_dict.")]
+    assert weights and all(".lora_" in k for k in weights), weights  # adapter shards only, no frozen base
+
+    second = _run(interrupted, command, sigterm_at=3)  # the requeued job: the very same command line
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert folder.name in second.stdout + second.stderr  # resumed from the JIT checkpoint
+    fresh = _run(reference, _command(reference, lora), sigterm_at=None)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    _assert_resumed_equals_uninterrupted(interrupted, reference)
 
 
 def _free_port() -> int:
