@@ -92,7 +92,8 @@ class _HFExport(PackageBound):
     A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step. Under
     ``ModelParallelStrategy`` (FSDP2) the full weights are gathered to rank 0's CPU first (every rank takes part).
     For a peft (LoRA) model it writes the adapter, which loads with ``peft.PeftModel.from_pretrained(base, dirpath)``
-    on the same base model, or with ``merge_adapters=True`` the merged model; the tokenizer goes with both.
+    on the same base model, or with ``merge_adapters=True`` the merged model; the tokenizer goes with both. A sharded
+    peft model gathers only its trainable adapter to rank 0; ``merge_adapters=True`` is refused there.
 
     Args:
         dirpath: export directory; default ``<trainer.log_dir>/hf_model`` (or ``<default_root_dir>/hf_model``).
@@ -132,16 +133,33 @@ class _HFExport(PackageBound):
             "HFExport for other modules."
         )
 
+    def check_merge(self, pl_module: pl.LightningModule) -> None:
+        """Refuse ``merge_adapters=True`` for a sharded peft model (called before training): merging needs the whole
+        base on one rank.
+
+        Raises:
+            ValueError: naming the fix (merge the exported adapter offline).
+        """
+        model = pl_module.model
+        if self.merge_adapters and is_adapter_model(model) and is_sharded(model):
+            raise ValueError(
+                "HFExport(merge_adapters=True) is not supported for a sharded (ModelParallelStrategy) peft model: "
+                "merging needs the whole base model on one rank. Export the adapter (merge_adapters=False) and "
+                "merge it offline: `peft.PeftModel.from_pretrained(base, dirpath).merge_and_unload()`."
+            )
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_module(pl_module)  # after configure_model (a lazily built .model exists), before any step
+        self.check_merge(pl_module)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = self.resolve_dir(trainer)
         model = pl_module.model
-        # sharded (FSDP2): the full weights, gathered on rank 0 (a collective every rank joins)
-        state = full_state_dict(model) if is_sharded(model) else None
+        # sharded (FSDP2): the full weights, gathered on rank 0 (a collective every rank joins); of a peft model
+        # only the trainable adapter is gathered (the export holds nothing else)
+        state = full_state_dict(model, trainable_only=is_adapter_model(model)) if is_sharded(model) else None
         if trainer.is_global_zero:
             export_hf(
                 model,

@@ -55,13 +55,12 @@ def model_parallel(devices: int = 2) -> Any:
 
 
 def trainer(strategy: Any, devices: int, max_steps: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
-    options = {"limit_val_batches": 0, "enable_checkpointing": False, **kwargs}
+    options = {"limit_val_batches": 0, "enable_checkpointing": False, "accumulate_grad_batches": ACCUMULATE, **kwargs}
     return pl.Trainer(
         accelerator="cpu",
         strategy=strategy,
         devices=devices,
         max_steps=max_steps,
-        accumulate_grad_batches=ACCUMULATE,
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
@@ -111,13 +110,16 @@ def dpo_module(tokenizer: Any) -> Any:
     )
 
 
-def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
-    """GRPO, 2 ranks, 4 optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds, so the
-    step's token count is only known at its end: the gradient-rescale path), with ``sync_ref_model`` and
-    ``top_entropy_quantile``. Returns the module and, per round, the
-    longest completion this rank kept (they differ between ranks), the clipping record and the initial weights.
-    ``precision="64-true"``:
-    the same run in float64, the calibration of the float32 comparisons (``tests/helpers/rounding.py``)."""
+def grpo_run(
+    strategy: Any, precision: str = "32-true", steps: int = 4, accumulate: int = ACCUMULATE, **module_kwargs: Any
+) -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
+    """GRPO, 2 ranks, ``steps`` optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds,
+    so the step's token count is only known at its end: the gradient-rescale path), by default with ``sync_ref_model``
+    and ``top_entropy_quantile`` (the synced sharded reference and the entropy pool gathered over ranks). Returns the module and, per round,
+    the longest completion this rank kept (they differ between ranks), the clipping record and the initial trainable
+    weights. ``precision="64-true"``: the same run in float64, the calibration of the float32 comparisons
+    (``tests/helpers/rounding.py``). ``accumulate``: micro-batches per optimizer step. ``module_kwargs`` go to
+    ``GRPOModule`` (e.g. ``peft_config``)."""
     import transformers
     from ddp_grpo import build_model, length_reward, prompt_texts
 
@@ -128,7 +130,6 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
     model = build_model()
     with torch.no_grad():
         model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     module = GRPOModule(
         model,
         tokenizer=tokenizer,
@@ -141,10 +142,14 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
         beta=0.04,
         max_grad_norm=1.0,
         generation_seed=0,
-        sync_ref_model=True,  # TR-DPO on the sharded reference: mixed after step 2, used by round 3's KL
-        ref_model_sync_steps=2,
-        top_entropy_quantile=0.5,  # the entropy pool is gathered over ranks (a collective under sharding)
+        **{
+            "sync_ref_model": "peft_config" not in module_kwargs,  # TR-DPO on the sharded reference (not under LoRA:
+            "ref_model_sync_steps": 2,  # its reference is the base); mixed after step 2, used by round 3's KL
+            "top_entropy_quantile": 0.5,  # the entropy pool is gathered over ranks (a collective under sharding)
+            **module_kwargs,
+        },
     )
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
     longest: list[int] = []
     inner = module._score
 
@@ -162,7 +167,8 @@ def grpo_run(strategy: Any, precision: str = "32-true") -> tuple[Any, list[int],
         dataset=Dataset.from_dict({"prompt": prompt_texts(), "answer": ["0"] * len(prompt_texts())}),
     )
     clip = ClipRecorder()
-    trainer(strategy, 2, 4, [clip], precision=precision).fit(module, datamodule=dm)
+    fitter = trainer(strategy, 2, steps, [clip], precision=precision, accumulate_grad_batches=accumulate)
+    fitter.fit(module, datamodule=dm)
     return module, longest, clip, initial
 
 

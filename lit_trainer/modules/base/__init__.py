@@ -90,6 +90,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             target_modules: all-linear}`` (``LoraConfig(**mapping)``; with a ``peft_type`` key,
             ``peft.get_peft_config``). The model is wrapped here; checkpoints then hold only the trainable weights
             (see :mod:`lit_trainer.modules.base._peft` and :mod:`lit_trainer.modules.base._adapter_checkpoint`).
+            Under ``ModelParallelStrategy`` the wrapped model is then sharded: adapters over a sharded, frozen base.
         adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
         gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
             non-reentrant): less activation memory, about one more forward of compute. Works under sharding too.
@@ -368,6 +369,23 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         for network in self.networks_to_shard():
             if not _sharding.is_sharded(network):
                 _sharding.shard_model(network, mesh, _sharding.block_class_names(network, blocks), **policies)
+        # peft: the distributed checkpoint holds the adapters only (see :meth:`state_dict`)
+        self._adapter_only_state = self.is_peft
+
+    #: set by ``configure_model`` for a sharded peft model: :meth:`state_dict` leaves the frozen parameters out
+    _adapter_only_state = False
+
+    @override
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """``nn.Module.state_dict``; for a sharded peft model without the frozen parameters (the base, a frozen
+        reference adapter). ``ModelParallelStrategy`` saves and loads distributed checkpoints through this state dict
+        (torch's ``get_model_state_dict``), so its checkpoints hold the adapters only, as one-device and DDP ones do
+        (:mod:`lit_trainer.modules.base._adapter_checkpoint`). The full weights stay reachable through
+        ``self.model``."""
+        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self._adapter_only_state:
+            state = _adapter_checkpoint.trainable_state(self, state, prefix)
+        return state
 
     def networks_to_shard(self) -> list[torch.nn.Module]:
         """The networks ``configure_model`` shards: the policy and a reference network (DPO/GRPO ``ref_model``)."""

@@ -6,6 +6,10 @@ states stay. In its place the checkpoint records a fingerprint of the frozen wei
 float64 checksum), and ``check_frozen`` compares it on load: resuming onto a different base fails with an error instead
 of silently training another model. The module loads non-strictly (Lightning's ``strict_loading = False``, the
 documented way to load partial checkpoints); ``check_frozen`` makes sure every trainable parameter is in the file.
+
+Under ``ModelParallelStrategy`` the checkpoint is a distributed one (a folder in which every rank writes its shards):
+the module's ``state_dict`` then leaves the frozen parameters out (:func:`trainable_state`), so the strategy writes
+and reads only the adapter shards (it asks the module for the keys to load), and ``meta.pt`` keeps the fingerprint.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import math
 from typing import Any
 
 import torch
+
+from lit_trainer.modules.base._sharding import full
 
 FINGERPRINT_KEY = "lit_trainer_frozen_weights"
 
@@ -34,7 +40,9 @@ def fingerprint(module: torch.nn.Module) -> dict[str, Any]:
     """``{"layout": sha256 of names/shapes/dtypes, "checksum": float64 sum of |w|}`` over the frozen parameters."""
     named = dict((n, p) for n, p in module.named_parameters() if not p.requires_grad)
     layout = hashlib.sha256("|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named.items()).encode())
-    checksum = sum(float(p.detach().abs().sum(dtype=torch.float64)) for p in named.values())
+    # a sharded (DTensor) parameter's sum is a partial value: full() adds the ranks' parts (a collective that every
+    # rank runs, in the same order: the save and load hooks run on all ranks)
+    checksum = sum(float(full(p.detach().abs().sum(dtype=torch.float64))) for p in named.values())
     return {"layout": layout.hexdigest(), "checksum": checksum, "count": len(named)}
 
 
@@ -65,8 +73,10 @@ def check_frozen(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
         ValueError: the checkpoint lacks trainable parameters of the module, or was made on other frozen weights.
     """
     saved = checkpoint.get(FINGERPRINT_KEY)
-    state = checkpoint.get("state_dict", {})
-    missing = [n for n in trainable_names(module) if n not in state]
+    # a distributed checkpoint (ModelParallelStrategy) has no "state_dict" here: the strategy has already loaded the
+    # weights, and torch.distributed.checkpoint fails on a requested key the folder lacks, so nothing can be missing
+    state = checkpoint.get("state_dict")
+    missing = [] if state is None else [n for n in trainable_names(module) if n not in state]
     if missing:
         raise ValueError(
             f"The checkpoint has no values for trainable parameters {missing[:3]} (of {len(missing)}): "
@@ -84,3 +94,11 @@ def check_frozen(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
             f"{live['count']} frozen tensors, saved {saved['count']}). Build the module on the same base "
             "model as the run that wrote the checkpoint."
         )
+
+
+def trainable_state(module: torch.nn.Module, state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``state`` (a ``module.state_dict(prefix=prefix)``) without the frozen parameters: trainable parameters and
+    buffers stay."""
+    for name in frozen_names(module):
+        state.pop(prefix + name, None)
+    return state

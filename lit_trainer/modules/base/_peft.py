@@ -224,16 +224,18 @@ def reference_or_copy(model: Any, frozen_copy: Any) -> Any:
 
 
 def check_strategy(strategy: Any) -> None:
-    """Refuse strategies peft runs were not built for (sharded ones): the checkpoint filtering and the shared
-    reference assume every rank holds the whole network.
+    """Refuse strategies peft runs were not built for: the checkpoint filtering and the adapter-disabled reference
+    are checked on one device, under DDP and under ``ModelParallelStrategy`` (FSDP2: the model is wrapped by peft
+    first, then sharded; adapter-only distributed checkpoints).
 
     Raises:
-        ValueError: for anything but one device or DDP.
+        ValueError: for any other strategy (FSDP1, DeepSpeed), naming the fix.
     """
     name = type(strategy).__name__
-    if name not in ("SingleDeviceStrategy", "DDPStrategy"):
+    if name not in ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy"):
         raise ValueError(
-            f"`peft_config`/`adapter_path` run on one device or under DDP; {name} is not supported "
-            "(adapter-only checkpoints and the adapter-disabled reference assume unsharded weights). "
-            "Use strategy='ddp'."
+            f"`peft_config`/`adapter_path` run on one device, under DDP or under ModelParallelStrategy; {name} is "
+            "not supported (adapter-only checkpoints and the adapter-disabled reference are untested there). "
+            "Use strategy='ddp', or ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1) "
+            "to shard the frozen base."
         )

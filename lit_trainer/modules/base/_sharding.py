@@ -10,6 +10,10 @@ reduce-scattered with a mean over the ranks (as DDP's all-reduce), so the module
 
 Only data parallelism is applied: a mesh with ``tensor_parallel_size > 1`` is refused (tensor parallelism needs a
 per-architecture plan).
+
+A peft (LoRA) model is wrapped first and sharded after: the blocks hold their frozen base weights and their trainable
+adapters in one FSDP2 group (FSDP2 reduce-scatters only the gradients that exist), and the root group is the wrapped
+transformers model (:func:`shard_root`), whose forward both the training step and ``generate`` call.
 """
 
 from __future__ import annotations
@@ -85,9 +89,19 @@ def fsdp_policies(param_dtype: ParamDtype | None, cpu_offload: bool) -> dict[str
     return kwargs
 
 
+def shard_root(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``fully_shard`` takes as the root group: the model itself, or for a peft model (duck-typed:
+    ``peft_config`` and ``get_base_model``) the transformers model it wraps. peft's ``generate`` calls the wrapped
+    model's ``generate``, which runs the wrapped model's forward, never the peft wrapper's: a root group on the wrapper
+    would not be gathered there."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
 def shard_model(model: torch.nn.Module, mesh: Any, blocks: set[str], **policies: Any) -> torch.nn.Module:
-    """``fully_shard`` every module whose class name is in ``blocks``, then the root (which keeps the rest: the
-    embeddings, the final norm, the head, tied weights together).
+    """``fully_shard`` every module whose class name is in ``blocks``, then the root (:func:`shard_root`: it keeps
+    the rest: the embeddings, the final norm, the head, tied weights together).
 
     FSDP2 keeps a root's parameters gathered after its forward, for the backward that follows; a frozen network
     (the reference model: no backward) reshards its root after every forward instead, so its full embeddings and head
@@ -99,15 +113,16 @@ def shard_model(model: torch.nn.Module, mesh: Any, blocks: set[str], **policies:
         if module is not model and type(module).__name__ in blocks:
             fully_shard(module, mesh=mesh, **policies)
     frozen = not any(p.requires_grad for p in model.parameters())
-    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None, **policies)
+    fully_shard(shard_root(model), mesh=mesh, reshard_after_forward=True if frozen else None, **policies)
     return model
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was already passed to ``fully_shard`` (``configure_model`` may run more than once)."""
+    """Whether ``model`` (or, for a peft model, the model it wraps) was already passed to ``fully_shard``
+    (``configure_model`` may run more than once)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule) or isinstance(shard_root(model), FSDPModule)
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -126,17 +141,23 @@ def full(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, Tensor]:
     """The full (unsharded) state dict of ``model`` on the CPU. Sharded: a collective every rank must call, and only
-    rank 0 receives the tensors (the others get an empty dict, so no rank but one holds a full copy)."""
+    rank 0 receives the tensors (the others get an empty dict, so no rank but one holds a full copy).
+    ``trainable_only``: leave the frozen parameters out (a LoRA export gathers the adapters, not the base)."""
     if not any(is_dtensor(p) for p in model.parameters()):
-        return model.state_dict()
+        state = model.state_dict()
+        if trainable_only:
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
     )
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
 
 
 def shard_like(full_value: Tensor, like: Tensor) -> Tensor:

@@ -118,7 +118,9 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
     With ``peft_config`` (LoRA) and ``ref_model=None`` there is no copy: the reference is the policy network with its
     adapters disabled (the base model), or, with ``adapter_path``, with a frozen second load of that adapter active
     (the adapter's starting point); see :class:`~lit_trainer.modules.base._peft.AdapterReference`. ``sync_ref_model`` is
-    refused then; ``precompute_ref_log_probs`` works and keeps that reference for new data.
+    refused then; ``precompute_ref_log_probs`` works and keeps that reference for new data. Under
+    ``ModelParallelStrategy`` the base and the adapters are sharded, and every rank runs the adapter-disabled reference
+    forward at the same point of the step (a collective).
 
     Args:
         model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
