@@ -115,11 +115,11 @@ def grpo_run(
 ) -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
     """GRPO, 2 ranks, ``steps`` optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds,
     so the step's token count is only known at its end: the gradient-rescale path), by default with ``sync_ref_model``
-    and ``top_entropy_quantile`` (the synced sharded reference and the entropy pool gathered over ranks). Returns the module and, per round,
-    the longest completion this rank kept (they differ between ranks), the clipping record and the initial trainable
-    weights. ``precision="64-true"``: the same run in float64, the calibration of the float32 comparisons
-    (``tests/helpers/rounding.py``). ``accumulate``: micro-batches per optimizer step. ``module_kwargs`` go to
-    ``GRPOModule`` (e.g. ``peft_config``)."""
+    and ``top_entropy_quantile`` (the synced sharded reference and the entropy pool gathered over ranks). Returns the
+    module and, per round, the longest completion this rank kept (they differ between ranks), the clipping record and
+    the initial trainable weights. ``precision="64-true"``: the same run in float64, the calibration of the float32
+    comparisons (``tests/helpers/rounding.py``). ``accumulate``: micro-batches per optimizer step. ``module_kwargs``
+    go to ``GRPOModule`` (e.g. ``peft_config``)."""
     import transformers
     from ddp_grpo import build_model, length_reward, prompt_texts
 
