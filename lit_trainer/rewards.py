@@ -95,6 +95,16 @@ def format_reward(
     return [1.0 if _INTEGER.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
 
 
+def reward_model_name(path: str) -> str:
+    """A reward model's display name: the last part of its path (TRL's rule), except for a ``lit-trainer`` export
+    ``.../<run name>/version_<n>/hf_model``, which is named after its run (``runs/reward/version_0/hf_model`` ->
+    ``reward``)."""
+    parts = [p for p in path.replace(os.sep, "/").split("/") if p]
+    if len(parts) >= 3 and parts[-1] == "hf_model" and parts[-2].startswith("version_"):
+        return parts[-3]
+    return parts[-1] if parts else ""
+
+
 class RewardModelScorer:
     """A sequence-classification reward model used as a GRPO reward function (TRL 1.16's ``reward_funcs`` model entry).
 
@@ -153,7 +163,7 @@ class RewardModelScorer:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.__name__ = source.rstrip("/").split("/")[-1] or type(model).__name__  # TRL's display name
+        self.__name__ = reward_model_name(source) or type(model).__name__
 
     def to(self, device: torch.device | str) -> RewardModelScorer:
         """Move the model to ``device`` (a no-op when it is there); returns self."""

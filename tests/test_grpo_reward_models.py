@@ -97,6 +97,14 @@ def test_a_directory_is_a_reward_model_scored_at_the_last_real_token(tmp_path):
     assert not any(p.requires_grad for p in scorer.model.parameters()) and not scorer.model.training
 
 
+def test_reward_model_names():
+    from lit_trainer.rewards import reward_model_name
+
+    assert reward_model_name("org/reward-model") == "reward-model"  # TRL's rule: the last part of the path
+    assert reward_model_name("runs/reward/version_3/hf_model/") == "reward"  # a lit-trainer export: its run name
+    assert reward_model_name("exports/hf_model") == "hf_model"
+
+
 def test_reward_funcs_entries_resolve_to_functions_or_models(tmp_path):
     saved_reward_model(tmp_path / "rm")
     assert is_model_path(str(tmp_path / "rm")) and is_model_path("tiny-64") and is_model_path("org/reward-model")
