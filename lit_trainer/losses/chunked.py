@@ -29,9 +29,15 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """A fresh ``(c, V)`` tensor of logits / temperature (at least float32): callers may overwrite it."""
     z = F.linear(hidden, weight, bias)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
-    return z / temperature if temperature != 1.0 else z
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1)`` without a ``(c, V)`` temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2))[:, 0, 0]
 
 
 def _chunk_gradients(
@@ -44,21 +50,24 @@ def _chunk_gradients(
     g_entropy: Tensor | None,
     temperature: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk: ``(logps, d/dlogits, logits)`` for upstream gradients ``g_logp`` (and ``g_entropy``) per token."""
+    """One chunk: ``(logps, d/dlogits)`` for upstream gradients ``g_logp`` (and ``g_entropy``) per token.
+
+    Works in place: one ``(c, V)`` buffer (two with the entropy term)."""
     z = _chunk_logits(h, weight, bias, temperature)
     if lse is None:
         lse = torch.logsumexp(z, dim=-1)
     logps = z.gather(-1, target[:, None])[:, 0] - lse
-    p = torch.exp(z - lse[:, None])
     g_logp = g_logp[:, None].to(z.dtype)
-    g = p * -g_logp
+    if g_entropy is None:
+        g = z.sub_(lse[:, None]).exp_().mul_(-g_logp)  # p * -g_logp, in z's buffer
+    else:
+        p = (z - lse[:, None]).exp_()
+        entropy_part = z.sub_(_row_dot(p, z)[:, None]).mul_(p).mul_(g_entropy[:, None].to(z.dtype))  # p (z - E[z])
+        g = p.mul_(-g_logp).sub_(entropy_part)
     g.scatter_add_(-1, target[:, None], g_logp)
-    if g_entropy is not None:
-        expected = (p * z).sum(-1, keepdim=True)
-        g -= g_entropy[:, None].to(z.dtype) * p * (z - expected)
     if temperature != 1.0:
-        g /= temperature
-    return logps, g, z
+        g.div_(temperature)
+    return logps, g
 
 
 class _Grads:
@@ -98,8 +107,8 @@ class _ChunkedHead(torch.autograd.Function):
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             logps[start:stop] = z.gather(-1, targets[start:stop, None])[:, 0] - lse[start:stop]
             if with_entropy:
-                p = torch.exp(z - lse[start:stop, None])
-                entropy[start:stop] = lse[start:stop] - (p * z).sum(-1)
+                p = (z - lse[start:stop, None]).exp_()
+                entropy[start:stop] = lse[start:stop] - _row_dot(p, z)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.set_materialize_grads(False)  # an unused output (e.g. a detached entropy) gets None, not zeros
@@ -116,7 +125,7 @@ class _ChunkedHead(torch.autograd.Function):
             stop = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:stop]
             g_entropy = grad_entropy[start:stop] if with_entropy else None
-            _, g, _ = _chunk_gradients(
+            _, g = _chunk_gradients(
                 h, weight, bias, targets[start:stop], lse[start:stop], grad_logps[start:stop], g_entropy,
                 ctx.temperature,
             )  # fmt: skip
@@ -135,7 +144,7 @@ class _ChunkedLogpSum(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             stop = min(start + chunk_size, hidden.shape[0])
             h, w = hidden[start:stop], weights[start:stop]
-            logps, g, _ = _chunk_gradients(h, weight, bias, targets[start:stop], None, w, None, temperature)
+            logps, g = _chunk_gradients(h, weight, bias, targets[start:stop], None, w, None, temperature)
             total += (logps * w.to(logps.dtype)).sum()
             grads.add(start, stop, h, weight, g)
         ctx.grads = grads.result(weight, bias)
