@@ -7,7 +7,7 @@ NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated du
 BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
 BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP, and under DDP in float64, the calibration of the
-comparison: weights, longest completion per round, clipping; and sharded and DDP without accumulation).
+comparison: weights, longest completion per round, clipping).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
 """
 
@@ -110,7 +110,4 @@ if __name__ == "__main__":
         grpo[name] = {"weights": weights, "initial": initial, "longest": longest, "pre": clip.pre, "post": clip.post}
         grpo[name]["ref"] = common.full_weights(module, "ref_model")
         grpo[name]["post64"] = clip.post64
-    for name, strategy in (("sharded_one_micro_batch", common.model_parallel()), ("ddp_one_micro_batch", "ddp")):
-        module, longest, _, _ = common.grpo_run(strategy, accumulate=1)  # one reduction of each gradient per step
-        grpo[name] = {"weights": common.full_weights(module), "longest": longest}
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))

@@ -11,7 +11,6 @@ import torch
 from typing_extensions import override
 
 from lit_trainer.modules.base import _sharding
-from lit_trainer.modules.base._clipping import clip_grad_norm
 from lit_trainer.modules.base._schedules import build_schedule
 
 _NO_DECAY = ("bias", "norm")
@@ -108,6 +107,8 @@ class OptimizationMixin:
         max_norm = gradient_clip_val if gradient_clip_val is not None else self.hparams.max_grad_norm
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if params:
-            # the pre-clipping total norm as a device tensor (no host sync); inf = measure only. Summed in float64,
-            # over the shards of FSDP2's DTensor gradients too, so every layout clips by the same coefficient
-            self._grad_norm = clip_grad_norm(params, max_norm if max_norm else math.inf)
+            # the pre-clipping total norm as a device tensor (no host sync); inf = measure only. On FSDP2's DTensor
+            # gradients the norm is reduced over the shards, and `full` makes it a plain tensor for logging. torch's
+            # float32 norm, as the HF Trainer (docs/sharding.md, "GRPO sharded against DDP")
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf)
+            self._grad_norm = _sharding.full(norm)
