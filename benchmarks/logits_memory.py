@@ -17,7 +17,8 @@ Runners per algorithm: ``ours`` (default ``chunked_logits="auto"``: chunked at t
 prompts of ``--seq / 2`` tokens, completions of exactly ``--seq / 2`` new tokens (EOS suppressed), so every runner
 scores the same number of tokens.
 
-``--table`` adds ours vs ours-full for SFT at several sequence lengths and vocabularies (the growth of the peak).
+``--table`` adds ours vs ours-full for SFT at several sequence lengths and vocabularies (the growth of the peak; 2 steps
+each).
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def main() -> None:
         print("|---|---|---|---|")
         for vocab in (32_000, 151_936):
             for seq in (256, 512, 1024):
-                sub = argparse.Namespace(**{**vars(args), "vocab": vocab, "seq": seq})
+                sub = argparse.Namespace(**{**vars(args), "vocab": vocab, "seq": seq, "steps": 2})
                 chunked, full = measure("sft", "ours", sub), measure("sft", "ours-full", sub)
                 print(f"| {vocab} | {seq} | {chunked['peak_mib']:.0f} | {full['peak_mib']:.0f} |", flush=True)
 
