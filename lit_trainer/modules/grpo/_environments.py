@@ -5,8 +5,8 @@ model's tools.
   prompt row picks its factory by its ``environment`` column.
 * Every rollout (each of a prompt's ``num_generations`` completions) gets its own instance. Instances are made once
   and reused: a round takes them from a pool in row order, growing it when a round needs more.
-* ``reset(**row)`` is called at the start of a rollout with the prompt row's other columns; a string it returns is
-  appended to the content of the prompt's last message.
+* ``reset(**row)`` is called at the start of a rollout with the prompt row (``prompt`` and the other columns, not
+  ``environment``); a string it returns is appended to the content of the prompt's last message.
 * The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
   :mod:`lit_trainer.modules.grpo._tools`), bound to the rollout's instance.
 * ``get_reward()`` (when the class defines it) is an extra reward function named after the class, weight 1.0: it scores
@@ -129,7 +129,9 @@ class Environments:
         Returns the prompts (new message lists where changed; the inputs are not modified)."""
         out = []
         for i, (environment, prompt) in enumerate(zip(instances, prompts, strict=True)):
-            row = {k: v[i] for k, v in columns.items() if not (self.multi and k == ENVIRONMENT_COLUMN)}
+            row = {"prompt": prompt, **{k: v[i] for k, v in columns.items()}}
+            if self.multi:
+                row.pop(ENVIRONMENT_COLUMN)
             observation = environment.reset(**row)
             if isinstance(observation, str) and observation:
                 last = prompt[-1]
