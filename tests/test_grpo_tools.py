@@ -295,7 +295,8 @@ def test_environments_one_per_rollout_reset_tools_and_get_reward():
 
 def test_a_dict_of_environments_scores_with_get_reward_under_each_class_name():
     rows = prompt_rows(PROBLEMS[:2], environment=["counting", "silent"])
-    grpo, rounds = module(environment_factory={"counting": CountingEnv, "silent": Silent}, reward_weights=[1.0]), Rounds()
+    factories = {"counting": CountingEnv, "silent": Silent}
+    grpo, rounds = module(environment_factory=factories, reward_weights=[1.0]), Rounds()
     L.Trainer(max_steps=1, callbacks=[rounds], **QUIET).fit(grpo, datamodule=data(rows))
     metrics = rounds.rounds[0][1]
     assert grpo.reward_names == ["arithmetic_reward", "CountingEnv", "Silent"] and grpo.reward_weights == [1.0] * 3
