@@ -26,6 +26,14 @@ checkpoint written inside an optimizer step (a validation between its micro-batc
 exactly too: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in the
 buffer, unless the step began in the previous generation round (then only its remaining micro-batches are counted).
 
+Tools, environments and ``rollout_func`` (:mod:`lit_trainer.modules.grpo._agentic`). With ``tools`` or an
+``environment_factory`` the round's single ``generate`` becomes a batched multi-turn loop
+(:mod:`lit_trainer.modules.grpo._multi_turn`): every rollout's first turn in one call, the rows that call tools run
+them (:mod:`lit_trainer.modules.grpo._tools`, environments in :mod:`lit_trainer.modules.grpo._environments`) and
+continue together in one call per turn. Tool-result tokens are in the rows (``completion_attention_mask``) but not in
+``completion_mask``, which is the loss mask and what the normaliser counts. A ``rollout_func`` replaces generation.
+The scored rows go through the same buffer, so resume stays exact without any environment state.
+
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
 loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
 is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions
