@@ -21,7 +21,7 @@ def test_each_rank_runs_its_own_environments_and_the_gradient_equals_one_process
     assert proc.returncode == 0, output_tail(proc)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single = script.first_step(1)
-    for r, record in enumerate(ranks):
+    for record in ranks:
         assert record["env_pids"] and set(record["env_pids"]) == {record["pid"]}  # its own instances, its own process
         assert record["slices"][0]["completion_ids"].shape[0] == script.G  # its prompt's rollouts only
         for name in ("tools/call_frequency", "tools/failure_frequency", "reward", "rewards/PidEnv/mean"):
