@@ -53,8 +53,8 @@ def build(devices_batch: int, dtype: torch.dtype = torch.float32) -> tuple[Any, 
     tokenizer = build_tokenizer()
     module = GRPOModule(
         build_preset_model("tiny-64").to(dtype), tokenizer=tokenizer, reward_funcs=[arithmetic_reward],
-        environment_factory=PidEnv, num_generations=G, max_completion_length=160, learning_rate=1e-3, scheduler="constant", max_grad_norm=0.0,
-        generation_seed=0,
+        environment_factory=PidEnv, num_generations=G, max_completion_length=160, learning_rate=1e-3,
+        scheduler="constant", max_grad_norm=0.0, generation_seed=0,
     )  # fmt: skip
     ScriptedGenerate(module.model, tokenizer)
     rows = Dataset.from_dict(
