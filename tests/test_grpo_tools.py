@@ -156,6 +156,11 @@ def test_max_iterations_and_the_completion_budget_bound_the_loop():
         pad_token_id=0,
     )  # fmt: skip
     assert one.stats.calls == 2 and [m["role"] for m in one.messages[0]].count("assistant") == 3
+    none = multi_turn_rollouts(
+        always_call, tokenizer, prompt, [{"add": add}], max_completion_length=500, max_iterations=0, eos_ids=[1],
+        pad_token_id=0,
+    )  # fmt: skip
+    assert none.stats.calls == 0 and len(none.messages[0]) == 1  # the call is made but never run
     call_length = len(tokenizer(call({"a": 2, "b": 2}), add_special_tokens=False)["input_ids"])
     tight = multi_turn_rollouts(
         always_call, tokenizer, prompt, [{"add": add}], max_completion_length=call_length + 5, max_iterations=5,
@@ -362,9 +367,15 @@ def test_resume_inside_a_tool_round_is_exact_and_does_not_rerun_tools(tmp_path):
 def test_builtin_tool_task_rows_render_with_the_tool_schema():
     chat = builtin.tool_addition_chat_rows("train")
     calls = [m for m in chat["messages"] if len(m) == 4]
-    assert len(calls) == -(-len(chat) // 4) and json.loads(chat["tools"][0])[0]["function"]["name"] == "add"
+    assert len(calls) == -(-len(chat) // 2) and json.loads(chat["tools"][0])[0]["function"]["name"] == "add"
     call_turn = calls[0][1]["tool_calls"][0]["function"]
     assert builtin.add(**call_turn["arguments"]) == int(calls[0][3]["content"])
     prompts = builtin.tool_addition_prompt_rows("validation")
     held_out = {p[0]["content"] for p in prompts["prompt"]}
     assert not held_out & {m[0]["content"] for m in chat["messages"]}
+
+
+def test_max_tool_calling_iterations_zero_runs_no_tool():
+    grpo, rounds = module(tools=[add], max_tool_calling_iterations=0), Rounds()
+    L.Trainer(max_steps=1, callbacks=[rounds], **QUIET).fit(grpo, datamodule=data(prompt_rows(PROBLEMS[:2])))
+    assert grpo.scripted.calls == [6] and float(rounds.rounds[0][1]["tools/call_frequency"]) == 0.0

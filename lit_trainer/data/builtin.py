@@ -11,7 +11,7 @@ Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuff
   a swapped digit), chosen deterministically per problem;
 * prompt rows (GRPO): ``prompt`` and ``answer`` for a correctness reward.
 
-``builtin:tool_addition`` is a tool-use task: four-digit sums (``"4821+3377=?"``), too long for the tiny presets to
+``builtin:tool_addition`` is a tool-use task: four-digit sums (``"5821+7377=?"``), too long for the tiny presets to
 add reliably, with an :func:`add` tool. Its chat SFT rows (``builtin:tool_addition_chat``) are transcripts in which one
 row in ``tool_every`` calls the tool (assistant ``<tool_call>`` turn, ``tool`` result, assistant answer) and the
 others answer directly; its prompt rows (GRPO) are the user turn and the ``answer``. Every row carries the tool's
@@ -173,7 +173,8 @@ def add(a: int, b: int) -> int:
 
 
 def tool_addition_problems(split: Split, *, num_validation: int = 200, count: int = 4000) -> list[tuple[int, int]]:
-    """``count`` four-digit operand pairs (seeded), the first ``num_validation`` held out.
+    """``count`` four-digit operand pairs in ``[5000, 9999]`` (so every sum has five digits), seeded; the first
+    ``num_validation`` are held out.
 
     Raises:
         ValueError: for an unknown split or a ``num_validation`` outside ``[1, count - 1]``.
@@ -181,7 +182,7 @@ def tool_addition_problems(split: Split, *, num_validation: int = 200, count: in
     if not 0 < num_validation < count:
         raise ValueError(f"`num_validation={num_validation}` is invalid: it must be in [1, {count - 1}].")
     rng = random.Random(_SEED + 1)
-    problems = [(rng.randint(1000, 9999), rng.randint(1000, 9999)) for _ in range(count)]
+    problems = [(rng.randint(5000, 9999), rng.randint(5000, 9999)) for _ in range(count)]
     if split == "validation":
         return problems[:num_validation]
     if split == "train":
@@ -204,7 +205,7 @@ def tool_call_transcript(a: int, b: int) -> list[dict]:
     ]
 
 
-def tool_addition_chat_rows(split: Split, num_validation: int = 200, tool_every: int = 4) -> Dataset:
+def tool_addition_chat_rows(split: Split, num_validation: int = 200, tool_every: int = 2) -> Dataset:
     """Chat SFT transcripts of ``builtin:tool_addition``: one row in ``tool_every`` calls :func:`add`, the others
     answer directly (the correct sum); ``answer`` is the sum, ``tools`` the tool's schema (JSON)."""
     problems = tool_addition_problems(split, num_validation=num_validation)

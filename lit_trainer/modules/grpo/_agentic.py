@@ -117,11 +117,12 @@ class AgenticRolloutMixin:
             ))
             for p, t in zip(prompts, row_tools)
         ]  # fmt: skip
+        iterations = self.hparams.max_tool_calling_iterations
         result = multi_turn_rollouts(
             self._generator(config, eos), self.tokenizer, prompt_ids,
             [{tool_name(t): t for t in tools} for tools in row_tools],
             max_completion_length=self.hparams.max_completion_length,
-            max_iterations=self.hparams.max_tool_calling_iterations or 2**31,
+            max_iterations=2**31 if iterations is None else iterations,
             eos_ids=eos, pad_token_id=config.pad_token_id, any_rank=self._any_rank, chat_template_kwargs=options,
         )  # fmt: skip
         rows = self._prompt_rows(prompt_ids)
