@@ -89,6 +89,8 @@ def test_tools_resolve_from_import_paths_and_errors_name_the_fix():
         resolve_tools(["no_such.module.add"])
     with pytest.raises(ValueError, match="unique"):
         resolve_tools([add, builtin.add])
+    with pytest.raises(ValueError, match="`reward_funcs` is empty"):
+        GRPOModule("tiny-64", reward_funcs=[], tools=[add])  # only an environment's get_reward may stand in
     with pytest.raises(ValueError, match=r"max_tool_calling_iterations=-1"):
         GRPOModule("tiny-64", reward_funcs=[arithmetic_reward], tools=[add], max_tool_calling_iterations=-1)
 
@@ -290,6 +292,8 @@ def test_environments_one_per_rollout_reset_tools_and_get_reward():
     assert [type(e) for e in instances] == [CountingEnv, Silent, CountingEnv] and instances[0] is not instances[2]
     prompts = envs.reset(instances, [[{"role": "user", "content": "q"}]] * 3, columns)
     assert [p[-1]["content"] for p in prompts] == ["q Use add.", "q", "q Use add."]
+    owned = GRPOModule("tiny-64", reward_funcs=[], environment_factory=CountingEnv)  # the environment owns the reward
+    assert owned.reward_names == ["CountingEnv"] and owned.tools == []
     with pytest.raises(ValueError, match="not a key of environment_factory"):
         envs.assign({"environment": ["other"]}, 1)
     with pytest.raises(ValueError, match="needs an 'environment' column"):

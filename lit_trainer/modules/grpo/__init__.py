@@ -288,7 +288,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
                 batch_size=reward_model_batch_size,
                 trust_remote_code=kwargs.get("trust_remote_code", False),
             )
-            if as_list(given)
+            if as_list(given) or not own_rewards
             else []
         )
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
