@@ -38,17 +38,38 @@ PRESET_PREFIX = "tiny"
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
 BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has id b + 3
 NUM_EXTRA_IDS = 125  # ByT5's <extra_id_N> tokens (ids 259..383): unused, kept so the vocabulary stays 384
-# The presets' chat template: ``<|role|>`` headers; an assistant turn is its content then EOS (so generation stops
-# there), inside {% generation %} markers (for ``return_assistant_tokens_mask``); ``tools`` are written as JSON first.
+# The presets' chat template: ``<|role|>`` headers; an assistant turn is its content, its tool calls as
+# ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, then EOS (so generation stops there), inside
+# {% generation %} markers (for ``return_assistant_tokens_mask``); ``tools`` are written as JSON first; a tool result is
+# a ``<|tool|>`` turn.
 CHAT_TEMPLATE = (
     "{%- if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}</s>{% endgeneration %}"
+    "<|assistant|>\n{% generation %}{{ message['content'] or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    "<tool_call>{{ (call.function if call.function is defined else call) | tojson }}</tool_call>"
+    "{% endfor %}</s>{% endgeneration %}"
     "{%- else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+RESPONSE_TEMPLATE: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"</s>\s*", "content": "text"},
+    },
+}
+"""The presets' response template (transformers' ``tokenizer.parse_response``): reads an assistant turn of
+:data:`CHAT_TEMPLATE` back into ``{"role": "assistant", "content", "tool_calls"}``."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 Task = Literal["causal_lm", "sequence_classification"]
 """What :func:`load_model` builds: a causal LM, or a sequence classifier (a reward model: ``num_labels=1`` by default,
@@ -91,7 +112,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     ``save_pretrained`` writes a ``tokenizer.json`` that ``AutoTokenizer`` reloads without ``trust_remote_code``.
 
     Its chat template (:data:`CHAT_TEMPLATE`) renders ``[system "Add.", user "1+2=?", assistant "3"]`` as
-    ``"<|system|>\\nAdd.\\n<|user|>\\n1+2=?\\n<|assistant|>\\n3</s>"``; it is saved with the tokenizer.
+    ``"<|system|>\\nAdd.\\n<|user|>\\n1+2=?\\n<|assistant|>\\n3</s>"``; it is saved with the tokenizer. An assistant
+    turn's ``tool_calls`` are written ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` before its EOS, and
+    :data:`RESPONSE_TEMPLATE` (``tokenizer.response_template``) parses them back (``tokenizer.parse_response``).
     """
     extra = [f"<extra_id_{i}>" for i in range(NUM_EXTRA_IDS)]
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
@@ -102,9 +125,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *extra)])
     pad, eos, unk = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk, chat_template=CHAT_TEMPLATE
     )
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return tokenizer
 
 
 def build_preset_model(

@@ -36,7 +36,8 @@ class RewardFunctionError(RuntimeError):
 
 
 def completion_text(completion: Any) -> str:
-    """The text of a completion: a string as is, or the ``content`` of a conversational message list.
+    """The text of a completion: a string as is, or the ``content`` of the last assistant message of a conversational
+    one (a multi-turn completion with tool messages is judged by its final answer; "" when it ends on a tool result).
 
     Args:
         completion: ``"82"`` or ``[{"role": "assistant", "content": "82"}]``.
@@ -47,7 +48,8 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, str):
         return completion
     if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
-        return str(completion[-1].get("content", ""))
+        last = completion[-1]
+        return str(last.get("content", "") or "") if last.get("role", "assistant") == "assistant" else ""
     return str(completion)
 
 

@@ -11,6 +11,12 @@ Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuff
   a swapped digit), chosen deterministically per problem;
 * prompt rows (GRPO): ``prompt`` and ``answer`` for a correctness reward.
 
+``builtin:tool_addition`` is a tool-use task: four-digit sums (``"5821+7377=?"``), too long for the tiny presets to
+add reliably, with an :func:`add` tool. Its chat SFT rows (``builtin:tool_addition_chat``) are transcripts in which one
+row in ``tool_every`` calls the tool (assistant ``<tool_call>`` turn, ``tool`` result, assistant answer) and the
+others answer directly; its prompt rows (GRPO) are the user turn and the ``answer``. Every row carries the tool's
+schema in a ``tools`` column (JSON), as the GRPO prompts are rendered with it.
+
 ``builtin:subtraction`` asks ``"a-b="`` of the same shuffled operand pairs, with the same held-out split (a pair
 held out of addition is held out of subtraction too): ``completion = answer = str(a - b)``, negative when ``a < b``
 (``"37-45="`` -> ``"-8"``). Its preference rows reject a near miss of the difference (off by one, off by ten, its
@@ -19,13 +25,21 @@ digits swapped, or its sign flipped).
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Literal
 
 from datasets import Dataset
+from transformers.utils import get_json_schema
 
 Split = Literal["train", "validation"]
-BUILTIN_NAMES: tuple[str, ...] = ("builtin:addition", "builtin:addition_chat", "builtin:subtraction")
+BUILTIN_NAMES: tuple[str, ...] = (
+    "builtin:addition",
+    "builtin:addition_chat",
+    "builtin:subtraction",
+    "builtin:tool_addition",
+    "builtin:tool_addition_chat",
+)
 CHAT_SYSTEM = "Add the numbers."
 _SEED = 1234
 
@@ -142,6 +156,81 @@ def prompt_rows(split: Split, num_validation: int = 500) -> Dataset:
     return Dataset.from_dict(
         {
             "prompt": [f"{a}+{b}=" for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+        }
+    )
+
+
+# ------------------------------------------------------------------------------------------------ tool addition
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first
+        b: second
+    """
+    return int(a) + int(b)
+
+
+def tool_addition_problems(split: Split, *, num_validation: int = 200, count: int = 4000) -> list[tuple[int, int]]:
+    """``count`` four-digit operand pairs in ``[5000, 9999]`` (so every sum has five digits), seeded; the first
+    ``num_validation`` are held out.
+
+    Raises:
+        ValueError: for an unknown split or a ``num_validation`` outside ``[1, count - 1]``.
+    """
+    if not 0 < num_validation < count:
+        raise ValueError(f"`num_validation={num_validation}` is invalid: it must be in [1, {count - 1}].")
+    rng = random.Random(_SEED + 1)
+    problems = [(rng.randint(5000, 9999), rng.randint(5000, 9999)) for _ in range(count)]
+    if split == "validation":
+        return problems[:num_validation]
+    if split == "train":
+        return problems[num_validation:]
+    raise ValueError(f"Unknown split {split!r}: use 'train' or 'validation'.")
+
+
+def _tools_json() -> str:
+    return json.dumps([get_json_schema(add)])
+
+
+def tool_call_transcript(a: int, b: int) -> list[dict]:
+    """A tool-use conversation: the question, an ``add`` call, its result, the answer."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+    return [
+        {"role": "user", "content": f"{a}+{b}=?", "tool_calls": None, "name": None},
+        {"role": "assistant", "content": "", "tool_calls": [call], "name": None},
+        {"role": "tool", "content": str(a + b), "tool_calls": None, "name": "add"},
+        {"role": "assistant", "content": str(a + b), "tool_calls": None, "name": None},
+    ]
+
+
+def tool_addition_chat_rows(split: Split, num_validation: int = 200, tool_every: int = 2) -> Dataset:
+    """Chat SFT transcripts of ``builtin:tool_addition``: one row in ``tool_every`` calls :func:`add`, the others
+    answer directly (the correct sum); ``answer`` is the sum, ``tools`` the tool's schema (JSON)."""
+    problems = tool_addition_problems(split, num_validation=num_validation)
+    conversations = []
+    for i, (a, b) in enumerate(problems):
+        if i % tool_every == 0:
+            conversations.append(tool_call_transcript(a, b))
+        else:
+            conversations.append(tool_call_transcript(a, b)[:1] + tool_call_transcript(a, b)[3:])
+    tools = _tools_json()
+    return Dataset.from_dict(
+        {
+            "messages": conversations,
+            "answer": [str(a + b) for a, b in problems],
+            "tools": [tools] * len(problems),
+        }
+    )
+
+
+def tool_addition_prompt_rows(split: Split, num_validation: int = 200) -> Dataset:
+    """GRPO prompt rows of ``builtin:tool_addition``: the user turn and the correct ``answer``."""
+    problems = tool_addition_problems(split, num_validation=num_validation)
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"{a}+{b}=?"}] for a, b in problems],
             "answer": [str(a + b) for a, b in problems],
         }
     )

@@ -111,7 +111,10 @@ class PromptDataModule(BaseDataModule):
         trainer.fit(GRPOModule("tiny", reward_funcs=["lit_trainer.rewards.arithmetic_reward"]), datamodule=dm)
     """
 
-    builtin: ClassVar[BuiltinSources] = {"builtin:addition": builtin.prompt_rows}
+    builtin: ClassVar[BuiltinSources] = {
+        "builtin:addition": builtin.prompt_rows,
+        "builtin:tool_addition": builtin.tool_addition_prompt_rows,
+    }
 
     def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -79,6 +79,7 @@ class SFTDataModule(BaseDataModule):
     builtin: ClassVar[BuiltinSources] = {
         "builtin:addition": builtin.sft_rows,
         "builtin:addition_chat": builtin.sft_chat_rows,
+        "builtin:tool_addition_chat": builtin.tool_addition_chat_rows,
         "builtin:subtraction": builtin.subtraction_rows,
     }
 

@@ -26,6 +26,14 @@ checkpoint written inside an optimizer step (a validation between its micro-batc
 exactly too: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in the
 buffer, unless the step began in the previous generation round (then only its remaining micro-batches are counted).
 
+Tools, environments and ``rollout_func`` (:mod:`lit_trainer.modules.grpo._agentic`). With ``tools`` or an
+``environment_factory`` the round's single ``generate`` becomes a batched multi-turn loop
+(:mod:`lit_trainer.modules.grpo._multi_turn`): every rollout's first turn in one call, the rows that call tools run
+them (:mod:`lit_trainer.modules.grpo._tools`, environments in :mod:`lit_trainer.modules.grpo._environments`) and
+continue together in one call per turn. Tool-result tokens are in the rows (``completion_attention_mask``) but not in
+``completion_mask``, which is the loss mask and what the normaliser counts. A ``rollout_func`` replaces generation.
+The scored rows go through the same buffer, so resume stays exact without any environment state.
+
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
 loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
 is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions
@@ -57,13 +65,16 @@ from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base import BaseModule, _sharding
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin, agentic_batch, resolve_rollout_func
 from lit_trainer.modules.grpo._completion_table import write_completion_table
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
+from lit_trainer.modules.grpo._environments import Environments, describe_factories
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
-from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
+from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
+from lit_trainer.modules.grpo._tools import resolve_tools, tool_name
 from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
@@ -71,7 +82,7 @@ _ENTROPY_KEY = "grpo_entropy_control"
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 
 
-class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
+class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, BaseModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
@@ -84,7 +95,7 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
             ``PreTrainedModel``, or a directory / preset / hub id ``org/name`` loaded with one label (a string is a
             model when it is an existing directory, a preset name or contains '/'; otherwise an import path). Each
             model scores ``prompt + completion`` (see :class:`~lit_trainer.rewards.RewardModelScorer`); only these run.
-        reward_weights: one weight per function (default all 1.0).
+        reward_weights: one weight per function (default all 1.0); an environment's ``get_reward`` gets 1.0.
         reward_processing_classes: one entry per ``reward_funcs`` entry: for a reward model its tokenizer (object or
             path; None = the model's own), None for functions (TRL 1.16's argument).
         reward_model_batch_size: rows per reward-model forward pass (None = a rank's whole generation batch in one
@@ -149,6 +160,21 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         transformers_continuous_batching_config: ``transformers.ContinuousBatchingConfig`` fields
             (``max_memory_percent`` defaults to 0.5, as the reference).
         use_transformers_paged: deprecated alias of ``use_transformers_continuous_batching`` (as in TRL 1.16).
+        tools: functions the model may call (callables or import paths; type hints and a Google docstring give their
+            schema). Their schemas go to the chat template (``tools=``), calls in a completion
+            (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` for the presets) are run and their results
+            appended as ``tool`` messages, and generation continues, all rows of a round together; tool-result tokens
+            get no loss (see :mod:`lit_trainer.modules.grpo._multi_turn`). Needs conversational prompts.
+        environment_factory: TRL 1.16's environments: a factory (class, function or import path) making one
+            environment per rollout, or a dict of them chosen by an ``environment`` column; ``reset(**row)`` starts
+            a rollout, public methods are tools, ``get_reward()`` is an extra reward function named after the class
+            (see :mod:`lit_trainer.modules.grpo._environments`).
+        max_tool_calling_iterations: tool rounds per rollout at most (None = until no call or no room).
+        rollout_func: replaces generation: ``rollout_func(prompts, module) -> {"prompt_ids", "completion_ids",
+            "logprobs", ...}`` (lists, one per row; a callable or import path). An ``env_mask`` (1 = model token)
+            masks the loss; other keys reach the reward functions as keywords (see
+            :mod:`lit_trainer.modules.grpo._agentic`).
+        chat_template_kwargs: extra ``apply_chat_template`` keywords when tools render the prompts.
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
@@ -222,6 +248,11 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         use_transformers_continuous_batching: bool = False,
         transformers_continuous_batching_config: dict[str, Any] | None = None,
         use_transformers_paged: bool = False,
+        tools: Sequence[str | Callable[..., Any]] | None = None,
+        environment_factory: Any = None,
+        max_tool_calling_iterations: int | None = None,
+        rollout_func: str | Callable[..., Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         generation_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -244,22 +275,40 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         )
         self._restored_entropy: dict[str, Any] | None = None
         self.completion_table: tuple[list[str], list[list[Any]]] | None = None  # the last round's (log_completions)
-        self.reward_funcs = resolve_reward_funcs(
-            reward_funcs,
-            reward_processing_classes,
-            batch_size=reward_model_batch_size,
-            trust_remote_code=kwargs.get("trust_remote_code", False),
+        self.tools = resolve_tools(tools)
+        self.environments = Environments(environment_factory) if environment_factory is not None else None
+        self.agentic = bool(self.tools) or self.environments is not None
+        self.rollout_func = resolve_rollout_func(rollout_func)
+        own_rewards = self.environments.reward_funcs if self.environments is not None else []
+        given = [] if own_rewards and not as_list(reward_funcs) else reward_funcs  # an environment may own the reward
+        self.reward_funcs = (
+            resolve_reward_funcs(
+                given,
+                reward_processing_classes,
+                batch_size=reward_model_batch_size,
+                trust_remote_code=kwargs.get("trust_remote_code", False),
+            )
+            if as_list(given) or not own_rewards
+            else []
         )
-        self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
-        self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
                 "functions: give one weight per function (or none for all 1.0)."
             )
+        self.reward_weights = None if reward_weights is None else [*reward_weights, *[1.0] * len(own_rewards)]
+        self.reward_funcs += own_rewards
+        self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
+        self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
         ignore = ["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs", "reward_processing_classes"]
+        ignore += ["tools", "environment_factory", "rollout_func"]
         self.save_hyperparameters(ignore=ignore)
         self.hparams["reward_funcs"] = [spec_name(f) for f in as_list(reward_funcs)]  # names only: checkpoint-safe
+        self.hparams["tools"] = [t if isinstance(t, str) else tool_name(t) for t in as_list(tools or [])]
+        if environment_factory is not None:
+            self.hparams["environment_factory"] = describe_factories(environment_factory)
+        if rollout_func is not None:
+            self.hparams["rollout_func"] = rollout_func if isinstance(rollout_func, str) else tool_name(rollout_func)
         if reward_processing_classes is not None:
             self.hparams["reward_processing_classes"] = [
                 None if t is None else t if isinstance(t, str) else getattr(t, "name_or_path", type(t).__name__)
@@ -512,7 +561,7 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         """
         completion = rows["completion_ids"]
         ids = torch.cat([rows["prompt_ids"], completion], dim=1)
-        attention = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+        attention = torch.cat([rows["prompt_mask"], rows.get(ATTENTION, rows["completion_mask"])], dim=1)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         # the last C + 1 positions: position i predicts completion token i, the last one nothing
         targets = torch.cat([completion, completion.new_full((completion.shape[0], 1), IGNORE_INDEX)], dim=1)
@@ -545,15 +594,21 @@ class GRPOModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
             eos_token_id=eos,
             use_cache=True,
         )
-        completions = rollout.generate_completions(
-            self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos, _sharding.is_sharded(self.model)
-        )
-        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards, logged = score_completions(self, batch, texts, kept)
+        if self.agentic:  # the same multi-turn loop with tools, greedy
+            agentic = self._tool_round(batch, config, eos)
+            texts, kept = agentic.texts, agentic.kept
+            rewards, logged = score_completions(self, agentic_batch(batch, agentic), texts, kept, agentic.reward_kwargs)
+            logged.update(agentic.tool_metrics)
+        else:
+            completions = rollout.generate_completions(
+                self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos, _sharding.is_sharded(self.model)
+            )
+            texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+            rewards, logged = score_completions(self, batch, texts, kept)
         for name, value in logged.items():
             self.log(f"val_{name}", value, on_epoch=True, sync_dist=True, batch_size=len(texts))
         rewards = rewards.to(self.device)
-        weights = torch.as_tensor(self.hparams.reward_weights or [1.0] * rewards.shape[1], device=self.device)
+        weights = torch.as_tensor(self.reward_weights or [1.0] * rewards.shape[1], device=self.device)
         total = torch.nansum(rewards * weights, dim=1).masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
         self.val_metrics["reward"].update(total)
         for metric, column in zip(self._val_reward_means, rewards.T):

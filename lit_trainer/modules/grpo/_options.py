@@ -16,6 +16,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "generation_batch_size": (lambda v: v is None or v >= 1, "use >= 1, or None"),
     "max_completion_length": (lambda v: v >= 1, "use >= 1 new tokens"),
     "reward_model_batch_size": (lambda v: v is None or v >= 1, "use >= 1 rows, or None for one pass per scoring"),
+    "max_tool_calling_iterations": (lambda v: v is None or v >= 0, "use >= 0 tool rounds, or None for no limit"),
     "temperature": (lambda v: v > 0, "it must be > 0 (e.g. 0.7 or 1.0)"),
     "top_p": (lambda v: 0 < v <= 1, "it must be in (0, 1]; 1.0 disables it"),
     "top_k": (lambda v: v >= 0, "it must be >= 0; 0 disables it"),

@@ -2,8 +2,8 @@
 
 Besides ``prompts``, ``completions``, ``completion_ids`` and the dataset columns, TRL calls every reward function
 with ``trainer_state``, ``log_metric(name, value)`` and ``log_extra(column, values)``; a TRL reward function that
-takes them runs here unchanged (``environments``, for TRL's tool-calling environments, is not passed: there are none
-here).
+takes them runs here unchanged. An environment round (``environment_factory``) also passes ``environments``, the
+rollouts' environment instances in row order, to the functions that take it.
 
 * ``trainer_state``: a ``transformers.TrainerState`` filled from the Lightning trainer: ``global_step`` (optimizer
   steps done), ``epoch`` (a float, ``epoch + (batch + 1) / batches`` as the HF Trainer), ``max_steps``,
@@ -184,9 +184,10 @@ def mean_over_ranks(values: dict[str, list[float]], trainer: Any, device: torch.
 
 
 def score_completions(
-    module: Any, batch: dict[str, Any], completions: list, completion_ids: list
+    module: Any, batch: dict[str, Any], completions: list, completion_ids: list, extra: dict[str, Any] | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Call ``module.reward_funcs`` on this rank's rows with TRL's keywords.
+    """Call ``module.reward_funcs`` on this rank's rows with TRL's keywords (plus ``extra``: ``environments`` of an
+    environment round, the extra fields of a ``rollout_func``; each function gets those it names or ``**kwargs``).
 
     Returns:
         ``(rewards, logged)``: the ``(N, F)`` reward matrix of :func:`~lit_trainer.rewards.call_reward_functions` and
@@ -200,6 +201,7 @@ def score_completions(
         "trainer_state": trainer_state(module.trainer),
         "log_metric": log.log_metric,
         "log_extra": log.log_extra,
+        **(extra or {}),
     }
     rewards = call_reward_functions(
         module.reward_funcs, batch[PROMPTS], completions, completion_ids, batch[REWARD_COLUMNS], extra_kwargs=keywords

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
-COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_logps", "ref_logps")
+ATTENTION = "completion_attention_mask"  # multi-turn rows: every completion token (completion_mask: the model's)
+COMPLETION_KEYS = ("completion_ids", "completion_mask", ATTENTION, "old_logps", "ref_logps")
 
 
 def trim_padding(rows: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -23,7 +24,7 @@ def trim_padding(rows: dict[str, Tensor]) -> dict[str, Tensor]:
     completion (right), so a micro-batch is as narrow as its own rows. At least one column of each is kept."""
     prompt_cols = rows["prompt_mask"].any(0).nonzero()
     start = int(prompt_cols[0]) if prompt_cols.numel() else rows["prompt_mask"].shape[1] - 1
-    completion_cols = rows["completion_mask"].any(0).nonzero()
+    completion_cols = rows.get(ATTENTION, rows["completion_mask"]).any(0).nonzero()
     end = int(completion_cols[-1]) + 1 if completion_cols.numel() else 1
     out = dict(rows)
     for key in PROMPT_KEYS:

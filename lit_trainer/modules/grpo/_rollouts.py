@@ -19,8 +19,10 @@ from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._agentic import agentic_batch
 from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
+from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
 
 
 class GRPORolloutMixin:
@@ -48,7 +50,13 @@ class GRPORolloutMixin:
             cache_implementation=hp.cache_implementation,
         )  # fmt: skip
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
-            if self.continuous_batching:
+            if self.agentic or self.rollout_func is not None:
+                agentic = (
+                    self._custom_round(batch, eos, config.pad_token_id)
+                    if self.rollout_func is not None
+                    else self._tool_round(batch, config, eos)
+                )
+            elif self.continuous_batching:
                 completions = rollout.generate_completions_continuous(
                     self.model, prompt_ids, prompt_mask, config, eos, hp.transformers_continuous_batching_config
                 )
@@ -56,17 +64,28 @@ class GRPORolloutMixin:
                 completions = rollout.generate_completions(
                     self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
                 )
-        advantages, metrics = self._score(batch, completions)
-        mask = completions.mask
-        if hp.mask_truncated_completions:
-            mask = mask * (~completions.truncated).unsqueeze(1).long()
-        rows = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completions.ids,
-            "completion_mask": mask,
-            "advantages": advantages,
-        }
+        if self.agentic or self.rollout_func is not None:
+            rows, completions = agentic.rows, agentic.completions
+            decoded = (agentic.texts, agentic.kept, agentic.reward_kwargs)
+            advantages, metrics = self._score(agentic_batch(batch, agentic), completions, decoded)
+            metrics.update(agentic.tool_metrics)
+            rows["advantages"] = advantages
+            if hp.mask_truncated_completions:
+                rows["completion_mask"] = rows["completion_mask"] * (~completions.truncated).unsqueeze(1).long().to(
+                    self.device
+                )
+        else:
+            advantages, metrics = self._score(batch, completions)
+            mask = completions.mask
+            if hp.mask_truncated_completions:
+                mask = mask * (~completions.truncated).unsqueeze(1).long()
+            rows = {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completions.ids,
+                "completion_mask": mask,
+                "advantages": advantages,
+            }
         # read per round: a GradientAccumulationScheduler may change accumulate_grad_batches at an epoch start
         if needs_old_logps(
             self.trainer.accumulate_grad_batches, self.rollout_geometry.steps_per_generation, hp.num_iterations
@@ -81,20 +100,30 @@ class GRPORolloutMixin:
             tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
         self._buffer.fill(slices, tokens, metrics)
 
-    def _score(self, batch: dict[str, Any], completions: rollout.Completions) -> tuple[Tensor, dict[str, Tensor]]:
-        """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics)."""
+    def _score(
+        self, batch: dict[str, Any], completions: rollout.Completions, decoded: tuple | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics).
+
+        ``decoded``: ``(texts, kept ids, extra reward keywords)`` of an agentic round (else decoded here); the length
+        metrics count ``completions.mask``, the model's tokens."""
         hp = self.hparams
-        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-        rewards, logged = score_completions(self, batch, texts, kept)
-        lengths = completions.mask.sum(1, keepdim=True).float()
-        local = torch.cat([rewards.to(self.device), lengths, completions.truncated.float().unsqueeze(1)], dim=1)
+        if decoded is None:
+            texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+            extra = None
+        else:
+            texts, kept, extra = decoded
+        rewards, logged = score_completions(self, batch, texts, kept, extra)
+        lengths = completions.mask.sum(1, keepdim=True).float().to(self.device)
+        truncated = completions.truncated.float().unsqueeze(1).to(self.device)
+        local = torch.cat([rewards.to(self.device), lengths, truncated], dim=1)
         table = self._gather_rows(local)
         all_rewards, all_lengths, all_truncated = table[:, :-2], table[:, -2], table[:, -1].bool()
         if torch.isnan(all_rewards).all(dim=1).any():
             rank_zero_warn(
                 "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
             )
-        scoring = {"reward_weights": hp.reward_weights, "scale_rewards": hp.scale_rewards}  # shared by both calls
+        scoring = {"reward_weights": self.reward_weights, "scale_rewards": hp.scale_rewards}  # shared by both calls
         advantages = grpo_advantages(
             all_rewards, hp.num_generations, aggregation=hp.multi_objective_aggregation, **scoring
         )
@@ -127,7 +156,7 @@ class GRPORolloutMixin:
     def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
         size = rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        keys = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", ATTENTION) if k in rows]
         chunks = [
             self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
             for i in range(0, rows["prompt_ids"].shape[0], size)

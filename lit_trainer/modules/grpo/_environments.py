@@ -1,0 +1,148 @@
+"""Environments for GRPO rollouts (TRL 1.16's ``environment_factory``): stateful objects whose public methods are the
+model's tools.
+
+* ``environment_factory`` is a callable returning a new environment, or a dict ``{name: factory}``; with a dict each
+  prompt row picks its factory by its ``environment`` column.
+* Every rollout (each of a prompt's ``num_generations`` completions) gets its own instance. Instances are made once
+  and reused: a round takes them from a pool in row order, growing it when a round needs more.
+* ``reset(**row)`` is called at the start of a rollout with the prompt row (``prompt`` and the other columns, not
+  ``environment``); a string it returns is appended to the content of the prompt's last message.
+* The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
+  :mod:`lit_trainer.modules.grpo._tools`), bound to the rollout's instance.
+* ``get_reward()`` (when the class defines it) is an extra reward function named after the class, weight 1.0: it scores
+  the rollouts of that class (None, unscored, for the others).
+
+An environment's Python state lives only while a round is generated and scored, inside one micro-step, so a
+checkpoint never needs it (the scored rollouts are in the checkpoint; see :mod:`lit_trainer.modules.grpo`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EnvironmentFactory = Callable[[], Any]
+ENVIRONMENT_COLUMN = "environment"
+_RESERVED = ("reset", "get_reward")
+
+
+def _resolve(factory: str | EnvironmentFactory) -> EnvironmentFactory:
+    if isinstance(factory, str):
+        module_name, _, attr = factory.rpartition(".")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(
+                f"Environment factory {factory!r} cannot be imported ({err}): give 'package.module.Class' of an "
+                "importable class or function."
+            ) from err
+    if not callable(factory):
+        raise ValueError(f"Environment factory {factory!r} is not callable: give a class or a function.")
+    return factory
+
+
+def describe_factories(factory: Any) -> Any:
+    """What the hyperparameters record for ``environment_factory``: import paths as given, else names."""
+
+    def name(f: Any) -> str:
+        return f if isinstance(f, str) else getattr(f, "__qualname__", type(f).__name__)
+
+    return {k: name(f) for k, f in factory.items()} if isinstance(factory, dict) else name(factory)
+
+
+def environment_tools(environment: Any) -> list[Callable[..., Any]]:
+    """The public methods of an environment's class other than ``reset``/``get_reward``, bound to it."""
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if not name.startswith("_") and name not in _RESERVED
+    ]
+
+
+class Environments:
+    """The environment factories of a GRPOModule, their instance pools and reward functions.
+
+    Args:
+        factory: a factory, its import path, or a dict ``{name: factory}`` selected by the ``environment`` column.
+
+    Raises:
+        ValueError: for a factory that does not import or is not callable, or an environment without ``reset``.
+    """
+
+    def __init__(self, factory: EnvironmentFactory | str | dict[str, EnvironmentFactory | str]) -> None:
+        self.multi = isinstance(factory, dict)
+        items = factory.items() if isinstance(factory, dict) else [(None, factory)]
+        self.factories = {name: _resolve(f) for name, f in items}
+        self.pools: dict[Any, list[Any]] = {}
+        self.reward_funcs: list[Callable[..., Any]] = []
+        self.reward_names: list[str] = []
+        for name, make in self.factories.items():
+            probe = make()
+            if not callable(getattr(probe, "reset", None)):
+                where = "" if name is None else f"[{name!r}]"
+                raise ValueError(
+                    f"Environment {type(probe).__name__} (from environment_factory{where}) has no `reset` method: "
+                    "define `reset(self, **row)` (it may return text for the prompt)."
+                )
+            self.pools[name] = [probe]
+            kind = type(probe)
+            if callable(getattr(probe, "get_reward", None)) and kind.__name__ not in self.reward_names:
+                self.reward_funcs.append(_environment_reward(kind))
+                self.reward_names.append(kind.__name__)
+
+    def assign(self, columns: dict[str, Sequence[Any]], rows: int) -> list[Any]:
+        """One instance per rollout row (pooled, row order), chosen by the ``environment`` column for a dict.
+
+        Raises:
+            ValueError: a dict factory and no ``environment`` column, or a name that is not a key of the dict.
+        """
+        if self.multi:
+            if ENVIRONMENT_COLUMN not in columns:
+                raise ValueError(
+                    "environment_factory is a dict, so every prompt row needs an 'environment' column naming its "
+                    f"environment (one of {sorted(self.factories)})."
+                )
+            names = list(columns[ENVIRONMENT_COLUMN])
+        else:
+            names = [None] * rows
+        taken: dict[Any, int] = {}
+        instances = []
+        for name in names:
+            if name not in self.factories:
+                raise ValueError(
+                    f"A prompt row has environment={name!r}, which is not a key of environment_factory "
+                    f"({sorted(self.factories)}): fix the 'environment' column or add that factory."
+                )
+            index = taken.get(name, 0)
+            pool = self.pools[name]
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            taken[name] = index + 1
+            instances.append(pool[index])
+        return instances
+
+    def reset(self, instances: Sequence[Any], prompts: list[Any], columns: dict[str, Sequence[Any]]) -> list[Any]:
+        """``reset(**row)`` every rollout's instance; a returned string is appended to its prompt's last message.
+
+        Returns the prompts (new message lists where changed; the inputs are not modified)."""
+        out = []
+        for i, (environment, prompt) in enumerate(zip(instances, prompts, strict=True)):
+            row = {"prompt": prompt, **{k: v[i] for k, v in columns.items()}}
+            if self.multi:
+                row.pop(ENVIRONMENT_COLUMN)
+            observation = environment.reset(**row)
+            if isinstance(observation, str) and observation:
+                last = prompt[-1]
+                prompt = [*prompt[:-1], {**last, "content": last["content"] + observation}]
+            out.append(prompt)
+        return out
+
+
+def _environment_reward(kind: type) -> Callable[..., list[float | None]]:
+    def reward(completions: list[Any], environments: Sequence[Any] = (), **_: Any) -> list[float | None]:
+        return [e.get_reward() if type(e) is kind else None for e in environments]
+
+    reward.__name__ = kind.__name__
+    return reward

@@ -1,0 +1,190 @@
+"""Tools for GRPO rollouts: resolving them, parsing the tool calls of a completion, running them, and the tokens that
+put their results back into the conversation.
+
+A tool is a plain Python function (or a bound method of an environment) with type hints and a Google docstring, so
+``transformers.utils.get_json_schema`` can describe it to the chat template (``apply_chat_template(tools=...)``).
+Tools come only from the user's config or code: a callable, or the import path of one (``"package.module.add"``).
+
+Tool calls are read from the tokens of one assistant turn with the tokenizer's own response parser
+(``tokenizer.parse_response``, transformers' response templates) when the tokenizer has one; the presets' tokenizer
+has one for the Hermes/Qwen syntax ``<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>``. A
+tokenizer without a parser gets the same syntax read by :func:`parse_tool_calls`. A completion that does not parse
+(malformed JSON, a call without a name) is plain text: it makes no call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
+
+
+def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> list[Callable[..., Any]]:
+    """Tool callables from callables or their import paths (only what the user names is imported).
+
+    Raises:
+        ValueError: for a path that does not import, an entry that is not callable, or two tools with one name.
+    """
+    resolved: list[Callable[..., Any]] = []
+    for item in tools or []:
+        if isinstance(item, str):
+            module_name, _, attr = item.rpartition(".")
+            try:
+                item = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError, ValueError) as err:
+                raise ValueError(
+                    f"Tool {item!r} cannot be imported ({err}): give 'package.module.function' of an importable "
+                    "function, e.g. 'lit_trainer.data.builtin.add'."
+                ) from err
+        if not callable(item):
+            raise ValueError(f"Tool {item!r} is not callable: give a function or its import path.")
+        resolved.append(item)
+    names = [tool_name(t) for t in resolved]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"Two tools are named {duplicates}: tool names must be unique (the model calls them by name).")
+    return resolved
+
+
+def tool_name(tool: Callable[..., Any]) -> str:
+    """The name the model calls a tool by (the function's ``__name__``)."""
+    return getattr(tool, "__name__", type(tool).__name__)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``(content, calls)`` of one assistant turn in the ``<tool_call>{json}</tool_call>`` syntax.
+
+    ``content`` is the text before the first call; each call is ``{"type": "function", "function": {"name",
+    "arguments"}}`` (the shape ``apply_chat_template`` renders). A call whose JSON does not parse or has no string
+    ``name`` makes the whole turn plain text (no calls), as a malformed call is in the reference.
+
+    Example: ``'<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'`` ->
+    ``("", [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}])``.
+    """
+    calls = []
+    for match in _CALL.finditer(text):
+        try:
+            body = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return text, []
+        arguments = body.get("arguments") or {}
+        calls.append({"type": "function", "function": {"name": body["name"], "arguments": arguments}})
+    content = text.split("<tool_call>", 1)[0] if calls else text
+    return content, calls
+
+
+def parse_assistant_turn(
+    tokenizer: Any, ids: list[int], prefix: list[int], tools: Sequence[Callable[..., Any]]
+) -> dict[str, Any]:
+    """One generated assistant turn as a message ``{"role": "assistant", "content", "tool_calls"?}``.
+
+    Uses ``tokenizer.parse_response(ids, prefix=prefix, tools=tools)`` when the tokenizer has a response template
+    (``response_template``), else :func:`parse_tool_calls` on the decoded text. A turn that does not parse is plain
+    text (decoded without special tokens).
+    """
+    if getattr(tokenizer, "response_template", None) is not None:
+        try:
+            parsed = tokenizer.parse_response(ids, prefix=prefix, tools=list(tools))
+        except (ValueError, TypeError):
+            parsed = None
+        if isinstance(parsed, dict) and _valid_calls(parsed.get("tool_calls")):
+            message = {"role": "assistant", "content": parsed.get("content") or ""}
+            if parsed.get("tool_calls"):
+                message["tool_calls"] = parsed["tool_calls"]
+            return message
+        return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+    content, calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _valid_calls(calls: Any) -> bool:
+    if calls is None:
+        return True
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return False
+        if function.get("arguments") is None:
+            function["arguments"] = {}
+    return True
+
+
+@dataclass
+class ToolStats:
+    """Tool calls made and failed in one generation round (this rank)."""
+
+    calls: int = 0
+    failures: int = 0
+    per_row: list[int] = field(default_factory=list)
+
+
+def run_tool_calls(
+    calls: Sequence[dict[str, Any]], tools: dict[str, Callable[..., Any]], stats: ToolStats, row: int
+) -> list[dict[str, Any]]:
+    """Run a turn's calls in order -> one ``{"role": "tool", "name", "content"}`` message per call.
+
+    A tool that raises, an unknown tool name, arguments that are not a JSON object, or a call of another type is
+    reported to the model as ``{"error": "<message>"}`` and counted in ``stats.failures``; it never stops the run.
+    """
+    messages = []
+    for call in calls:
+        stats.calls += 1
+        stats.per_row[row] += 1
+        function = call.get("function", {}) if call.get("type", "function") == "function" else None
+        name = function.get("name", "unknown") if isinstance(function, dict) else str(call.get("name", "unknown"))
+        try:
+            if function is None:
+                raise ValueError(f"Unsupported tool call type {call.get('type')!r}.")
+            if name not in tools:
+                raise ValueError(f"Tool {name!r} not found; available: {sorted(tools)}.")
+            arguments = function.get("arguments") or {}
+            if not isinstance(arguments, dict):
+                raise ValueError(f"Tool arguments must be a JSON object, got {arguments!r}.")
+            result: Any = tools[name](**arguments)
+        except Exception as err:  # a tool's error is the model's observation, never a crash
+            stats.failures += 1
+            result = {"error": str(err)}
+        messages.append({"role": "tool", "name": name, "content": str(result)})
+    return messages
+
+
+def tool_suffix_ids(
+    tokenizer: Any, tool_messages: Sequence[dict[str, Any]], chat_template_kwargs: dict | None = None
+) -> list[int]:
+    """The tokens the chat template puts after an assistant turn that made calls: the tool messages and the next
+    assistant header.
+
+    Rendered by difference on a small conversation (a user turn and an assistant turn calling the first tool, with
+    and without the tool messages), cut after the last EOS of the shorter rendering; so it needs a chat template
+    that renders a conversation's prefix identically whatever follows.
+
+    Raises:
+        ValueError: when the template is not prefix-preserving (the shorter rendering is not a prefix of the longer).
+    """
+    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    options = {"tokenize": True, "return_dict": False, **(chat_template_kwargs or {})}
+    before = list(tokenizer.apply_chat_template(head, add_generation_prompt=False, **options))
+    after = list(tokenizer.apply_chat_template(head + list(tool_messages), add_generation_prompt=True, **options))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ends = [i for i, t in enumerate(before) if t == eos]
+    if ends:
+        before = before[: ends[-1] + 1]
+    if after[: len(before)] != before:
+        raise ValueError(
+            "The chat template does not render an assistant turn with tool calls the same way when tool messages "
+            "follow, so tool results cannot be appended to generated tokens: use a prefix-preserving chat template."
+        )
+    return after[len(before) :]

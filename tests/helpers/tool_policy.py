@@ -1,0 +1,73 @@
+"""A scripted tool-using policy for GRPO tool tests: replaces ``model.generate`` with fixed replies chosen from the
+context, so tool calls, tool results and final answers are known without training (the model's forward, log-probs and
+gradients stay real).
+
+Replies, for the presets' chat format (``<|user|>`` question ``"a+b=?"``, ``<tool_call>{json}</tool_call>`` calls):
+
+* after the user turn, by the prompt's occurrence ``k`` in the batch (the ``k``-th generation of that prompt):
+  ``k % 3 == 0`` calls ``add(a, b)``; ``1`` answers ``a + b + 1`` directly (wrong); ``2`` calls ``add`` with a missing
+  argument (the tool raises: a failure);
+* after a tool result: the result (or ``0`` after an error), then EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+
+_QUESTION = re.compile(r"(\d+)\+(\d+)=\?")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+
+
+def call(arguments: dict[str, int]) -> str:
+    return "<tool_call>" + json.dumps({"name": "add", "arguments": arguments}) + "</tool_call></s>"
+
+
+def reply(context: str, occurrence: int) -> str:
+    """The scripted reply to a rendered context (see the module docstring)."""
+    turns = context.split("<|")
+    last_header = turns[-2] if len(turns) >= 2 else ""
+    if last_header.startswith("tool|>"):
+        result = last_header[len("tool|>\n") :].rstrip("\n")
+        return ("0" if "error" in result else result) + "</s>"
+    user = [t for t in turns if t.startswith("user|>")][-1]
+    a, b = (int(x) for x in _QUESTION.search(user).groups())
+    return [call({"a": a, "b": b}), f"{a + b + 1}</s>", call({"a": a})][occurrence % 3]
+
+
+class ScriptedGenerate:
+    """``model.generate`` replacement (see the module docstring); records each call's batch size."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+        model.generate = self
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: Any, **_: Any):
+        seen: Counter = Counter()
+        new = []
+        for ids, mask in zip(input_ids, attention_mask):
+            context = self.tokenizer.decode(ids[mask.bool()].tolist())
+            occurrence = seen[context]
+            seen[context] += 1
+            tokens = self.tokenizer(reply(context, occurrence), add_special_tokens=False)["input_ids"]
+            new.append(tokens[: generation_config.max_new_tokens])
+        self.calls.append(len(new))
+        width = max(len(t) for t in new)
+        pad = generation_config.pad_token_id
+        out = torch.full((len(new), width), pad, dtype=torch.long)
+        for i, tokens in enumerate(new):
+            out[i, : len(tokens)] = torch.tensor(tokens)
+        return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
