@@ -226,8 +226,13 @@ def chunked_logp_sum(
     head's gradient (``V x H``) between the two passes.
 
     Args:
-        hidden: ``(..., H)``; weight: ``(V, H)``; targets: ``(...)`` valid ids; weights: ``(...)`` (e.g. the loss mask).
-        bias, temperature, chunk_size: as :func:`chunked_token_logps`.
+        hidden: ``(..., H)`` last hidden states.
+        weight: ``(V, H)`` output head weight.
+        targets: ``(...)`` token ids, valid everywhere.
+        weights: ``(...)`` the weight of each log-probability (e.g. the loss mask).
+        bias: ``(V,)`` head bias, if any.
+        temperature: divides the logits (> 0).
+        chunk_size: tokens per chunk (default: about 64 MiB of float32 logits).
 
     Raises:
         ValueError: as :func:`chunked_token_logps`, or ``weights`` not shaped like ``targets``.
