@@ -12,24 +12,15 @@ import torch
 import transformers
 from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from test_grpo_module import QUIET as GRPO_QUIET
+from test_grpo_module import length_reward
 
 from helpers.models import tiny_llama
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo._completion_table import markdown_table, render_text, write_completion_table
 
-QUIET = {
-    "accelerator": "cpu",
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "enable_checkpointing": False,
-    "num_sanity_val_steps": 0,
-    "limit_val_batches": 0,
-}
-
-
-def length_reward(prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float]:
-    return [len(ids) + 2.0 * (ids[-1:] == [1]) for ids in completion_ids]
+QUIET = {k: v for k, v in GRPO_QUIET.items() if k != "logger"}  # a logger is passed per test
 
 
 class TableLogger(Logger):

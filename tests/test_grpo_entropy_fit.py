@@ -14,26 +14,14 @@ import torch
 import transformers
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_grpo_module import QUIET, length_reward
 
 from helpers.accumulation import calibrated
 from helpers.models import tiny_llama
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.modules.grpo import GRPOModule
 
-QUIET = {
-    "accelerator": "cpu",
-    "logger": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "enable_checkpointing": False,
-    "num_sanity_val_steps": 0,
-    "limit_val_batches": 0,
-}
 TEMPERATURE = 0.8
-
-
-def length_reward(prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float]:
-    return [len(ids) + 2.0 * (ids[-1:] == [1]) for ids in completion_ids]
 
 
 def grpo(model: Any = None, **kwargs: Any) -> GRPOModule:

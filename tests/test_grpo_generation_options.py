@@ -10,27 +10,15 @@ import pytest
 import torch
 import transformers
 from datasets import Dataset
+from test_grpo_module import QUIET, length_reward
 
 from helpers.models import tiny_llama
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo import _completions as rollout
 
-QUIET = {
-    "accelerator": "cpu",
-    "logger": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "enable_checkpointing": False,
-    "num_sanity_val_steps": 0,
-    "limit_val_batches": 0,
-}
 # a paged cache of 16 blocks: the engine's default sizes it from the free memory (half of it), slow to allocate on CPU
 SMALL_CACHE = {"num_blocks": 16, "max_batch_tokens": 256}
-
-
-def length_reward(prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float]:
-    return [len(ids) + 2.0 * (ids[-1:] == [1]) for ids in completion_ids]
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
