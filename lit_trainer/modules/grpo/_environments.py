@@ -18,10 +18,11 @@ checkpoint never needs it (the scored rollouts are in the checkpoint; see :mod:`
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from lit_trainer._import_path import import_object
 
 EnvironmentFactory = Callable[[], Any]
 ENVIRONMENT_COLUMN = "environment"
@@ -30,14 +31,9 @@ _RESERVED = ("reset", "get_reward")
 
 def _resolve(factory: str | EnvironmentFactory) -> EnvironmentFactory:
     if isinstance(factory, str):
-        module_name, _, attr = factory.rpartition(".")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ValueError(
-                f"Environment factory {factory!r} cannot be imported ({err}): give 'package.module.Class' of an "
-                "importable class or function."
-            ) from err
+        factory = import_object(
+            factory, "Environment factory", "give 'package.module.Class' of an importable class or function."
+        )
     if not callable(factory):
         raise ValueError(f"Environment factory {factory!r} is not callable: give a class or a function.")
     return factory

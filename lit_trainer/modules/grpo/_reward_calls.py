@@ -26,7 +26,6 @@ reward models (a directory, preset or hub id, or a model object), which become
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor
 from transformers import TrainerState
 
+from lit_trainer._import_path import import_object
 from lit_trainer.data.prompt import PROMPTS, REWARD_COLUMNS
 from lit_trainer.models import is_preset
 from lit_trainer.rewards import RewardModelScorer, call_reward_functions, reward_function_name
@@ -53,17 +53,6 @@ def as_list(items: Any) -> list[Any]:
 def is_model_path(spec: str) -> bool:
     """A reward-model source rather than an import path: an existing directory, a preset, or a hub id with a '/'."""
     return os.path.isdir(os.path.expanduser(spec)) or is_preset(spec) or "/" in spec
-
-
-def _import(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(
-            f"Reward function {path!r} cannot be imported ({err}): give 'package.module.function' of an importable "
-            "function, or for a reward model an existing directory, a preset or a hub id 'org/name'."
-        ) from err
 
 
 def resolve_reward_funcs(
@@ -99,7 +88,12 @@ def resolve_reward_funcs(
     resolved = []
     for item, tokenizer in zip(items, tokenizers, strict=True):
         if isinstance(item, str) and not is_model_path(item):
-            item = _import(item)
+            item = import_object(
+                item,
+                "Reward function",
+                "give 'package.module.function' of an importable function, or for a reward model an existing "
+                "directory, a preset or a hub id 'org/name'.",
+            )
         if isinstance(item, (str, torch.nn.Module)):
             item = RewardModelScorer(item, tokenizer, batch_size=batch_size, trust_remote_code=trust_remote_code)
         elif tokenizer is not None and not isinstance(item, RewardModelScorer):

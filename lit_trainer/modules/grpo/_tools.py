@@ -14,12 +14,13 @@ tokenizer without a parser gets the same syntax read by :func:`parse_tool_calls`
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from lit_trainer._import_path import import_object
 
 _CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
 
@@ -33,14 +34,11 @@ def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> list[Call
     resolved: list[Callable[..., Any]] = []
     for item in tools or []:
         if isinstance(item, str):
-            module_name, _, attr = item.rpartition(".")
-            try:
-                item = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError, ValueError) as err:
-                raise ValueError(
-                    f"Tool {item!r} cannot be imported ({err}): give 'package.module.function' of an importable "
-                    "function, e.g. 'lit_trainer.data.builtin.add'."
-                ) from err
+            item = import_object(
+                item,
+                "Tool",
+                "give 'package.module.function' of an importable function, e.g. 'lit_trainer.data.builtin.add'.",
+            )
         if not callable(item):
             raise ValueError(f"Tool {item!r} is not callable: give a function or its import path.")
         resolved.append(item)
