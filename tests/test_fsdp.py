@@ -80,6 +80,8 @@ def test_sft_sharded_ends_with_the_single_process_weights(run: Path, single_sft:
 
 @pytest.mark.ddp
 def test_activation_checkpointing_under_sharding_gives_the_same_weights(run: Path, single_sft: SimpleNamespace):
+    """With gradient checkpointing AND chunked logits (``chunked_logits="on"``, 7-token chunks) on the sharded model:
+    the same weights as the single-process run on full logits, within the calibrated rounding."""
     checkpointed = torch.load(run / "sft_checkpointed.pt", weights_only=False)
     single_sft.rounding.check(checkpointed, single_sft.weights, mistake=single_sft.step)
 

@@ -2,8 +2,8 @@
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
-with activation checkpointing), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed checkpoint, with
-NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit,
+with activation checkpointing and chunked logits), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed
+checkpoint, with NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit,
 BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
 BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP, and under DDP in float64, the calibration of the
@@ -54,6 +54,8 @@ if __name__ == "__main__":
         learning_rate=1e-3,
         max_grad_norm=common.MAX_GRAD_NORM,
         gradient_checkpointing=True,
+        chunked_logits="on",  # the head's weight gathered by FSDP2, swapped forward inside the sharded model
+        logits_chunk_size=7,
     )
     common.trainer(common.model_parallel(), 2, common.STEPS, []).fit(
         checkpointed, datamodule=common.sft_datamodule(tokenizer, 2)
