@@ -19,9 +19,9 @@ from helpers.tool_policy import ScriptedGenerate, add, call
 from lit_trainer.data import PromptDataModule, builtin
 from lit_trainer.models import build_preset_model, build_tokenizer
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo._environments import Environments
-from lit_trainer.modules.grpo._multi_turn import multi_turn_rollouts
-from lit_trainer.modules.grpo._tools import (
+from lit_trainer.modules.grpo._agentic._environments import Environments
+from lit_trainer.modules.grpo._agentic._multi_turn import multi_turn_rollouts
+from lit_trainer.modules.grpo._agentic._tools import (
     ToolStats,
     parse_assistant_turn,
     parse_tool_calls,

@@ -28,10 +28,11 @@ buffer, unless the step began in the previous generation round (then only its re
 
 Tools, environments and ``rollout_func`` (:mod:`lit_trainer.modules.grpo._agentic`). With ``tools`` or an
 ``environment_factory`` the round's single ``generate`` becomes a batched multi-turn loop
-(:mod:`lit_trainer.modules.grpo._multi_turn`): every rollout's first turn in one call, the rows that call tools run
-them (:mod:`lit_trainer.modules.grpo._tools`, environments in :mod:`lit_trainer.modules.grpo._environments`) and
-continue together in one call per turn. Tool-result tokens are in the rows (``completion_attention_mask``) but not in
-``completion_mask``, which is the loss mask and what the normaliser counts. A ``rollout_func`` replaces generation.
+(:mod:`lit_trainer.modules.grpo._agentic._multi_turn`): every rollout's first turn in one call, the rows that call
+tools run them (:mod:`lit_trainer.modules.grpo._agentic._tools`, environments in
+:mod:`lit_trainer.modules.grpo._agentic._environments`) and continue together in one call per turn. Tool-result
+tokens are in the rows (``completion_attention_mask``) but not in ``completion_mask``, which is the loss mask and
+what the normaliser counts. A ``rollout_func`` replaces generation.
 The scored rows go through the same buffer, so resume stays exact without any environment state.
 
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
@@ -66,15 +67,15 @@ from lit_trainer.modules.base import BaseModule, _sharding
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin, agentic_batch, resolve_rollout_func
+from lit_trainer.modules.grpo._agentic._environments import Environments, describe_factories
+from lit_trainer.modules.grpo._agentic._tools import resolve_tools, tool_name
 from lit_trainer.modules.grpo._completion_table import write_completion_table
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
-from lit_trainer.modules.grpo._environments import Environments, describe_factories
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
-from lit_trainer.modules.grpo._tools import resolve_tools, tool_name
 from lit_trainer.rewards import reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
@@ -164,11 +165,11 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             schema). Their schemas go to the chat template (``tools=``), calls in a completion
             (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` for the presets) are run and their results
             appended as ``tool`` messages, and generation continues, all rows of a round together; tool-result tokens
-            get no loss (see :mod:`lit_trainer.modules.grpo._multi_turn`). Needs conversational prompts.
+            get no loss (see :mod:`lit_trainer.modules.grpo._agentic._multi_turn`). Needs conversational prompts.
         environment_factory: TRL 1.16's environments: a factory (class, function or import path) making one
             environment per rollout, or a dict of them chosen by an ``environment`` column; ``reset(**row)`` starts
             a rollout, public methods are tools, ``get_reward()`` is an extra reward function named after the class
-            (see :mod:`lit_trainer.modules.grpo._environments`).
+            (see :mod:`lit_trainer.modules.grpo._agentic._environments`).
         max_tool_calling_iterations: tool rounds per rollout at most (None = until no call or no room).
         rollout_func: replaces generation: ``rollout_func(prompts, module) -> {"prompt_ids", "completion_ids",
             "logprobs", ...}`` (lists, one per row; a callable or import path). An ``env_mask`` (1 = model token)

@@ -8,7 +8,7 @@ model's tools.
 * ``reset(**row)`` is called at the start of a rollout with the prompt row (``prompt`` and the other columns, not
   ``environment``); a string it returns is appended to the content of the prompt's last message.
 * The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
-  :mod:`lit_trainer.modules.grpo._tools`), bound to the rollout's instance.
+  :mod:`lit_trainer.modules.grpo._agentic._tools`), bound to the rollout's instance.
 * ``get_reward()`` (when the class defines it) is an extra reward function named after the class, weight 1.0: it scores
   the rollouts of that class (None, unscored, for the others).
 

@@ -8,7 +8,7 @@ normaliser, and ``completion_attention_mask`` every token the forward pass sees.
 
 * Tools / environments: prompts are rendered here with the chat template and the tools' schemas (the prompt data
   module's ids, rendered without tools, are not used); environments are reset first (their text is appended to the
-  last prompt message); then :func:`~lit_trainer.modules.grpo._multi_turn.multi_turn_rollouts`.
+  last prompt message); then :func:`~lit_trainer.modules.grpo._agentic._multi_turn.multi_turn_rollouts`.
 * ``rollout_func(prompts, module)`` returns ``{"prompt_ids", "completion_ids", "logprobs", ...}`` (lists per row, as
   TRL 1.16); ``env_mask`` (1 = model token) becomes the loss mask, other keys reach the reward functions as keywords.
   The log-probs are checked and not used: old log-probs come from the policy, as on the ``generate`` path.
@@ -28,9 +28,9 @@ from lit_trainer.data.collate import pad_left
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS, REWARD_COLUMNS
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
-from lit_trainer.modules.grpo._environments import environment_tools
-from lit_trainer.modules.grpo._multi_turn import multi_turn_rollouts
-from lit_trainer.modules.grpo._tools import parse_assistant_turn, tool_name
+from lit_trainer.modules.grpo._agentic._environments import environment_tools
+from lit_trainer.modules.grpo._agentic._multi_turn import multi_turn_rollouts
+from lit_trainer.modules.grpo._agentic._tools import parse_assistant_turn, tool_name
 
 _ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
