@@ -71,3 +71,48 @@ class ScriptedGenerate:
         for i, tokens in enumerate(new):
             out[i, : len(tokens)] = torch.tensor(tokens)
         return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
+
+
+class _ForceReplies:
+    """A logits processor that leaves one token possible per row: the next token of the row's reply (EOS after it)."""
+
+    def __init__(self, replies: list[list[int]], start: int, eos: int) -> None:
+        self.replies, self.start, self.eos = replies, start, eos
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, float("-inf"))
+        for row, tokens in enumerate(self.replies):
+            forced[row, tokens[step] if step < len(tokens) else self.eos] = 0.0
+        return forced
+
+
+class ForcedGenerate:
+    """Scripted replies through the model's own ``generate``: every forward runs (under sharded weights each is a
+    collective, so ranks generating different numbers of turns must stay in step exactly as with a real policy), and
+    a logits processor forces each row's reply, chosen by ``choose(context, occurrence)`` as :func:`reply` chooses.
+    ``calls`` records each call's batch size."""
+
+    def __init__(self, model: Any, tokenizer: Any, choose: Any = reply) -> None:
+        self.tokenizer, self.choose, self.calls = tokenizer, choose, []
+        self.generate = model.generate  # the bound original, kept before the instance attribute replaces it
+        model.generate = self
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: Any, **kwargs: Any):
+        from transformers import LogitsProcessorList
+
+        seen: Counter = Counter()
+        replies = []
+        for ids, mask in zip(input_ids, attention_mask):
+            context = self.tokenizer.decode(ids[mask.bool()].tolist())
+            replies.append(self.tokenizer(self.choose(context, seen[context]), add_special_tokens=False)["input_ids"])
+            seen[context] += 1
+        self.calls.append(len(replies))
+        force = _ForceReplies(replies, input_ids.shape[1], self.tokenizer.eos_token_id)
+        return self.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            logits_processor=LogitsProcessorList([force]),
+            **kwargs,
+        )
