@@ -3,7 +3,7 @@
 A reward function is any callable ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``: one
 value per completion, ``None`` = "this function does not score this row" (it becomes NaN, see
 ``lit_trainer.losses.grpo_advantages.grpo_advantages``). ``columns`` are the other dataset columns, one list entry per
-row.
+row. It may be ``async def`` (an LLM judge, a remote checker): the async functions of a round are awaited together.
 
 Example:
     >>> arithmetic_reward(["37+45="] * 2, ["82", " 81"], [[], []], answer=[82, 82])
@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from lit_trainer._async import await_all
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """``f(prompts, completions, completion_ids, **columns) -> list[float | None]``."""
@@ -230,12 +232,21 @@ def _accepted(func: RewardFunc, extra: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in extra.items() if key in names}
 
 
-def _call_one(func: RewardFunc, n: int, kwargs: dict[str, Any]) -> list[float]:
-    name = reward_function_name(func)
+def _call(func: RewardFunc, kwargs: dict[str, Any]) -> Any:
+    """``func(**kwargs)``: its values, or the awaitable an async function returned (awaited with the others)."""
     try:
-        values = func(**kwargs)
+        return func(**kwargs)
     except Exception as err:
-        raise RewardFunctionError(f"Reward function `{name}` raised {type(err).__name__}: {err}") from err
+        raise RewardFunctionError(
+            f"Reward function `{reward_function_name(func)}` raised {type(err).__name__}: {err}"
+        ) from err
+
+
+def _check(func: RewardFunc, n: int, values: Any) -> list[float]:
+    """One function's values as ``n`` floats (None -> NaN), or a :class:`RewardFunctionError` naming it."""
+    name = reward_function_name(func)
+    if isinstance(values, BaseException):  # an async function raised while awaited
+        raise RewardFunctionError(f"Reward function `{name}` raised {type(values).__name__}: {values}") from values
     try:
         length = len(values)
     except TypeError as err:
@@ -263,7 +274,8 @@ def call_reward_functions(
 
     Args:
         funcs: the ``F`` reward functions, called as ``f(prompts=..., completions=..., completion_ids=...,
-            **columns, **extra_kwargs)``.
+            **columns, **extra_kwargs)``; an ``async def`` function (or one returning an awaitable) is awaited, all
+            of them together, on a background event loop (:mod:`lit_trainer._async`), as TRL 1.16 runs them.
         prompts: ``N`` prompts (the prompt repeated for each of its completions).
         completions: ``N`` decoded completions.
         completion_ids: ``N`` lists of completion token ids.
@@ -295,5 +307,9 @@ def call_reward_functions(
         if len(values) != n:
             raise ValueError(f"Column `{key}` has {len(values)} values for {n} completions: repeat it per completion.")
         kwargs[key] = list(values)
-    table = [_call_one(func, n, {**kwargs, **_accepted(func, extra_kwargs or {})}) for func in funcs]
+    outputs = [_call(func, {**kwargs, **_accepted(func, extra_kwargs or {})}) for func in funcs]
+    pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
+    for i, values in zip(pending, await_all([outputs[i] for i in pending])):
+        outputs[i] = values
+    table = [_check(func, n, values) for func, values in zip(funcs, outputs)]
     return torch.tensor(table, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()

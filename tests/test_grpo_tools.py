@@ -383,3 +383,132 @@ def test_max_tool_calling_iterations_zero_runs_no_tool():
     grpo, rounds = module(tools=[add], max_tool_calling_iterations=0), Rounds()
     L.Trainer(max_steps=1, callbacks=[rounds], **QUIET).fit(grpo, datamodule=data(prompt_rows(PROBLEMS[:2])))
     assert grpo.scripted.calls == [6] and float(rounds.rounds[0][1]["tools/call_frequency"]) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------------ async
+class InFlight:
+    """Counts the coroutines waiting at once: > 1 only when they are awaited together, not one after another."""
+
+    def __init__(self) -> None:
+        self.now = self.most = 0
+
+    async def wait(self) -> None:
+        import asyncio
+
+        self.now += 1
+        self.most = max(self.most, self.now)
+        await asyncio.sleep(0.05)  # every coroutine of a batch starts before the first finishes
+        self.now -= 1
+
+
+def test_async_tools_of_all_rows_are_awaited_together_in_call_order_and_their_errors_are_results():
+    from lit_trainer.modules.grpo._agentic._tools import run_tool_turns
+
+    flight = InFlight()
+
+    async def slow_add(a: int, b: int) -> int:
+        """Add, slowly.
+
+        Args:
+            a: first
+            b: second
+        """
+        await flight.wait()
+        if a < 0:
+            raise ValueError("negative")
+        return a + b
+
+    def turn(*calls: tuple[str, dict]) -> list[dict]:
+        return [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+
+    tools = {"add": add, "slow_add": slow_add}
+    stats = ToolStats(per_row=[0, 0, 0])
+    turns = [
+        (turn(("slow_add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})), tools),
+        (turn(("slow_add", {"a": -1, "b": 2})), tools),
+        (turn(("slow_add", {"a": 10, "b": 20}), ("slow_add", {"a": 5})), tools),  # the last misses an argument
+    ]
+    results = run_tool_turns(turns, stats, [0, 1, 2])
+    contents = [[m["content"] for m in row] for row in results]
+    assert contents == [["3", "7"], [str({"error": "negative"})], ["30", contents[2][1]]]  # in call order
+    assert "missing 1 required" in contents[2][1]
+    assert flight.most == 3  # the three awaited calls of the three rows overlapped
+    assert (stats.calls, stats.failures, stats.per_row) == (5, 2, [2, 1, 2])
+
+
+def test_async_reward_functions_are_awaited_together_and_a_failure_names_the_function():
+    from lit_trainer.rewards import RewardFunctionError, call_reward_functions
+
+    flight = InFlight()
+
+    async def judge(completions: list, **_: Any) -> list[float]:
+        await flight.wait()
+        return [float(len(c)) for c in completions]
+
+    async def strict(completions: list, **_: Any) -> list[float]:
+        await flight.wait()
+        return [1.0 if c == "82" else 0.0 for c in completions]
+
+    def broken_async(completions: list, **_: Any) -> Any:
+        async def fail() -> list[float]:
+            raise KeyError("judge down")
+
+        return fail()
+
+    table = call_reward_functions([judge, arithmetic_reward, strict], ["37+45="] * 2, ["82", "9"], [[], []],
+                                  {"answer": ["82", "82"]})  # fmt: skip
+    assert table.tolist() == [[2.0, 1.0, 1.0], [1.0, 0.0, 0.0]] and flight.most == 2
+    with pytest.raises(RewardFunctionError, match="`broken_async` raised KeyError"):
+        call_reward_functions([broken_async], ["1+1="], ["2"], [[]])
+
+
+def test_async_code_runs_when_the_caller_is_inside_an_event_loop_as_in_a_notebook():
+    import asyncio
+
+    from lit_trainer.rewards import call_reward_functions
+
+    async def reward(completions: list, **_: Any) -> list[float]:
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    async def notebook_cell() -> Any:  # Jupyter runs cells inside its own running loop
+        return call_reward_functions([reward], ["p"], ["c"], [[]])
+
+    assert asyncio.run(notebook_cell()).tolist() == [[1.0]]
+
+
+class AsyncCountingEnv:
+    """:class:`CountingEnv` with ``async def`` reset, tool and get_reward."""
+
+    async def reset(self, **row: Any) -> str:
+        self.answer, self.result = int(row["answer"]), None
+        return " Use add."
+
+    async def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: first
+            b: second
+        """
+        self.result = a + b
+        return a + b
+
+    async def get_reward(self) -> float:
+        return 1.0 if self.result == self.answer else 0.0
+
+
+def test_an_async_environment_trains_exactly_as_its_sync_twin():
+    runs = []
+    for factory in (CountingEnv, AsyncCountingEnv):
+        grpo, rounds = module(environment_factory=factory), Rounds()
+        L.Trainer(max_steps=1, callbacks=[rounds], **QUIET).fit(grpo, datamodule=data(prompt_rows(PROBLEMS[:2])))
+        runs.append((grpo, rounds.rounds[0]))
+    (sync, (sync_slices, sync_metrics)), (coro, (coro_slices, coro_metrics)) = runs
+    assert coro.reward_names == ["arithmetic_reward", "AsyncCountingEnv"] and coro.tools == []
+    assert float(coro_metrics["rewards/AsyncCountingEnv/mean"]) == pytest.approx(1 / 3)  # one correct call in 3
+    assert float(coro_metrics["tools/call_frequency"]) == float(sync_metrics["tools/call_frequency"]) > 0
+    for a, b in zip(sync_slices, coro_slices):  # the reset hint, the tool results, the advantages: all the same
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for (name, a), (_, b) in zip(sync.state_dict().items(), coro.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -17,13 +17,13 @@ normaliser, and ``completion_attention_mask`` every token the forward pass sees.
 from __future__ import annotations
 
 import copy
-import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from lit_trainer._import_path import import_object
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS, REWARD_COLUMNS
 from lit_trainer.modules.base import _sharding
@@ -42,13 +42,7 @@ def resolve_rollout_func(func: str | Callable[..., Any] | None) -> Callable[...,
         ValueError: for a path that does not import or an object that is not callable.
     """
     if isinstance(func, str):
-        module_name, _, attr = func.rpartition(".")
-        try:
-            func = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ValueError(
-                f"rollout_func {func!r} cannot be imported ({err}): give 'package.module.function'."
-            ) from err
+        func = import_object(func, "rollout_func", "give 'package.module.function' of an importable function.")
     if func is not None and not callable(func):
         raise ValueError(f"rollout_func {func!r} is not callable: give a function or its import path.")
     return func

@@ -7,6 +7,8 @@ model's tools.
   and reused: a round takes them from a pool in row order, growing it when a round needs more.
 * ``reset(**row)`` is called at the start of a rollout with the prompt row (``prompt`` and the other columns, not
   ``environment``); a string it returns is appended to the content of the prompt's last message.
+* ``reset``, the tools and ``get_reward`` may be ``async def``: the awaitables of a round are awaited together on a
+  background event loop (:mod:`lit_trainer._async`).
 * The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
   :mod:`lit_trainer.modules.grpo._agentic._tools`), bound to the rollout's instance.
 * ``get_reward()`` (when the class defines it) is an extra reward function named after the class, weight 1.0: it scores
@@ -18,10 +20,12 @@ checkpoint never needs it (the scored rollouts are in the checkpoint; see :mod:`
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lit_trainer._async import await_all
 from lit_trainer._import_path import import_object
 
 EnvironmentFactory = Callable[[], Any]
@@ -123,12 +127,19 @@ class Environments:
         """``reset(**row)`` every rollout's instance; a returned string is appended to its prompt's last message.
 
         Returns the prompts (new message lists where changed; the inputs are not modified)."""
-        out = []
-        for i, (environment, prompt) in enumerate(zip(instances, prompts, strict=True)):
-            row = {"prompt": prompt, **{k: v[i] for k, v in columns.items()}}
+        observations = []
+        for i, environment in enumerate(instances):
+            row = {"prompt": prompts[i], **{k: v[i] for k, v in columns.items()}}
             if self.multi:
                 row.pop(ENVIRONMENT_COLUMN)
-            observation = environment.reset(**row)
+            observations.append(environment.reset(**row))
+        pending = [i for i, obs in enumerate(observations) if inspect.isawaitable(obs)]
+        for i, observation in zip(pending, await_all([observations[i] for i in pending])):
+            if isinstance(observation, BaseException):
+                raise RuntimeError(f"{type(instances[i]).__name__}.reset raised: {observation!r}") from observation
+            observations[i] = observation
+        out = []
+        for prompt, observation in zip(prompts, observations, strict=True):
             if isinstance(observation, str) and observation:
                 last = prompt[-1]
                 prompt = [*prompt[:-1], {**last, "content": last["content"] + observation}]
@@ -136,9 +147,20 @@ class Environments:
         return out
 
 
-def _environment_reward(kind: type) -> Callable[..., list[float | None]]:
-    def reward(completions: list[Any], environments: Sequence[Any] = (), **_: Any) -> list[float | None]:
-        return [e.get_reward() if type(e) is kind else None for e in environments]
+def _environment_reward(kind: type) -> Callable[..., Any]:
+    """The reward function of the environments of class ``kind``: their ``get_reward()`` (None for other rows); when
+    ``get_reward`` is ``async def`` it returns one awaitable of all of them, which the reward caller awaits."""
+
+    def reward(completions: list[Any], environments: Sequence[Any] = (), **_: Any) -> Any:
+        values = [e.get_reward() if type(e) is kind else None for e in environments]
+        if not any(inspect.isawaitable(v) for v in values):
+            return values
+
+        async def awaited() -> list[Any]:
+            results = iter(await asyncio.gather(*(v for v in values if inspect.isawaitable(v))))
+            return [next(results) if inspect.isawaitable(v) else v for v in values]
+
+        return awaited()
 
     reward.__name__ = kind.__name__
     return reward

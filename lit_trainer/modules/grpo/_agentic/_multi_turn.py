@@ -4,7 +4,8 @@ One round (:func:`multi_turn_rollouts`):
 
 1. all rows generate their first assistant turn in one batched ``generate`` (prompts rendered with the tools' schemas);
 2. each turn is parsed (:func:`~lit_trainer.modules.grpo._agentic._tools.parse_assistant_turn`); the rows whose
-   turn calls tools run them (:func:`~lit_trainer.modules.grpo._agentic._tools.run_tool_calls`), and the tokens of
+   turn calls tools run them (:func:`~lit_trainer.modules.grpo._agentic._tools.run_tool_turns`: async tools of all
+   rows awaited together), and the tokens of
    the tool messages plus the next assistant header (:func:`~lit_trainer.modules.grpo._agentic._tools.tool_suffix_ids`)
    are appended to the row;
 3. those rows generate their next turn together, in one batched ``generate`` on ``prompt + completion so far``
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_trainer.modules.grpo._agentic._tools import ToolStats, parse_assistant_turn, run_tool_calls, tool_suffix_ids
+from lit_trainer.modules.grpo._agentic._tools import ToolStats, parse_assistant_turn, run_tool_turns, tool_suffix_ids
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 """``generate(token lists, max_new_tokens) -> kept ids per row`` (cut after the first EOS, EOS included)."""
@@ -93,8 +94,8 @@ def multi_turn_rollouts(
     calling = [i for i in range(rows) if messages[i][-1].get("tool_calls")]
     for _ in range(max_iterations):
         continuing = []
-        for i in calling:
-            results = run_tool_calls(messages[i][-1]["tool_calls"], tools[i], stats, i)
+        turns = [(messages[i][-1]["tool_calls"], tools[i]) for i in calling]
+        for i, results in zip(calling, run_tool_turns(turns, stats, calling)):
             suffix = tool_suffix_ids(tokenizer, results, chat_template_kwargs)
             if len(sequences[i]) + len(suffix) > max_completion_length:
                 continue  # the result does not fit: the row ends with its tool-calling turn

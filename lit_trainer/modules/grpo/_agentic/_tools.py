@@ -1,8 +1,9 @@
 """Tools for GRPO rollouts: resolving them, parsing the tool calls of a completion, running them, and the tokens that
 put their results back into the conversation.
 
-A tool is a plain Python function (or a bound method of an environment) with type hints and a Google docstring, so
-``transformers.utils.get_json_schema`` can describe it to the chat template (``apply_chat_template(tools=...)``).
+A tool is a plain Python function (or a bound method of an environment), sync or ``async def``, with type hints and a
+Google docstring, so ``transformers.utils.get_json_schema`` can describe it to the chat template
+(``apply_chat_template(tools=...)``).
 Tools come only from the user's config or code: a callable, or the import path of one (``"package.module.add"``).
 
 Tool calls are read from the tokens of one assistant turn with the tokenizer's own response parser
@@ -18,8 +19,10 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from inspect import isawaitable
 from typing import Any
 
+from lit_trainer._async import await_all
 from lit_trainer._import_path import import_object
 
 _CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
@@ -128,34 +131,57 @@ class ToolStats:
     per_row: list[int] = field(default_factory=list)
 
 
+def run_tool_turns(
+    turns: Sequence[tuple[Sequence[dict[str, Any]], dict[str, Callable[..., Any]]]],
+    stats: ToolStats,
+    rows: Sequence[int],
+) -> list[list[dict[str, Any]]]:
+    """Run the calls of several rows' turns -> per turn, one ``{"role": "tool", "name", "content"}`` message per call,
+    in call order.
+
+    ``turns`` holds, per row, the turn's calls and the tools that row may call; ``rows`` are the rows' indices in
+    ``stats.per_row``. Plain tools run at once, in row and call order; the awaitables that ``async def`` tools return
+    are then awaited all together, across rows, on the background event loop (:func:`lit_trainer._async.await_all`),
+    so a round's slow tools (a web request, a sandbox) overlap. A tool that raises (when called or while awaited), an
+    unknown tool name, arguments that are not a JSON object, or a call of another type is reported to the model as
+    ``{"error": "<message>"}`` and counted in ``stats.failures``; it never stops the run.
+    """
+    started = [[_start(call, tools, stats, row) for call in calls] for (calls, tools), row in zip(turns, rows)]
+    pending = [(t, c) for t, results in enumerate(started) for c, (_, out) in enumerate(results) if isawaitable(out)]
+    for (t, c), value in zip(pending, await_all([started[t][c][1] for t, c in pending])):
+        if isinstance(value, BaseException):
+            stats.failures += 1
+            value = {"error": str(value)}
+        started[t][c] = (started[t][c][0], value)
+    return [[{"role": "tool", "name": name, "content": str(value)} for name, value in results] for results in started]
+
+
 def run_tool_calls(
     calls: Sequence[dict[str, Any]], tools: dict[str, Callable[..., Any]], stats: ToolStats, row: int
 ) -> list[dict[str, Any]]:
-    """Run a turn's calls in order -> one ``{"role": "tool", "name", "content"}`` message per call.
+    """One turn's calls (:func:`run_tool_turns` for a single row)."""
+    return run_tool_turns([(calls, tools)], stats, [row])[0]
 
-    A tool that raises, an unknown tool name, arguments that are not a JSON object, or a call of another type is
-    reported to the model as ``{"error": "<message>"}`` and counted in ``stats.failures``; it never stops the run.
-    """
-    messages = []
-    for call in calls:
-        stats.calls += 1
-        stats.per_row[row] += 1
-        function = call.get("function", {}) if call.get("type", "function") == "function" else None
-        name = function.get("name", "unknown") if isinstance(function, dict) else str(call.get("name", "unknown"))
-        try:
-            if function is None:
-                raise ValueError(f"Unsupported tool call type {call.get('type')!r}.")
-            if name not in tools:
-                raise ValueError(f"Tool {name!r} not found; available: {sorted(tools)}.")
-            arguments = function.get("arguments") or {}
-            if not isinstance(arguments, dict):
-                raise ValueError(f"Tool arguments must be a JSON object, got {arguments!r}.")
-            result: Any = tools[name](**arguments)
-        except Exception as err:  # a tool's error is the model's observation, never a crash
-            stats.failures += 1
-            result = {"error": str(err)}
-        messages.append({"role": "tool", "name": name, "content": str(result)})
-    return messages
+
+def _start(call: dict[str, Any], tools: dict[str, Callable[..., Any]], stats: ToolStats, row: int) -> tuple[str, Any]:
+    """Count and make one call: ``(name, result)``; the result is an awaitable for an async tool, an error dict when
+    the call fails."""
+    stats.calls += 1
+    stats.per_row[row] += 1
+    function = call.get("function", {}) if call.get("type", "function") == "function" else None
+    name = function.get("name", "unknown") if isinstance(function, dict) else str(call.get("name", "unknown"))
+    try:
+        if function is None:
+            raise ValueError(f"Unsupported tool call type {call.get('type')!r}.")
+        if name not in tools:
+            raise ValueError(f"Tool {name!r} not found; available: {sorted(tools)}.")
+        arguments = function.get("arguments") or {}
+        if not isinstance(arguments, dict):
+            raise ValueError(f"Tool arguments must be a JSON object, got {arguments!r}.")
+        return name, tools[name](**arguments)
+    except Exception as err:  # a tool's error is the model's observation, never a crash
+        stats.failures += 1
+        return name, {"error": str(err)}
 
 
 def tool_suffix_ids(
