@@ -512,3 +512,22 @@ def test_an_async_environment_trains_exactly_as_its_sync_twin():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for (name, a), (_, b) in zip(sync.state_dict().items(), coro.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_tool_rounds_run_on_continuous_batching_with_the_same_rows_as_generate():
+    """With ``use_transformers_continuous_batching`` every turn goes through ``generate_batch`` (unpadded prompt +
+    completion so far); the scripted engine replies as the scripted ``generate`` does, so the buffered rows match."""
+    from helpers.tool_policy import ScriptedGenerateBatch
+
+    rows = []
+    for options in ({}, {"use_transformers_continuous_batching": True}):
+        grpo, rounds = module(tools=[add], **options), Rounds()
+        engine = ScriptedGenerateBatch(grpo.model, grpo.tokenizer)
+        L.Trainer(max_steps=1, callbacks=[rounds], **QUIET).fit(grpo, datamodule=data(prompt_rows(PROBLEMS[:2])))
+        rows.append(rounds.rounds[0][0])
+    assert grpo.scripted.calls == [] and [len(c) for c in engine.calls] == [6, 4]  # 4 of 6 rollouts call the tool
+    assert all(0 not in ids for turn in engine.calls for ids in turn)  # no padding (id 0) reaches the engine
+    second = [grpo.tokenizer.decode(ids) for ids in engine.calls[1]]
+    assert all(text.endswith("<|assistant|>\n") and "<tool_call>" in text and "<|tool|>" in text for text in second)
+    for a, b in zip(*rows):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

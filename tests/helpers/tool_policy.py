@@ -116,3 +116,26 @@ class ForcedGenerate:
             logits_processor=LogitsProcessorList([force]),
             **kwargs,
         )
+
+
+class ScriptedGenerateBatch:
+    """``model.generate_batch`` replacement (transformers' continuous-batching entry point) with the replies of
+    :class:`ScriptedGenerate`: gets unpadded token lists, returns ``{request_id: output}`` whose outputs carry
+    ``generated_tokens``; records each call's inputs."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+        model.generate_batch = self
+
+    def __call__(self, inputs: list[list[int]], generation_config: Any, **_: Any) -> dict[str, Any]:
+        from types import SimpleNamespace
+
+        self.calls.append([list(ids) for ids in inputs])
+        seen: Counter = Counter()
+        outputs = {}
+        for k, ids in enumerate(inputs):
+            context = self.tokenizer.decode(ids)
+            tokens = self.tokenizer(reply(context, seen[context]), add_special_tokens=False)["input_ids"]
+            seen[context] += 1
+            outputs[f"req_{k}"] = SimpleNamespace(generated_tokens=tokens[: generation_config.max_new_tokens])
+        return outputs
