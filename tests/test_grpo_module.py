@@ -440,3 +440,29 @@ def test_grpo_config_parses_and_runs_a_few_steps(tmp_path, monkeypatch):
         "val_reward",
     ):
         assert key in cli.trainer.callback_metrics, key
+
+
+def test_eval_do_sample_validates_on_seeded_samples_and_leaves_the_training_rng_alone():
+    """Greedy validation (default) is the argmax completion; ``eval_do_sample`` samples with the training settings, on
+    its own seeded stream: the same weights validate to the same samples, and the global RNG is untouched."""
+    seen: list[list[str]] = []
+
+    def recorder(prompts: list, completions: list, **_: Any) -> list[float]:
+        seen.append(list(completions))
+        return [0.0] * len(completions)
+
+    def validate(**kwargs: Any) -> list[str]:
+        module = grpo(reward_funcs=[recorder], max_completion_length=8, temperature=1.0, **kwargs)
+        dm = data(n=12, val_size=8, eval_batch_size=8)
+        seen.clear()
+        L.Trainer(**{**QUIET, "limit_val_batches": 1}).validate(module, datamodule=dm)
+        return seen[0]
+
+    greedy = validate()
+    before = torch.get_rng_state()
+    sampled = validate(eval_do_sample=True)
+    assert torch.equal(torch.get_rng_state(), before)  # validation sampled from its own forked stream
+    assert validate(eval_do_sample=True) == sampled  # seeded: the same weights give the same samples
+    assert validate() == greedy
+    assert sampled != greedy  # at temperature 1 the random tiny model's samples are not its argmax
+    assert validate(eval_do_sample=True, generation_seed=1) != sampled

@@ -44,6 +44,7 @@ step normaliser (``_normaliser``) and the option checks (``_options``) each have
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,6 +114,10 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         repetition_penalty: 1.0 = off.
         generation_kwargs: extra ``GenerationConfig`` fields (win over the options above).
         mask_truncated_completions: drop completions without EOS from the loss (their rewards still count).
+        eval_do_sample: validation samples each held-out prompt's completion with the training settings
+            (``temperature``, ``top_p``, ...; seeded by ``generation_seed`` and the batch, so two validations of the
+            same weights agree) instead of the default greedy completion: what the policy does when it explores, e.g.
+            how often it calls a tool, rather than its single most likely answer.
         loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo, vespo.
         epsilon: lower clip; also the upper one when ``epsilon_high`` is None.
         epsilon_high: upper clip (and the CISPO cap).
@@ -216,6 +221,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         repetition_penalty: float = 1.0,
         generation_kwargs: dict[str, Any] | None = None,
         mask_truncated_completions: bool = False,
+        eval_do_sample: bool = False,
         loss_type: LossType = "dapo",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -584,28 +590,43 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         return logps, entropy
 
     # -------------------------------------------------------------------------------------------- validation
-    @override
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Greedy completion of each held-out prompt, scored by the reward functions (``val_reward``)."""
-        eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        config = GenerationConfig(
-            max_new_tokens=self.hparams.max_completion_length,
-            do_sample=False,
-            pad_token_id=self._pad_token_id(eos),
-            eos_token_id=eos,
-            use_cache=True,
-        )
-        if self.agentic:  # the same multi-turn loop with tools, greedy
+    def _validation_completions(self, batch: dict[str, Any], config: Any, eos: list[int]) -> tuple:
+        """``(texts, rewards, logged metrics)`` of one validation batch under ``config``."""
+        if self.agentic:  # the same multi-turn loop with tools
             agentic = self._tool_round(batch, config, eos)
             texts, kept = agentic.texts, agentic.kept
             rewards, logged = score_completions(self, agentic_batch(batch, agentic), texts, kept, agentic.reward_kwargs)
             logged.update(agentic.tool_metrics)
-        else:
-            completions = rollout.generate_completions(
-                self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos, _sharding.is_sharded(self.model)
+            return texts, rewards, logged
+        completions = rollout.generate_completions(
+            self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos, _sharding.is_sharded(self.model)
+        )
+        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+        rewards, logged = score_completions(self, batch, texts, kept)
+        return texts, rewards, logged
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """One completion of each held-out prompt (greedy, or sampled with ``eval_do_sample``), scored by the reward
+        functions (``val_reward``)."""
+        eos = rollout.eos_token_ids(self.model, self.tokenizer)
+        if self.hparams.eval_do_sample:
+            config = self._sampling_config(eos)
+            seed = torch.initial_seed() if self._seed is None else self._seed
+            sampling = rollout.seeded_rng(
+                rollout.rollout_seed(seed, batch_idx, self.global_rank, stream=2), self.device
             )
-            texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
-            rewards, logged = score_completions(self, batch, texts, kept)
+        else:
+            config = GenerationConfig(
+                max_new_tokens=self.hparams.max_completion_length,
+                do_sample=False,
+                pad_token_id=self._pad_token_id(eos),
+                eos_token_id=eos,
+                use_cache=True,
+            )
+            sampling = contextlib.nullcontext()
+        with sampling:
+            texts, rewards, logged = self._validation_completions(batch, config, eos)
         for name, value in logged.items():
             self.log(f"val_{name}", value, on_epoch=True, sync_dist=True, batch_size=len(texts))
         rewards = rewards.to(self.device)

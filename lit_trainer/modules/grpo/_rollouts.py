@@ -36,6 +36,16 @@ class GRPORolloutMixin:
             return local
         return self.all_gather(local).reshape(-1, *local.shape[1:])
 
+    def _sampling_config(self, eos: list[int]) -> Any:
+        """The ``GenerationConfig`` of the training rollouts (and of a sampled validation)."""
+        hp = self.hparams
+        return rollout.sampling_config(
+            self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
+            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
+            repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
+            cache_implementation=hp.cache_implementation,
+        )  # fmt: skip
+
     @torch.no_grad()
     def _make_rollouts(self, batch: dict[str, Any]) -> None:
         """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring)."""
@@ -43,12 +53,7 @@ class GRPORolloutMixin:
         prompt_ids, prompt_mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         hp = self.hparams
-        config = rollout.sampling_config(
-            self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
-            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
-            cache_implementation=hp.cache_implementation,
-        )  # fmt: skip
+        config = self._sampling_config(eos)
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
             if self.agentic or self.rollout_func is not None:
                 agentic = (
