@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 from typing import Any
 
 import lightning as L
@@ -368,15 +369,34 @@ def test_resume_inside_a_tool_round_is_exact_and_does_not_rerun_tools(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_builtin_tool_task_rows_render_with_the_tool_schema():
-    chat = builtin.tool_addition_chat_rows("train")
+PYTHON_ARITHMETIC = {"+": operator.add, "*": operator.mul}  # the reference for the built-in tasks' answers
+
+
+@pytest.mark.parametrize(
+    ("chat_rows", "prompt_rows_of", "tool", "symbol"),
+    [
+        (builtin.tool_addition_chat_rows, builtin.tool_addition_prompt_rows, builtin.add, "+"),
+        (builtin.tool_multiplication_chat_rows, builtin.tool_multiplication_prompt_rows, builtin.multiply, "*"),
+    ],
+    ids=["addition", "multiplication"],
+)
+def test_builtin_tool_task_rows_render_with_the_tool_schema(chat_rows, prompt_rows_of, tool, symbol):
+    chat = chat_rows("train")
     calls = [m for m in chat["messages"] if len(m) == 4]
-    assert len(calls) == -(-len(chat) // 2) and json.loads(chat["tools"][0])[0]["function"]["name"] == "add"
+    assert len(calls) == -(-len(chat) // 2) and json.loads(chat["tools"][0])[0]["function"]["name"] == tool.__name__
     call_turn = calls[0][1]["tool_calls"][0]["function"]
-    assert builtin.add(**call_turn["arguments"]) == int(calls[0][3]["content"])
-    prompts = builtin.tool_addition_prompt_rows("validation")
+    a, b = (int(x) for x in calls[0][0]["content"].removesuffix("=?").split(symbol))
+    assert call_turn["arguments"] == {"a": a, "b": b} and call_turn["name"] == tool.__name__
+    assert tool(**call_turn["arguments"]) == int(calls[0][2]["content"]) == int(calls[0][3]["content"])
+    direct = next(m for m in chat["messages"] if len(m) == 2)
+    a, b = (int(x) for x in direct[0]["content"].removesuffix("=?").split(symbol))
+    assert direct[1]["content"] == str(PYTHON_ARITHMETIC[symbol](a, b))
+    prompts = prompt_rows_of("validation")
     held_out = {p[0]["content"] for p in prompts["prompt"]}
     assert not held_out & {m[0]["content"] for m in chat["messages"]}
+    first = prompts[0]
+    a, b = (int(x) for x in first["prompt"][0]["content"].removesuffix("=?").split(symbol))
+    assert first["answer"] == str(PYTHON_ARITHMETIC[symbol](a, b))
 
 
 def test_max_tool_calling_iterations_zero_runs_no_tool():

@@ -22,8 +22,8 @@ def _fit(config: str, cwd, *args: str) -> None:
 
 @pytest.mark.slow
 def test_tool_sft_then_grpo_with_the_tool_through_lit_trainer(tmp_path):
-    builtin.tool_addition_chat_rows("train").select(range(32)).to_json(tmp_path / "chat.jsonl")
-    builtin.tool_addition_prompt_rows("train").select(range(40)).to_json(tmp_path / "prompts.jsonl")
+    builtin.tool_multiplication_chat_rows("train").select(range(32)).to_json(tmp_path / "chat.jsonl")
+    builtin.tool_multiplication_prompt_rows("train").select(range(40)).to_json(tmp_path / "prompts.jsonl")
     _fit("sft_tool_chat.yaml", tmp_path, "--trainer.max_steps=3", "--data.init_args.batch_size=8",
          f"--data.init_args.dataset={tmp_path / 'chat.jsonl'}")  # fmt: skip
     export = tmp_path / "runs" / "sft_tool_chat" / "version_0" / "hf_model"

@@ -11,11 +11,14 @@ Every problem ``"a+b="`` with ``a, b`` in ``[10, 99]`` (8,100 problems) is shuff
   a swapped digit), chosen deterministically per problem;
 * prompt rows (GRPO): ``prompt`` and ``answer`` for a correctness reward.
 
-``builtin:tool_addition`` is a tool-use task: four-digit sums (``"5821+7377=?"``), too long for the tiny presets to
-add reliably, with an :func:`add` tool. Its chat SFT rows (``builtin:tool_addition_chat``) are transcripts in which one
-row in ``tool_every`` calls the tool (assistant ``<tool_call>`` turn, ``tool`` result, assistant answer) and the
-others answer directly; its prompt rows (GRPO) are the user turn and the ``answer``. Every row carries the tool's
-schema in a ``tools`` column (JSON), as the GRPO prompts are rendered with it.
+``builtin:tool_multiplication`` and ``builtin:tool_addition`` are tool-use tasks on the same four-digit operand pairs
+(``"5821*7377=?"`` with a :func:`multiply` tool, ``"5821+7377=?"`` with an :func:`add` tool). The tiny presets cannot
+multiply such numbers; they can learn some four-digit addition given enough steps (measured: 41% of held-out sums
+after 1,200 SFT steps at one seed), which is why the GRPO tool recipe uses the products. Their chat SFT rows
+(``builtin:tool_multiplication_chat``, ``builtin:tool_addition_chat``) are transcripts in which one row in
+``tool_every`` calls the tool (assistant ``<tool_call>`` turn, ``tool`` result, assistant answer) and the others answer
+directly; their prompt rows (GRPO) are the user turn and the ``answer``. Every chat row carries the tool's schema in
+a ``tools`` column (JSON), as the GRPO prompts are rendered with it.
 
 ``builtin:subtraction`` asks ``"a-b="`` of the same shuffled operand pairs, with the same held-out split (a pair
 held out of addition is held out of subtraction too): ``completion = answer = str(a - b)``, negative when ``a < b``
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from typing import Literal
 
 from datasets import Dataset
@@ -39,6 +43,8 @@ BUILTIN_NAMES: tuple[str, ...] = (
     "builtin:subtraction",
     "builtin:tool_addition",
     "builtin:tool_addition_chat",
+    "builtin:tool_multiplication",
+    "builtin:tool_multiplication_chat",
 )
 CHAT_SYSTEM = "Add the numbers."
 _SEED = 1234
@@ -161,7 +167,7 @@ def prompt_rows(split: Split, num_validation: int = 500) -> Dataset:
     )
 
 
-# ------------------------------------------------------------------------------------------------ tool addition
+# ------------------------------------------------------------------------------------------------ tool tasks
 def add(a: int, b: int) -> int:
     """Add two integers.
 
@@ -172,9 +178,23 @@ def add(a: int, b: int) -> int:
     return int(a) + int(b)
 
 
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: first
+        b: second
+    """
+    return int(a) * int(b)
+
+
+ToolOperation = Literal["add", "multiply"]
+_TOOL_OPERATIONS: dict[str, tuple[str, Callable[[int, int], int]]] = {"add": ("+", add), "multiply": ("*", multiply)}
+
+
 def tool_addition_problems(split: Split, *, num_validation: int = 200, count: int = 4000) -> list[tuple[int, int]]:
-    """``count`` four-digit operand pairs in ``[5000, 9999]`` (so every sum has five digits), seeded; the first
-    ``num_validation`` are held out.
+    """``count`` four-digit operand pairs in ``[5000, 9999]`` (so every sum has five digits and every product eight),
+    seeded; the first ``num_validation`` are held out. Both tool tasks ask the same pairs.
 
     Raises:
         ValueError: for an unknown split or a ``num_validation`` outside ``[1, count - 1]``.
@@ -190,47 +210,76 @@ def tool_addition_problems(split: Split, *, num_validation: int = 200, count: in
     raise ValueError(f"Unknown split {split!r}: use 'train' or 'validation'.")
 
 
-def _tools_json() -> str:
-    return json.dumps([get_json_schema(add)])
+def _tools_json(operation: ToolOperation = "add") -> str:
+    return json.dumps([get_json_schema(_TOOL_OPERATIONS[operation][1])])
 
 
-def tool_call_transcript(a: int, b: int) -> list[dict]:
-    """A tool-use conversation: the question, an ``add`` call, its result, the answer."""
-    call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+def _question(a: int, b: int, operation: ToolOperation) -> str:
+    return f"{a}{_TOOL_OPERATIONS[operation][0]}{b}=?"
+
+
+def tool_call_transcript(a: int, b: int, operation: ToolOperation = "add") -> list[dict]:
+    """A tool-use conversation: the question, a call of the operation's tool, its result, the answer."""
+    symbol, tool = _TOOL_OPERATIONS[operation]
+    result = str(tool(a, b))
+    call = {"type": "function", "function": {"name": operation, "arguments": {"a": a, "b": b}}}
     return [
-        {"role": "user", "content": f"{a}+{b}=?", "tool_calls": None, "name": None},
+        {"role": "user", "content": f"{a}{symbol}{b}=?", "tool_calls": None, "name": None},
         {"role": "assistant", "content": "", "tool_calls": [call], "name": None},
-        {"role": "tool", "content": str(a + b), "tool_calls": None, "name": "add"},
-        {"role": "assistant", "content": str(a + b), "tool_calls": None, "name": None},
+        {"role": "tool", "content": result, "tool_calls": None, "name": operation},
+        {"role": "assistant", "content": result, "tool_calls": None, "name": None},
     ]
 
 
-def tool_addition_chat_rows(split: Split, num_validation: int = 200, tool_every: int = 2) -> Dataset:
-    """Chat SFT transcripts of ``builtin:tool_addition``: one row in ``tool_every`` calls :func:`add`, the others
-    answer directly (the correct sum); ``answer`` is the sum, ``tools`` the tool's schema (JSON)."""
+def tool_chat_rows(
+    split: Split, operation: ToolOperation = "add", num_validation: int = 200, tool_every: int = 2
+) -> Dataset:
+    """Chat SFT transcripts of a tool task: one row in ``tool_every`` calls the operation's tool (:func:`add` or
+    :func:`multiply`), the others answer directly (the correct result); ``answer`` is the result, ``tools`` the
+    tool's schema (JSON)."""
     problems = tool_addition_problems(split, num_validation=num_validation)
+    tool = _TOOL_OPERATIONS[operation][1]
     conversations = []
     for i, (a, b) in enumerate(problems):
-        if i % tool_every == 0:
-            conversations.append(tool_call_transcript(a, b))
-        else:
-            conversations.append(tool_call_transcript(a, b)[:1] + tool_call_transcript(a, b)[3:])
-    tools = _tools_json()
+        transcript = tool_call_transcript(a, b, operation)
+        conversations.append(transcript if i % tool_every == 0 else transcript[:1] + transcript[3:])
+    tools = _tools_json(operation)
     return Dataset.from_dict(
         {
             "messages": conversations,
-            "answer": [str(a + b) for a, b in problems],
+            "answer": [str(tool(a, b)) for a, b in problems],
             "tools": [tools] * len(problems),
         }
     )
 
 
-def tool_addition_prompt_rows(split: Split, num_validation: int = 200) -> Dataset:
-    """GRPO prompt rows of ``builtin:tool_addition``: the user turn and the correct ``answer``."""
+def tool_prompt_rows(split: Split, operation: ToolOperation = "add", num_validation: int = 200) -> Dataset:
+    """GRPO prompt rows of a tool task: the user turn and the correct ``answer``."""
     problems = tool_addition_problems(split, num_validation=num_validation)
+    tool = _TOOL_OPERATIONS[operation][1]
     return Dataset.from_dict(
         {
-            "prompt": [[{"role": "user", "content": f"{a}+{b}=?"}] for a, b in problems],
-            "answer": [str(a + b) for a, b in problems],
+            "prompt": [[{"role": "user", "content": _question(a, b, operation)}] for a, b in problems],
+            "answer": [str(tool(a, b)) for a, b in problems],
         }
     )
+
+
+def tool_addition_chat_rows(split: Split, num_validation: int = 200, tool_every: int = 2) -> Dataset:
+    """``builtin:tool_addition_chat``: :func:`tool_chat_rows` of the sums."""
+    return tool_chat_rows(split, "add", num_validation, tool_every)
+
+
+def tool_addition_prompt_rows(split: Split, num_validation: int = 200) -> Dataset:
+    """``builtin:tool_addition``: :func:`tool_prompt_rows` of the sums."""
+    return tool_prompt_rows(split, "add", num_validation)
+
+
+def tool_multiplication_chat_rows(split: Split, num_validation: int = 200, tool_every: int = 2) -> Dataset:
+    """``builtin:tool_multiplication_chat``: :func:`tool_chat_rows` of the products."""
+    return tool_chat_rows(split, "multiply", num_validation, tool_every)
+
+
+def tool_multiplication_prompt_rows(split: Split, num_validation: int = 200) -> Dataset:
+    """``builtin:tool_multiplication``: :func:`tool_prompt_rows` of the products."""
+    return tool_prompt_rows(split, "multiply", num_validation)

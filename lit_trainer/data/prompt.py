@@ -114,6 +114,7 @@ class PromptDataModule(BaseDataModule):
     builtin: ClassVar[BuiltinSources] = {
         "builtin:addition": builtin.prompt_rows,
         "builtin:tool_addition": builtin.tool_addition_prompt_rows,
+        "builtin:tool_multiplication": builtin.tool_multiplication_prompt_rows,
     }
 
     def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:

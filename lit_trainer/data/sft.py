@@ -80,6 +80,7 @@ class SFTDataModule(BaseDataModule):
         "builtin:addition": builtin.sft_rows,
         "builtin:addition_chat": builtin.sft_chat_rows,
         "builtin:tool_addition_chat": builtin.tool_addition_chat_rows,
+        "builtin:tool_multiplication_chat": builtin.tool_multiplication_chat_rows,
         "builtin:subtraction": builtin.subtraction_rows,
     }
 
