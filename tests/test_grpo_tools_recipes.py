@@ -4,39 +4,29 @@ from the built-in tool task. The measured rise of tool use and reward (full reci
 
 from __future__ import annotations
 
-import csv
-
 import pytest
 from transformers import AutoTokenizer
 
-from helpers.cli import CONFIGS, QUIET_FIT
-from helpers.ddp import output_tail, run_lit_trainer
+from helpers.cli import fit_recipe, logged_rows
 from lit_trainer.data import builtin
-
-
-def _fit(config: str, cwd, *args: str) -> None:
-    proc = run_lit_trainer("fit", "--config", CONFIGS / config, *QUIET_FIT, "--trainer.log_every_n_steps=1", *args,
-                           cwd=cwd)  # fmt: skip
-    assert proc.returncode == 0, output_tail(proc)
 
 
 @pytest.mark.slow
 def test_tool_sft_then_grpo_with_the_tool_through_lit_trainer(tmp_path):
     builtin.tool_multiplication_chat_rows("train").select(range(32)).to_json(tmp_path / "chat.jsonl")
     builtin.tool_multiplication_prompt_rows("train").select(range(40)).to_json(tmp_path / "prompts.jsonl")
-    _fit("sft_tool_chat.yaml", tmp_path, "--trainer.max_steps=3", "--data.init_args.batch_size=8",
-         f"--data.init_args.dataset={tmp_path / 'chat.jsonl'}")  # fmt: skip
+    fit_recipe("sft_tool_chat.yaml", tmp_path, "--trainer.max_steps=3", "--data.init_args.batch_size=8",
+               f"--data.init_args.dataset={tmp_path / 'chat.jsonl'}")  # fmt: skip
     export = tmp_path / "runs" / "sft_tool_chat" / "version_0" / "hf_model"
     assert "tool_call" in AutoTokenizer.from_pretrained(export).chat_template  # renders tools and calls
     # GRPO from the export as documented: 2 steps of 2 prompts x 8 rollouts, greedy validation before and after
-    _fit("grpo_tools.yaml", tmp_path, "--model.init_args.model=runs/sft_tool_chat/version_0/hf_model",
-         "--trainer.max_steps=2", "--data.init_args.batch_size=16",
-         f"--data.init_args.dataset={tmp_path / 'prompts.jsonl'}",
-         "--trainer.limit_val_batches=1", "--data.init_args.eval_batch_size=4", "--trainer.val_check_interval=2",
-         "--model.init_args.max_completion_length=96")  # fmt: skip
+    fit_recipe("grpo_tools.yaml", tmp_path, "--model.init_args.model=runs/sft_tool_chat/version_0/hf_model",
+               "--trainer.max_steps=2", "--data.init_args.batch_size=16",
+               f"--data.init_args.dataset={tmp_path / 'prompts.jsonl'}",
+               "--trainer.limit_val_batches=1", "--data.init_args.eval_batch_size=4", "--trainer.val_check_interval=2",
+               "--model.init_args.max_completion_length=96")  # fmt: skip
     run = tmp_path / "runs" / "grpo_tools" / "version_0"
-    with open(run / "metrics.csv") as f:
-        logged = list(csv.DictReader(f))
+    logged = logged_rows(run)
     steps = [r for r in logged if r.get("reward")]
     validations = [r for r in logged if r.get("val_tools/call_frequency")]
     assert len(steps) == 2 and [r["step"] for r in validations][:1] == ["0"]  # EvalOnStart: the "before"

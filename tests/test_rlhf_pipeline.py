@@ -7,22 +7,13 @@ previous stage's export from its default place, exactly as the documented comman
 
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from helpers.cli import CONFIGS, QUIET_FIT
-from helpers.ddp import output_tail, run_lit_trainer
+from helpers.cli import fit_recipe, logged_rows
 from lit_trainer.data import builtin
-
-
-def _fit(config: str, cwd, *args: str) -> None:
-    proc = run_lit_trainer(
-        "fit", "--config", CONFIGS / config, *QUIET_FIT, "--trainer.log_every_n_steps=1", *args, cwd=cwd
-    )
-    assert proc.returncode == 0, output_tail(proc)
 
 
 @pytest.mark.slow
@@ -31,20 +22,19 @@ def test_sft_then_reward_model_then_grpo_on_it(tmp_path):
     builtin.preference_rows("train").select(range(64)).to_json(tmp_path / "pairs.jsonl")
     builtin.prompt_rows("train").select(range(32)).to_json(tmp_path / "prompts.jsonl")
 
-    _fit("sft.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
-         f"--data.init_args.dataset={tmp_path / 'sft.jsonl'}")  # fmt: skip
-    _fit("reward.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
-         f"--data.init_args.dataset={tmp_path / 'pairs.jsonl'}")  # fmt: skip
+    fit_recipe("sft.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
+               f"--data.init_args.dataset={tmp_path / 'sft.jsonl'}")  # fmt: skip
+    fit_recipe("reward.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
+               f"--data.init_args.dataset={tmp_path / 'pairs.jsonl'}")  # fmt: skip
     reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "runs/reward/version_0/hf_model")
     assert reward_model.config.num_labels == 1
     # GRPO: 2 optimizer steps of 16 completions (2 prompts x 8) per micro-batch, 2 micro-batches per step
-    _fit("grpo_rm.yaml", tmp_path, "--trainer.max_steps=2", "--data.init_args.batch_size=16",
-         f"--data.init_args.dataset={tmp_path / 'prompts.jsonl'}", "--trainer.limit_val_batches=1",
-         "--data.init_args.eval_batch_size=4")  # fmt: skip
+    fit_recipe("grpo_rm.yaml", tmp_path, "--trainer.max_steps=2", "--data.init_args.batch_size=16",
+               f"--data.init_args.dataset={tmp_path / 'prompts.jsonl'}", "--trainer.limit_val_batches=1",
+               "--data.init_args.eval_batch_size=4")  # fmt: skip
 
     run = tmp_path / "runs" / "grpo_rm" / "version_0"
-    with open(run / "metrics.csv") as f:
-        logged = list(csv.DictReader(f))
+    logged = logged_rows(run)
     rows = [r for r in logged if r.get("reward")]
     before = [r for r in logged if r.get("val_rewards/reward/mean")]
     assert before and before[0]["step"] == "0"  # EvalOnStart: the starting policy's reward-model score

@@ -31,3 +31,21 @@ def cli_with_callback(model_class: type, class_path: str, init_args: dict[str, A
             }
         },
     )
+
+
+def fit_recipe(config: str, cwd: Path, *args: str) -> None:
+    """``lit-trainer fit --config configs/<config>`` in ``cwd``, quiet (:data:`QUIET_FIT`), logging every step, with
+    ``args`` last; fails the test with the command's output if it does not succeed."""
+    from helpers.ddp import output_tail, run_lit_trainer
+
+    proc = run_lit_trainer("fit", "--config", CONFIGS / config, *QUIET_FIT, "--trainer.log_every_n_steps=1", *args,
+                           cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, output_tail(proc)
+
+
+def logged_rows(run: Path) -> list[dict[str, str]]:
+    """The rows of a run folder's ``metrics.csv``."""
+    import csv
+
+    with open(run / "metrics.csv") as f:
+        return list(csv.DictReader(f))
