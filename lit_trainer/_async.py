@@ -14,6 +14,7 @@ They run on one event loop in a daemon thread, started on first use and kept for
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,13 +33,21 @@ def _loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def await_all(awaitables: Sequence[Any]) -> list[Any]:
-    """Await ``awaitables`` together on the background loop; their results in order, an exception as its value (the
-    caller decides whether it is an error result or a failure)."""
-    if not awaitables:
-        return []
+def resolve_awaitables(values: Sequence[Any]) -> list[Any]:
+    """``values`` with every awaitable among them replaced by its result, all awaited together on the background
+    loop; an awaitable that raised is replaced by its exception (the caller decides whether that is an error result
+    or a failure). Without awaitables nothing is started.
+
+    Example: ``resolve_awaitables([1, coroutine returning 2])`` -> ``[1, 2]``.
+    """
+    values = list(values)
+    pending = [i for i, value in enumerate(values) if inspect.isawaitable(value)]
+    if not pending:
+        return values
 
     async def gather() -> list[Any]:
-        return await asyncio.gather(*awaitables, return_exceptions=True)
+        return await asyncio.gather(*(values[i] for i in pending), return_exceptions=True)
 
-    return asyncio.run_coroutine_threadsafe(gather(), _loop()).result()
+    for i, result in zip(pending, asyncio.run_coroutine_threadsafe(gather(), _loop()).result()):
+        values[i] = result
+    return values

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lit_trainer._async import await_all
+from lit_trainer._async import resolve_awaitables
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """``f(prompts, completions, completion_ids, **columns) -> list[float | None]``."""
@@ -307,9 +307,6 @@ def call_reward_functions(
         if len(values) != n:
             raise ValueError(f"Column `{key}` has {len(values)} values for {n} completions: repeat it per completion.")
         kwargs[key] = list(values)
-    outputs = [_call(func, {**kwargs, **_accepted(func, extra_kwargs or {})}) for func in funcs]
-    pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
-    for i, values in zip(pending, await_all([outputs[i] for i in pending])):
-        outputs[i] = values
+    outputs = resolve_awaitables([_call(func, {**kwargs, **_accepted(func, extra_kwargs or {})}) for func in funcs])
     table = [_check(func, n, values) for func, values in zip(funcs, outputs)]
     return torch.tensor(table, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()

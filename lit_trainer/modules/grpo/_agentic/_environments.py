@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lit_trainer._async import await_all
+from lit_trainer._async import resolve_awaitables
 from lit_trainer._import_path import import_object
 
 EnvironmentFactory = Callable[[], Any]
@@ -133,11 +133,10 @@ class Environments:
             if self.multi:
                 row.pop(ENVIRONMENT_COLUMN)
             observations.append(environment.reset(**row))
-        pending = [i for i, obs in enumerate(observations) if inspect.isawaitable(obs)]
-        for i, observation in zip(pending, await_all([observations[i] for i in pending])):
-            if isinstance(observation, BaseException):
-                raise RuntimeError(f"{type(instances[i]).__name__}.reset raised: {observation!r}") from observation
-            observations[i] = observation
+        observations = resolve_awaitables(observations)
+        for environment, observation in zip(instances, observations):
+            if isinstance(observation, BaseException):  # an async reset raised
+                raise RuntimeError(f"{type(environment).__name__}.reset raised: {observation!r}") from observation
         out = []
         for prompt, observation in zip(prompts, observations, strict=True):
             if isinstance(observation, str) and observation:

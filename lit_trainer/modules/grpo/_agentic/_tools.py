@@ -19,10 +19,9 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from inspect import isawaitable
 from typing import Any
 
-from lit_trainer._async import await_all
+from lit_trainer._async import resolve_awaitables
 from lit_trainer._import_path import import_object
 
 _CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
@@ -141,19 +140,23 @@ def run_tool_turns(
 
     ``turns`` holds, per row, the turn's calls and the tools that row may call; ``rows`` are the rows' indices in
     ``stats.per_row``. Plain tools run at once, in row and call order; the awaitables that ``async def`` tools return
-    are then awaited all together, across rows, on the background event loop (:func:`lit_trainer._async.await_all`),
-    so a round's slow tools (a web request, a sandbox) overlap. A tool that raises (when called or while awaited), an
-    unknown tool name, arguments that are not a JSON object, or a call of another type is reported to the model as
-    ``{"error": "<message>"}`` and counted in ``stats.failures``; it never stops the run.
+    are then awaited all together, across rows, on the background event loop
+    (:func:`lit_trainer._async.resolve_awaitables`), so a round's slow tools (a web request, a sandbox) overlap. A
+    tool that raises (when called or while awaited), an unknown tool name, arguments that are not a JSON object, or a
+    call of another type is reported to the model as ``{"error": "<message>"}`` and counted in ``stats.failures``; it
+    never stops the run.
     """
     started = [[_start(call, tools, stats, row) for call in calls] for (calls, tools), row in zip(turns, rows)]
-    pending = [(t, c) for t, results in enumerate(started) for c, (_, out) in enumerate(results) if isawaitable(out)]
-    for (t, c), value in zip(pending, await_all([started[t][c][1] for t, c in pending])):
-        if isinstance(value, BaseException):
-            stats.failures += 1
-            value = {"error": str(value)}
-        started[t][c] = (started[t][c][0], value)
-    return [[{"role": "tool", "name": name, "content": str(value)} for name, value in results] for results in started]
+    values = iter(resolve_awaitables([value for results in started for _, value in results]))
+    messages = []
+    for results in started:
+        messages.append([])
+        for name, value in zip((name for name, _ in results), values):
+            if isinstance(value, BaseException):  # an async tool raised while awaited
+                stats.failures += 1
+                value = {"error": str(value)}
+            messages[-1].append({"role": "tool", "name": name, "content": str(value)})
+    return messages
 
 
 def run_tool_calls(
