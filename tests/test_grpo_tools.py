@@ -257,7 +257,9 @@ def test_tool_result_tokens_get_no_gradient():
 
 
 class CountingEnv:
-    """Counts its tool calls; rewards a call with the right sum."""
+    """Counts its tool calls; rewards a call with the right sum. Defined here, not as a subclass of the helpers'
+    ``AddEnv``: a failing call's error result names the method's class, and its length decides whether the result
+    fits the completion budget, which the async twin below must match."""
 
     def reset(self, **row: Any) -> str:
         self.answer, self.result = int(row["answer"]), None

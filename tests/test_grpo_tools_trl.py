@@ -29,6 +29,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from helpers import tool_policy
 from helpers.rounding import Rounding, relative_l2, values
 from helpers.tool_policy import ScriptedGenerate, add
 from lit_trainer.data import PromptDataModule
@@ -42,25 +43,10 @@ G = 3  # generations per prompt: the scripted policy's three behaviours
 MAX_COMPLETION = 160
 
 
-class AddEnv:
+class AddEnv(tool_policy.AddEnv):
     """An environment: ``add`` is its tool, ``reset`` appends a hint, ``get_reward`` rewards a correct call."""
 
-    def reset(self, **row: Any) -> str:
-        self.answer, self.called = int(row["answer"]), None
-        return " Use the tool."
-
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: first
-            b: second
-        """
-        self.called = a + b
-        return a + b
-
-    def get_reward(self) -> float:
-        return 1.0 if self.called == self.answer else 0.0
+    hint = " Use the tool."
 
 
 def prompt_rows() -> Dataset:

@@ -48,6 +48,41 @@ def reply(context: str, occurrence: int) -> str:
     return [call({"a": a, "b": b}), f"{a + b + 1}</s>", call({"a": a})][occurrence % 3]
 
 
+def scripted_replies(tokenizer: Any, contexts: list[str], choose: Any = reply) -> list[list[int]]:
+    """Each context's reply tokens, ``choose(context, occurrence)`` with ``occurrence`` = how many earlier rows of this
+    batch had the same context (a prompt's ``k``-th generation)."""
+    seen: Counter = Counter()
+    replies = []
+    for context in contexts:
+        replies.append(tokenizer(choose(context, seen[context]), add_special_tokens=False)["input_ids"])
+        seen[context] += 1
+    return replies
+
+
+class AddEnv:
+    """An environment whose tool is ``add``: ``reset`` returns :attr:`hint` (appended to the prompt), ``get_reward``
+    rewards a call with the right sum."""
+
+    hint = " Use add."
+
+    def reset(self, **row: Any) -> str:
+        self.answer, self.result = int(row["answer"]), None
+        return self.hint
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: first
+            b: second
+        """
+        self.result = a + b
+        return a + b
+
+    def get_reward(self) -> float:
+        return 1.0 if self.result == self.answer else 0.0
+
+
 class ScriptedGenerate:
     """``model.generate`` replacement (see the module docstring); records each call's batch size."""
 
@@ -56,14 +91,8 @@ class ScriptedGenerate:
         model.generate = self
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: Any, **_: Any):
-        seen: Counter = Counter()
-        new = []
-        for ids, mask in zip(input_ids, attention_mask):
-            context = self.tokenizer.decode(ids[mask.bool()].tolist())
-            occurrence = seen[context]
-            seen[context] += 1
-            tokens = self.tokenizer(reply(context, occurrence), add_special_tokens=False)["input_ids"]
-            new.append(tokens[: generation_config.max_new_tokens])
+        contexts = [self.tokenizer.decode(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
+        new = [tokens[: generation_config.max_new_tokens] for tokens in scripted_replies(self.tokenizer, contexts)]
         self.calls.append(len(new))
         width = max(len(t) for t in new)
         pad = generation_config.pad_token_id
@@ -101,12 +130,8 @@ class ForcedGenerate:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: Any, **kwargs: Any):
         from transformers import LogitsProcessorList
 
-        seen: Counter = Counter()
-        replies = []
-        for ids, mask in zip(input_ids, attention_mask):
-            context = self.tokenizer.decode(ids[mask.bool()].tolist())
-            replies.append(self.tokenizer(self.choose(context, seen[context]), add_special_tokens=False)["input_ids"])
-            seen[context] += 1
+        contexts = [self.tokenizer.decode(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
+        replies = scripted_replies(self.tokenizer, contexts, self.choose)
         self.calls.append(len(replies))
         force = _ForceReplies(replies, input_ids.shape[1], self.tokenizer.eos_token_id)
         return self.generate(
@@ -131,11 +156,8 @@ class ScriptedGenerateBatch:
         from types import SimpleNamespace
 
         self.calls.append([list(ids) for ids in inputs])
-        seen: Counter = Counter()
+        replies = scripted_replies(self.tokenizer, [self.tokenizer.decode(ids) for ids in inputs])
         outputs = {}
-        for k, ids in enumerate(inputs):
-            context = self.tokenizer.decode(ids)
-            tokens = self.tokenizer(reply(context, seen[context]), add_special_tokens=False)["input_ids"]
-            seen[context] += 1
+        for k, tokens in enumerate(replies):
             outputs[f"req_{k}"] = SimpleNamespace(generated_tokens=tokens[: generation_config.max_new_tokens])
         return outputs

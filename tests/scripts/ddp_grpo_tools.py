@@ -15,28 +15,20 @@ from typing import Any
 
 import torch
 
+from helpers.tool_policy import AddEnv
+
 PROBLEMS = [(1234, 4321), (5555, 1111)]
 G = 3
 
 
-class PidEnv:
-    """Records the process it lives in; ``add`` is its tool, ``get_reward`` rewards a correct call."""
+class PidEnv(AddEnv):
+    """Records the process it lives in; ``add`` is its tool, ``get_reward`` rewards a correct call; no hint."""
 
-    def reset(self, **row: Any) -> None:
-        self.pid, self.answer, self.result = os.getpid(), int(row["answer"]), None
+    hint = ""
 
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: first
-            b: second
-        """
-        self.result = a + b
-        return a + b
-
-    def get_reward(self) -> float:
-        return 1.0 if self.result == self.answer else 0.0
+    def reset(self, **row: Any) -> str:
+        self.pid = os.getpid()
+        return super().reset(**row)
 
 
 def build(devices_batch: int, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
