@@ -27,7 +27,7 @@ from lit_trainer.modules.grpo._agentic._tools import (
     parse_assistant_turn,
     parse_tool_calls,
     resolve_tools,
-    run_tool_calls,
+    run_tool_turns,
     tool_suffix_ids,
 )
 from lit_trainer.rewards import arithmetic_reward
@@ -77,7 +77,7 @@ def test_a_failing_or_unknown_tool_is_an_error_result_and_counted_never_a_crash(
         {"type": "function", "function": {"name": "nope", "arguments": {}}},
         {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}},
     ]
-    results = run_tool_calls(calls, {"add": add, "boom": boom}, stats, 0)
+    (results,) = run_tool_turns([(calls, {"add": add, "boom": boom})], stats, [0])
     assert [m["content"] for m in results[:2]] == ["5", str({"error": "boom 7"})]
     assert "not found" in results[2]["content"] and "missing 1 required" in results[3]["content"]
     assert (stats.calls, stats.failures, stats.per_row) == (4, 3, [4])
@@ -424,8 +424,6 @@ class InFlight:
 
 
 def test_async_tools_of_all_rows_are_awaited_together_in_call_order_and_their_errors_are_results():
-    from lit_trainer.modules.grpo._agentic._tools import run_tool_turns
-
     flight = InFlight()
 
     async def slow_add(a: int, b: int) -> int:

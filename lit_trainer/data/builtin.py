@@ -220,11 +220,10 @@ def _question(a: int, b: int, operation: ToolOperation) -> str:
 
 def tool_call_transcript(a: int, b: int, operation: ToolOperation = "add") -> list[dict]:
     """A tool-use conversation: the question, a call of the operation's tool, its result, the answer."""
-    symbol, tool = _TOOL_OPERATIONS[operation]
-    result = str(tool(a, b))
+    result = str(_TOOL_OPERATIONS[operation][1](a, b))
     call = {"type": "function", "function": {"name": operation, "arguments": {"a": a, "b": b}}}
     return [
-        {"role": "user", "content": f"{a}{symbol}{b}=?", "tool_calls": None, "name": None},
+        {"role": "user", "content": _question(a, b, operation), "tool_calls": None, "name": None},
         {"role": "assistant", "content": "", "tool_calls": [call], "name": None},
         {"role": "tool", "content": result, "tool_calls": None, "name": operation},
         {"role": "assistant", "content": result, "tool_calls": None, "name": None},

@@ -159,13 +159,6 @@ def run_tool_turns(
     return messages
 
 
-def run_tool_calls(
-    calls: Sequence[dict[str, Any]], tools: dict[str, Callable[..., Any]], stats: ToolStats, row: int
-) -> list[dict[str, Any]]:
-    """One turn's calls (:func:`run_tool_turns` for a single row)."""
-    return run_tool_turns([(calls, tools)], stats, [row])[0]
-
-
 def _start(call: dict[str, Any], tools: dict[str, Callable[..., Any]], stats: ToolStats, row: int) -> tuple[str, Any]:
     """Count and make one call: ``(name, result)``; the result is an awaitable for an async tool, an error dict when
     the call fails."""
