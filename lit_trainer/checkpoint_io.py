@@ -25,6 +25,12 @@ everything a strategy writes through its ``checkpoint_io``: single-device and DD
 files of FSDP. Distributed checkpoint folders (``ModelParallelStrategy``, sharded FSDP, DeepSpeed) are written by
 the strategy itself, not through the plugin.
 
+**The incomplete-save sentinel.** A checkpoint that is not one file renamed into place (a sharded folder, or any
+save a callback wants to flag while it runs) is announced first: :func:`write_sentinel` writes
+``<dir>/checkpoint-is-incomplete.txt`` naming the target, the callback deletes it once the save is complete, and
+:func:`incomplete_reason` tells a reader (the resume logic in :mod:`lit_trainer.cli.checkpoints`) why a candidate
+is not usable.
+
 Example:
     >>> import os, tempfile
     >>> io = AtomicCheckpointIO()
@@ -36,13 +42,59 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
+import zipfile
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
 from lit_trainer._atomic import commit, is_local_path, partial_path
+
+SENTINEL_NAME = "checkpoint-is-incomplete.txt"
+_TARGET_PREFIX = "target: "
+_PathLike = str | os.PathLike
+
+
+def write_sentinel(dirpath: _PathLike, target_name: str, step: int) -> Path:
+    """Mark ``dirpath/target_name`` as being written: ``dirpath/checkpoint-is-incomplete.txt`` names it.
+
+    Args:
+        dirpath: the checkpoint folder.
+        target_name: the file (or folder) name the checkpoint will have once complete.
+        step: the global step being saved (for people reading the file).
+
+    Returns:
+        The sentinel's path.
+    """
+    sentinel = Path(dirpath) / SENTINEL_NAME
+    sentinel.write_text(f"Checkpoint started at step {step} and in progress...\n{_TARGET_PREFIX}{target_name}\n")
+    return sentinel
+
+
+def sentinel_target(dirpath: _PathLike) -> str | None:
+    """The checkpoint name an interrupted save left in ``dirpath``'s sentinel (``None``: no sentinel or unreadable)."""
+    sentinel = Path(dirpath) / SENTINEL_NAME
+    try:
+        lines = sentinel.read_text().splitlines()
+    except OSError:
+        return None
+    return next((line[len(_TARGET_PREFIX) :] for line in lines if line.startswith(_TARGET_PREFIX)), None)
+
+
+def incomplete_reason(path: Path, pending: str | None) -> str | None:
+    """Why ``path`` is not a usable checkpoint, or ``None`` when it is complete."""
+    if path.name == pending:
+        return f"its save was interrupted ({path.parent / SENTINEL_NAME} names it)"
+    if path.is_dir():
+        return (
+            f"its save was interrupted ({path / SENTINEL_NAME} is present)" if (path / SENTINEL_NAME).exists() else None
+        )
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no central directory
+        return "it is truncated or not a torch checkpoint"
+    return None
 
 
 def is_async(checkpoint_io: Any) -> bool:

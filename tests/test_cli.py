@@ -8,8 +8,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers.ddp import run_lit_trainer
-from lit_trainer.callbacks.checkpoint_resolution import write_sentinel
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
+from lit_trainer.checkpoint_io import write_sentinel
 from lit_trainer.cli import LitTrainerCLI
 
 ROOT = Path(__file__).resolve().parents[1]

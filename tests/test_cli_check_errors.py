@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lit_trainer.cli import main
-from lit_trainer.cli_errors import raised_by_our_checks
+from lit_trainer.cli.errors import raised_by_our_checks
 
 SFT = str(Path(__file__).resolve().parents[1] / "configs" / "sft.yaml")
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer.cli import CKPT_PATH_HELP, LitTrainerCLI
-from lit_trainer.cli_trackers import REPORT_TO_HELP
-from lit_trainer.entry import quick_help, recipe_summary
+from lit_trainer.cli.app import CKPT_PATH_HELP, LitTrainerCLI
+from lit_trainer.cli.entry import quick_help, recipe_summary
+from lit_trainer.cli.trackers import REPORT_TO_HELP
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def test_quick_help_imports_neither_torch_nor_lightning():
     code = (
-        "import sys; from lit_trainer.entry import main; main(['--help']); "
+        "import sys; from lit_trainer.cli.entry import main; main(['--help']); "
         "heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -54,7 +54,7 @@ def test_quick_help_prefers_the_working_directorys_recipes(tmp_path):
 
 @pytest.mark.parametrize("args", [[], ["-h"], ["--help"]])
 def test_console_script_answers_help_without_arguments_or_with_h(args, capsys):
-    from lit_trainer.entry import main
+    from lit_trainer.cli.entry import main
 
     main(args)
     assert capsys.readouterr().out.startswith("lit-trainer ")

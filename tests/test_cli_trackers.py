@@ -12,7 +12,7 @@ import yaml
 from helpers.cli import CONFIGS, QUIET_FIT
 from helpers.trackio_store import new_project, runs, steps_of
 from lit_trainer.cli import LitTrainerCLI
-from lit_trainer.cli_trackers import parse_report_to, tracker_loggers
+from lit_trainer.cli.trackers import parse_report_to, tracker_loggers
 
 MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
 
@@ -49,15 +49,15 @@ def test_the_csv_logger_stays_first_and_loggers_of_your_own_are_kept():
     configured = [
         {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "runs"}},
         {"class_path": "my.pkg.MyLogger", "init_args": {}},
-        {"class_path": "lit_trainer.runs.RunCSVLogger", "init_args": {"save_dir": "runs"}},
+        {"class_path": "lit_trainer.cli.runs.RunCSVLogger", "init_args": {"save_dir": "runs"}},
     ]
     built = tracker_loggers(["trackio"], configured, "runs")
     assert [entry["class_path"] for entry in built] == [
-        "lit_trainer.runs.RunCSVLogger",
+        "lit_trainer.cli.runs.RunCSVLogger",
         "my.pkg.MyLogger",
         "lit_trainer.loggers.TrackioLogger",
     ]
-    assert [entry["class_path"] for entry in tracker_loggers([], [], "runs")] == ["lit_trainer.runs.RunCSVLogger"]
+    assert [entry["class_path"] for entry in tracker_loggers([], [], "runs")] == ["lit_trainer.cli.runs.RunCSVLogger"]
 
 
 @pytest.mark.slow

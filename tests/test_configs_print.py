@@ -34,7 +34,7 @@ def test_every_recipe_is_covered():
 def test_every_recipe_writes_its_own_run_folder():
     """Recipes sharing a run name would share `runs/<name>/`, and `--ckpt_path last` of one would resume another's
     checkpoint (a chat or LoRA run resumed as plain SFT)."""
-    from lit_trainer.runs import default_run_name
+    from lit_trainer.cli.runs import default_run_name
 
     names = {}
     for config in CONFIGS:

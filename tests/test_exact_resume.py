@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import Callback
 
 from helpers.ddp import launch_script, wait_json
 from lit_trainer.callbacks import ExactResume, resolve_resume, resolve_resume_checkpoint
-from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
 from lit_trainer.callbacks.resume._rng_state import apply_rng_state, collect_rng_state
+from lit_trainer.checkpoint_io import SENTINEL_NAME, sentinel_target, write_sentinel
 
 
 def _draws() -> tuple:

@@ -18,8 +18,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from helpers.ddp import launch_script, wait_json
 from lit_trainer.callbacks import jit_checkpoint
-from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
+from lit_trainer.checkpoint_io import SENTINEL_NAME, sentinel_target
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 

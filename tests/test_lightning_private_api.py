@@ -47,7 +47,7 @@ METHODS = [
         ["self", "config", "callbacks"],
     ),
     (
-        "RunCSVLogger (lit_trainer.runs) overrides it to append to metrics.csv",
+        "RunCSVLogger (lit_trainer.cli.runs) overrides it to append to metrics.csv",
         "loggers.csv_logs",
         "ExperimentWriter",
         "_check_log_dir_exists",
@@ -129,7 +129,7 @@ def test_private_logger_attributes_exist(tmp_path: Path) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     logger = CSVLogger(tmp_path)
-    feature = "RunCSVLogger (lit_trainer.runs) creates its appending writer through them"
+    feature = "RunCSVLogger (lit_trainer.cli.runs) creates its appending writer through them"
     for name in ("_experiment", "_fs"):
         assert name in vars(logger), _message(feature, f"CSVLogger.{name}", "lightning.pytorch")
     assert callable(getattr(logger._fs, "makedirs", None)), _message(

@@ -1,5 +1,5 @@
-"""The ``lit-trainer`` command's OpenMP default (``lit_trainer.openmp``): waiting threads spin briefly, then sleep; the
-user's choice wins.
+"""The ``lit-trainer`` command's OpenMP default (``lit_trainer.cli.openmp``): waiting threads spin briefly, then sleep;
+the user's choice wins.
 
 The effective setting is read from libgomp itself: ``OMP_DISPLAY_ENV=VERBOSE`` makes it print, when torch loads it,
 the spin count it will use (0 = passive, 300000 = libgomp's default, 30000000000 = ``OMP_WAIT_POLICY=ACTIVE``).
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer.callbacks.cpu_threads import oversubscription_warning, waits_passively
-from lit_trainer.openmp import WAIT_VARIABLES, apply_openmp_defaults, openmp_defaults
+from lit_trainer.cli.cpu_threads import oversubscription_warning, waits_passively
+from lit_trainer.cli.openmp import WAIT_VARIABLES, apply_openmp_defaults, openmp_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENMP = (*WAIT_VARIABLES, "OMP_NUM_THREADS", "OMP_DISPLAY_ENV")

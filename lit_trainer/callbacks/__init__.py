@@ -5,7 +5,6 @@ For ``pytorch_lightning.Trainer`` (``import pytorch_lightning as pl``), import t
 """
 
 from lit_trainer.callbacks.bema import BEMA
-from lit_trainer.callbacks.checkpoint_resolution import resolve_resume, resolve_resume_checkpoint
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
@@ -13,7 +12,8 @@ from lit_trainer.callbacks.hf_export import HFExport
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.callbacks.neftune import NEFTune
 from lit_trainer.callbacks.resume import ExactResume
-from lit_trainer.callbacks.run_identity import RunIdentity
+from lit_trainer.cli.checkpoints import resolve_resume, resolve_resume_checkpoint
+from lit_trainer.cli.run_identity import RunIdentity
 
 __all__ = [
     "BEMA",

@@ -72,7 +72,7 @@ from typing_extensions import override
 
 from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._namespace import PackageBound
-from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
+from lit_trainer.checkpoint_io import SENTINEL_NAME, sentinel_target, write_sentinel
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 

@@ -5,7 +5,7 @@ but not the random number generators, not the position of a plain ``DataLoader``
 accumulation window in progress: :class:`ExactResume` adds the three (``docs/resume.md`` lists what is exact).
 :func:`resolve_resume_checkpoint` picks the newest *complete* checkpoint of a folder, and :func:`resolve_resume`
 implements the CLI's ``resume: never | auto | <path>`` option without Lightning's silent ``ckpt_path=None -> "last"``
-resume (:mod:`lit_trainer.callbacks.checkpoint_resolution`).
+resume (:mod:`lit_trainer.cli.checkpoints`).
 
 The callback is here; its private parts beside it: the RNG states (``_rng_state``), the replay of a plain
 ``DataLoader`` epoch (``_replay_loader``) and the gradients of an accumulation window in progress (``_window_grads``).

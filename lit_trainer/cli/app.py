@@ -9,22 +9,22 @@ What it changes from a plain ``LightningCLI``:
 * a fixed default seed (1234) instead of a random one, so a rerun or resume is reproducible;
 * one run = one folder: ``<trainer.default_root_dir (runs)>/<run_name (sft|dpo|grpo|reward)>/version_<n>/`` holds the
   CSV (and TensorBoard) logs, ``config.yaml``, ``checkpoints/`` and ``hf_model/``; a fresh run never writes into a
-  folder that holds files, a resumed run continues in its checkpoint's folder (:mod:`lit_trainer.runs`);
+  folder that holds files, a resumed run continues in its checkpoint's folder (:mod:`lit_trainer.cli.runs`);
 * ``--ckpt_path last`` resumes the newest complete checkpoint of an unfinished run with this run name AND the same
   model and data arguments (:class:`~lit_trainer.callbacks.RunIdentity`); a checkpoint of another module, data
   module or run name is refused even as an explicit path; a resumed part never overwrites the records of the earlier
-  parts (:func:`lit_trainer.runs.keep_part_records`);
+  parts (:func:`lit_trainer.cli.runs.keep_part_records`);
 * a fresh run that fails before its first optimizer step removes the run folder it made;
 * ``--report_to trackio,tensorboard`` chooses experiment trackers by name next to the run's CSV log
-  (:mod:`lit_trainer.cli_trackers`); a resumed run continues its Trackio run without duplicated steps;
+  (:mod:`lit_trainer.cli.trackers`); a resumed run continues its Trackio run without duplicated steps;
 * every ``fit`` draws its curves to ``curves.png`` in the run folder when matplotlib is installed
   (:class:`~lit_trainer.callbacks.CurvesPlot`);
 * after a ``JITCheckpoint`` stop (SIGTERM, Ctrl-C) the command to continue the run is printed;
 * no sanity-check validation by default (generation-based validation is costly and its result is thrown away);
 * ``fit`` refuses to run without a bound (``max_steps``, ``max_epochs`` or ``max_time``);
 * a final metrics table, plain progress lines when stdout is not a terminal, a warning when CPU threads are
-  oversubscribed (:mod:`lit_trainer.callbacks.progress`, :mod:`lit_trainer.callbacks.cpu_threads`);
-* parse errors lead with the actionable line and suggest close option names (:mod:`lit_trainer.cli_errors`).
+  oversubscribed (:mod:`lit_trainer.callbacks.progress`, :mod:`lit_trainer.cli.cpu_threads`);
+* parse errors lead with the actionable line and suggest close option names (:mod:`lit_trainer.cli.errors`).
 """
 
 from __future__ import annotations
@@ -41,20 +41,12 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lit_trainer.callbacks.checkpoint_resolution import complete_checkpoints, resolve_resume
-from lit_trainer.callbacks.cpu_threads import CPUThreadCheck
 from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
-from lit_trainer.callbacks.run_identity import (
-    RunIdentity,
-    class_path,
-    flatten_config,
-    identity_mismatch,
-    pick_last,
-    read_record,
-)
-from lit_trainer.cli_errors import (
+from lit_trainer.cli.checkpoints import complete_checkpoints, resolve_resume
+from lit_trainer.cli.cpu_threads import CPUThreadCheck
+from lit_trainer.cli.errors import (
     TRACEBACK_ENV,
     FriendlyParser,
     exit_with_message,
@@ -62,15 +54,20 @@ from lit_trainer.cli_errors import (
     join_negative_numbers,
     raised_by_our_checks,
 )
-from lit_trainer.cli_noise import (
+from lit_trainer.cli.noise import (
     quiet_frozen_eval_mode_warning,
     quiet_progress_bars_off_terminal,
     quiet_startup_noise,
 )
-from lit_trainer.cli_trackers import REPORT_TO_HELP, parse_report_to, place_remote_trackers, tracker_loggers
-from lit_trainer.data.base import BaseDataModule
-from lit_trainer.modules.base import BaseModule
-from lit_trainer.runs import (
+from lit_trainer.cli.run_identity import (
+    RunIdentity,
+    class_path,
+    flatten_config,
+    identity_mismatch,
+    pick_last,
+    read_record,
+)
+from lit_trainer.cli.runs import (
     DEFAULT_ROOT,
     default_run_name,
     fresh_version,
@@ -79,6 +76,9 @@ from lit_trainer.runs import (
     version_folder,
     version_of,
 )
+from lit_trainer.cli.trackers import REPORT_TO_HELP, parse_report_to, place_remote_trackers, tracker_loggers
+from lit_trainer.data.base import BaseDataModule
+from lit_trainer.modules.base import BaseModule
 
 DEFAULT_SEED = 1234
 _RUN_LOGGERS = ("RunCSVLogger", "CSVLogger", "TensorBoardLogger", "TrackioLogger")  # placed in the run folder
@@ -109,7 +109,7 @@ def default_loggers() -> list[dict[str, Any]]:
     import importlib.util
 
     common = {"save_dir": DEFAULT_ROOT, "name": None, "version": None}
-    loggers = [{"class_path": "lit_trainer.runs.RunCSVLogger", "init_args": dict(common)}]
+    loggers = [{"class_path": "lit_trainer.cli.runs.RunCSVLogger", "init_args": dict(common)}]
     if importlib.util.find_spec("tensorboard") is not None:
         loggers.append(
             {
@@ -241,7 +241,7 @@ class LitTrainerCLI(LightningCLI):
         loggers = [lg for lg in _as_list(trainer.get("logger")) if str(lg.get("class_path", "")).endswith(_RUN_LOGGERS)]
         for logger in loggers:
             if logger.get("class_path") in _LIGHTNING_CSV:
-                logger["class_path"] = "lit_trainer.runs.RunCSVLogger"
+                logger["class_path"] = "lit_trainer.cli.runs.RunCSVLogger"
         self._identity_config = flatten_config({"model": config.get("model"), "data": config.get("data")})
         run_root = Path(root) / name
         version = None

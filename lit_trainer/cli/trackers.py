@@ -25,7 +25,7 @@ TRACKERS: dict[str, tuple[str, str, str]] = {
 }
 ALWAYS = "csv"
 SPECIAL = ("all", "none")
-CSV_LOGGER = "lit_trainer.runs.RunCSVLogger"
+CSV_LOGGER = "lit_trainer.cli.runs.RunCSVLogger"
 # class names (the end of a class path) that --report_to replaces in --trainer.logger
 _TRACKER_CLASSES = tuple(path.rsplit(".", 1)[-1] for path, _, _ in TRACKERS.values())
 REPORT_TO_HELP = (

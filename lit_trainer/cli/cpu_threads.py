@@ -5,7 +5,7 @@ processes keep the cores busy and OpenMP's waiting threads spin (libgomp's defau
 its slowest thread to get a core while the others burn the cores it needs, and a step can take 5-15 times longer
 than on a quiet machine (``configs/sft.yaml``: about a minute quiet, 7 to 33 minutes on a busy 2-core machine).
 
-The ``lit-trainer`` command therefore sets ``GOMP_SPINCOUNT=10000`` before torch loads (``lit_trainer.openmp``:
+The ``lit-trainer`` command therefore sets ``GOMP_SPINCOUNT=10000`` before torch loads (``lit_trainer.cli.openmp``:
 waiting threads spin briefly, then sleep; results unchanged), and the busy-machine cost then stays close to one
 thread's (``benchmarks/busy_machine.py``). The warning is for the remaining case: torch imported with long spinning
 waits (a library user's own script, or ``OMP_WAIT_POLICY=ACTIVE``) on oversubscribed cores.
@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.openmp import SHORT_SPIN
+from lit_trainer.cli.openmp import SHORT_SPIN
 
 
 def waits_passively(environ: Mapping[str, str] = os.environ) -> bool:

@@ -1,5 +1,7 @@
-"""Which checkpoint to resume from: the incomplete-save sentinel and the newest COMPLETE checkpoint
-(docs/design.md#atomic-checkpoints).
+"""Which checkpoint to resume from: the newest COMPLETE checkpoint (docs/design.md#atomic-checkpoints).
+
+A checkpoint is complete unless the incomplete-save sentinel names it, its folder holds the sentinel, or the file is
+not a whole zip archive (:func:`lit_trainer.checkpoint_io.incomplete_reason`).
 
 :func:`resolve_resume_checkpoint` picks the newest complete checkpoint of one or more folders; :func:`resolve_resume`
 implements the CLI's ``never | auto | <path>`` choice without Lightning's silent ``ckpt_path=None -> "last"`` resume
@@ -9,7 +11,6 @@ implements the CLI's ``never | auto | <path>`` choice without Lightning's silent
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,49 +19,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_trainer.callbacks._namespace import LIGHTNING, trainer_namespace
+from lit_trainer.checkpoint_io import incomplete_reason, sentinel_target
 
-SENTINEL_NAME = "checkpoint-is-incomplete.txt"
-_TARGET_PREFIX = "target: "
 _PathLike = str | os.PathLike
-
-
-def write_sentinel(dirpath: _PathLike, target_name: str, step: int) -> Path:
-    """Mark ``dirpath/target_name`` as being written: ``dirpath/checkpoint-is-incomplete.txt`` names it.
-
-    Args:
-        dirpath: the checkpoint folder.
-        target_name: the file (or folder) name the checkpoint will have once complete.
-        step: the global step being saved (for people reading the file).
-
-    Returns:
-        The sentinel's path.
-    """
-    sentinel = Path(dirpath) / SENTINEL_NAME
-    sentinel.write_text(f"Checkpoint started at step {step} and in progress...\n{_TARGET_PREFIX}{target_name}\n")
-    return sentinel
-
-
-def sentinel_target(dirpath: _PathLike) -> str | None:
-    """The checkpoint name an interrupted save left in ``dirpath``'s sentinel (``None``: no sentinel or unreadable)."""
-    sentinel = Path(dirpath) / SENTINEL_NAME
-    try:
-        lines = sentinel.read_text().splitlines()
-    except OSError:
-        return None
-    return next((line[len(_TARGET_PREFIX) :] for line in lines if line.startswith(_TARGET_PREFIX)), None)
-
-
-def _incomplete_reason(path: Path, pending: str | None) -> str | None:
-    """Why ``path`` is not a usable checkpoint, or ``None`` when it is complete."""
-    if path.name == pending:
-        return f"its save was interrupted ({path.parent / SENTINEL_NAME} names it)"
-    if path.is_dir():
-        return (
-            f"its save was interrupted ({path / SENTINEL_NAME} is present)" if (path / SENTINEL_NAME).exists() else None
-        )
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no central directory
-        return "it is truncated or not a torch checkpoint"
-    return None
 
 
 def _checkpoints_in(dirpath: Path) -> list[Path]:
@@ -92,7 +53,7 @@ def complete_checkpoints(dirpath: _PathLike | Sequence[_PathLike]) -> list[str]:
         if pending is not None and (folder / pending) not in candidates:  # the usual case: only a partial exists
             candidates.append(folder / pending)
         for path in candidates:
-            reason = _incomplete_reason(path, pending)
+            reason = incomplete_reason(path, pending)
             if reason is None:
                 complete.add(path)
             else:
@@ -200,7 +161,7 @@ def _checked_path(path: Path) -> str:
             f"`resume={str(path)!r}` is invalid: no such checkpoint. Pass an existing checkpoint path, 'auto' "
             "(the newest complete checkpoint of the run) or 'never'."
         )
-    reason = _incomplete_reason(path, sentinel_target(path.parent))
+    reason = incomplete_reason(path, sentinel_target(path.parent))
     if reason is not None:
         raise ValueError(
             f"`resume={str(path)!r}` is invalid: {reason}. Pass 'auto' to use the newest complete checkpoint."

@@ -1,0 +1,185 @@
+"""Where a run writes: ``<root>/<run name>/version_<n>/``, one folder per run (see ``docs/runs_and_resume.md``).
+
+* ``root`` is ``trainer.default_root_dir`` (``runs`` by default): logs, checkpoints and the HF export all go below it.
+* the run name is ``--run_name``, else derived from the LightningModule class (:func:`default_run_name`), so SFT,
+  DPO and GRPO runs never interleave in one folder;
+* a fresh run takes the next free ``version_<n>`` and never writes into a folder that already holds files
+  (:func:`fresh_version`); a resumed run continues in the folder its checkpoint came from (:func:`version_of`).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+from pathlib import Path
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from typing_extensions import override
+
+DEFAULT_ROOT = "runs"
+_RECIPE_NAMES = {"CausalLMModule": "sft", "DPOModule": "dpo", "GRPOModule": "grpo", "RewardModule": "reward"}
+_VERSION = re.compile(r"^version_(\d+)$")
+
+
+def default_run_name(module_class_path: str) -> str:
+    """``sft``, ``dpo``, ``grpo`` or ``reward`` for our modules; the class name in lower case for any other module.
+
+    Example:
+        >>> default_run_name("lit_trainer.DPOModule"), default_run_name("my.pkg.MyNet")
+        ('dpo', 'mynet')
+    """
+    class_name = module_class_path.rsplit(".", 1)[-1]
+    return _RECIPE_NAMES.get(class_name, class_name.lower())
+
+
+def version_number(version: int | str | None) -> int | None:
+    """``3`` for ``3``, ``"3"`` or ``"version_3"``; ``None`` for anything else."""
+    if isinstance(version, int):
+        return version
+    if isinstance(version, str):
+        match = _VERSION.match(version)
+        if match or version.isdigit():
+            return int(match.group(1) if match else version)
+    return None
+
+
+def next_version(run_root: str | os.PathLike) -> int:
+    """One past the highest ``version_<n>`` in ``run_root`` (``0`` when there is none)."""
+    taken = [n for p in Path(run_root).glob("version_*") if (n := version_number(p.name)) is not None]
+    return max(taken, default=-1) + 1
+
+
+def _holds_files(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def version_folder(version: int | str) -> str:
+    """The folder name of a logger version: ``version_<n>`` for a number (``3``, ``"3"``, ``"version_3"``), else the
+    string itself.
+
+    Example:
+        >>> version_folder(3), version_folder("version_3"), version_folder("baseline")
+        ('version_3', 'version_3', 'baseline')
+    """
+    number = version_number(version)
+    return f"version_{number}" if number is not None else str(version)
+
+
+def fresh_version(run_root: str | os.PathLike, pinned: int | str | None) -> tuple[int | str, str | None]:
+    """The version a fresh (not resumed) run writes to, and a note when the pinned one had to be skipped.
+
+    A version pinned by a config (``--print_config`` output, or the ``config.yaml`` a run saved) is used only while
+    its folder is empty: re-running a saved config starts a new version instead of overwriting the earlier run.
+
+    Args:
+        run_root: ``<root>/<run name>``.
+        pinned: the logger's ``version`` from the config (``None``: not pinned).
+
+    Returns:
+        ``(version, note)``: an int means ``version_<int>``; ``note`` is ``None`` unless the pinned one was skipped.
+
+    Example:
+        >>> fresh_version("/nonexistent/sft", None)
+        (0, None)
+    """
+    if pinned is not None and not _holds_files(Path(run_root) / version_folder(pinned)):
+        return (version_number(pinned) if version_number(pinned) is not None else pinned), None
+    chosen = next_version(run_root)
+    if pinned is None:
+        return chosen, None
+    return chosen, (
+        f"{Path(run_root) / version_folder(pinned)} already holds an earlier run; this run writes to "
+        f"{Path(run_root) / version_folder(chosen)} instead, so nothing is overwritten (pass --ckpt_path to "
+        "continue that run)."
+    )
+
+
+def version_of(
+    checkpoint: str | os.PathLike, run_root: str | os.PathLike, run_dir: str | None = None
+) -> int | str | None:
+    """The version folder of ``run_root`` that a checkpoint belongs to, or ``None`` when it is not in one.
+
+    ``run_dir`` (the folder the run that wrote the checkpoint logged to, recorded in the checkpoint) wins; otherwise
+    the checkpoint's own location ``<run_root>/version_<n>/checkpoints/<file>`` is used.
+    """
+    root = Path(run_root).resolve()
+    candidates = [Path(run_dir)] if run_dir else []
+    candidates.append(Path(checkpoint).resolve().parent.parent)
+    for folder in candidates:
+        if folder.resolve().parent == root:
+            number = version_number(folder.name)
+            return number if number is not None else folder.name
+    return None
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued instead of deleted."""
+
+    @override
+    def _check_log_dir_exists(self) -> None:
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as file:
+                self.metrics_keys = sorted(next(csv.reader(file), []))
+
+
+class RunCSVLogger(CSVLogger):
+    """``CSVLogger`` whose ``metrics.csv`` survives a resume: a resumed run appends its rows to the same curve.
+
+    Lightning's ``CSVLogger`` deletes ``metrics.csv`` when its folder is not empty ("Previous log files ... will be
+    deleted"), which would erase the first part of a resumed run. Fresh runs never share a folder (see
+    :func:`fresh_version`), so appending is safe.
+    """
+
+    @property
+    @override
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+PART_RECORDS = ("config.yaml", "hparams.yaml")  # files a resumed part would otherwise rewrite in the run folder
+PARTS_FOLDER = "parts"
+
+
+def keep_part_records(run_dir: str | os.PathLike) -> Path | None:
+    """Copy the records of the run's latest part into ``<run_dir>/parts/part_<k>/`` before a resumed part rewrites them.
+
+    ``config.yaml`` and ``hparams.yaml`` at the top of a run folder always describe its latest part; each earlier
+    part's copies are kept under ``parts/part_0``, ``parts/part_1``, ... (``metrics.csv`` is continued, not
+    rewritten, so it needs no copy). Returns the new folder, or ``None`` when there was nothing to keep.
+
+    Example:
+        >>> keep_part_records("/nonexistent") is None
+        True
+    """
+    run_dir = Path(run_dir)
+    present = [run_dir / name for name in PART_RECORDS if (run_dir / name).is_file()]
+    if not present:
+        return None
+    parts = run_dir / PARTS_FOLDER
+    taken = [int(p.name.removeprefix("part_")) for p in parts.glob("part_*") if p.name.removeprefix("part_").isdigit()]
+    target = parts / f"part_{max(taken, default=-1) + 1}"
+    target.mkdir(parents=True)
+    for path in present:
+        shutil.copy2(path, target / path.name)
+    return target
+
+
+def remove_unused_run_folder(run_dir: str | os.PathLike) -> bool:
+    """Delete a fresh run's folder after it failed before its first optimizer step, unless it holds a checkpoint.
+
+    Such a folder holds at most a ``config.yaml``, an ``hparams.yaml`` and empty logs: keeping it would only push
+    the next run to another version number. Returns whether it was removed.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or any(p.suffix == ".ckpt" for p in run_dir.rglob("*")):
+        return False
+    shutil.rmtree(run_dir)
+    return True
