@@ -4,6 +4,7 @@ of another run's checkpoint, no overwrite when a saved config is re-run, ``defau
 from __future__ import annotations
 
 import csv
+import errno
 import os
 from pathlib import Path
 
@@ -174,3 +175,60 @@ def test_unbounded_fit_is_refused_with_the_right_wording(tmp_path, monkeypatch, 
             ]
         )
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_runs_started_at_the_same_instant_each_get_their_own_complete_folder(tmp_path):
+    """Four ``lit-trainer fit`` launched together (a sweep, several terminals) once all chose ``version_0``: one
+    ``metrics.csv`` with steps twice, ``last-v1.ckpt``, a failed export. Each must reserve a folder of its own."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("lit-trainer")
+    command = [str(exe) if exe.exists() else "lit-trainer", "fit", "--config", str(CONFIGS / "sft.yaml")]
+    command += [*QUIET, "--trainer.max_steps", "2", "--data.init_args.batch_size", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launches = [
+        subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(4)
+    ]
+    outputs = [proc.communicate(timeout=900)[0] for proc in launches]
+    for proc, output in zip(launches, outputs):
+        assert proc.returncode == 0, output[-3000:]
+    runs = sorted((tmp_path / "runs" / "sft").iterdir())
+    assert [run.name for run in runs] == [f"version_{n}" for n in range(4)], outputs
+    for run in runs:  # each one complete, and written by one process only
+        assert _steps(run) == [0, 1], outputs
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+        assert (run / "hf_model" / "config.json").exists() and (run / "config.yaml").exists()
+        assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["logger"][0]["init_args"]["version"] == int(
+            run.name.removeprefix("version_")
+        )
+    folders_named = {
+        line.split("run folder: ")[1].strip() for out in outputs for line in out.splitlines() if "run folder: " in line
+    }
+    assert len(folders_named) == 4, folders_named
+
+
+@pytest.mark.parametrize("error", [errno.EROFS, errno.EACCES])
+def test_a_run_root_that_cannot_be_written_is_named_with_the_fix(tmp_path, monkeypatch, capsys, error):
+    """A read-only run root (or one without write permission) once gave a 20-line traceback from deep inside the
+    loggers; now one line names the folder, the reason and the option that moves it. The file system refuses
+    through ``os.mkdir`` (this suite may run as root, which no mode bits stop)."""
+    from lit_trainer.cli.app import main
+
+    monkeypatch.chdir(tmp_path)
+    real_mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if "runs" in str(path):
+            raise OSError(error, os.strerror(error), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(CONFIGS / "sft.yaml"), *QUIET, "--trainer.max_steps", "1"])
+    assert stopped.value.code == 1
+    message = capsys.readouterr().err
+    assert f"Cannot create the run folder in {Path('runs') / 'sft'}: {os.strerror(error).lower()}" in message
+    assert "--trainer.default_root_dir" in message and "Traceback" not in message

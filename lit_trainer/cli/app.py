@@ -69,11 +69,14 @@ from lit_trainer.cli.run_identity import (
 )
 from lit_trainer.cli.runs import (
     DEFAULT_ROOT,
+    RUN_DIR_ENV,
     default_run_name,
     fresh_version,
     keep_part_records,
     remove_unused_run_folder,
+    reserve_version,
     version_folder,
+    version_number,
     version_of,
 )
 from lit_trainer.cli.trackers import REPORT_TO_HELP, parse_report_to, place_remote_trackers, tracker_loggers
@@ -249,7 +252,7 @@ class LitTrainerCLI(LightningCLI):
             self._resume_from, version = self._resume_target(config, run_root)
         if version is None:
             pinned = _init_arg(loggers[0], "version") if loggers else None
-            version, note = fresh_version(run_root, pinned)
+            version, note = self._fresh_version(run_root, pinned)
             if note:
                 rank_zero_info(f"[lit_trainer] {note}")
             if self.subcommand == "fit":
@@ -262,6 +265,21 @@ class LitTrainerCLI(LightningCLI):
             for key, value in (("save_dir", str(root)), ("name", name), ("version", version)):
                 logger["init_args"][key] = value
         place_remote_trackers(_as_list(trainer.get("logger")), str(root), name, version_folder(version))
+
+    def _fresh_version(self, run_root: Path, pinned: int | str | None) -> tuple[int | str, str | None]:
+        """``fit`` on rank 0 reserves a new version folder (created at once, so simultaneous runs never share one);
+        the other ranks of the run take that folder; other subcommands only choose a version."""
+        if self.subcommand != "fit":
+            return fresh_version(run_root, pinned)
+        if rank_zero_only.rank == 0:
+            version, note = reserve_version(run_root, pinned)
+            os.environ[RUN_DIR_ENV] = str((run_root / version_folder(version)).resolve())
+            return version, note
+        reserved = Path(os.environ.get(RUN_DIR_ENV, ""))
+        if reserved.name and reserved.parent == run_root.resolve():  # Lightning's launcher started this rank
+            number = version_number(reserved.name)
+            return (number if number is not None else reserved.name), None
+        return fresh_version(run_root, pinned)  # launched on its own (torchrun): Lightning broadcasts rank 0's folder
 
     def instantiate_classes(self) -> None:
         """Build the classes; a validation error of ours comes out alone, not inside jsonargparse's Union text."""

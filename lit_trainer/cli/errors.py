@@ -27,7 +27,7 @@ _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (\S+)")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)", re.IGNORECASE)
 _PACKAGE = Path(__file__).resolve().parents[1]  # the lit_trainer package
 # What lit_trainer's own checks raise (a bad value, a missing or empty file, a refused checkpoint).
-_CHECK_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+_CHECK_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 TRACEBACK_ENV = "LIT_TRAINER_TRACEBACK"
 
 

@@ -4,12 +4,16 @@
 * the run name is ``--run_name``, else derived from the LightningModule class (:func:`default_run_name`), so SFT,
   DPO and GRPO runs never interleave in one folder;
 * a fresh run takes the next free ``version_<n>`` and never writes into a folder that already holds files
-  (:func:`fresh_version`); a resumed run continues in the folder its checkpoint came from (:func:`version_of`).
+  (:func:`fresh_version`); a resumed run continues in the folder its checkpoint came from (:func:`version_of`);
+* ``fit`` reserves its folder at once, by creating it (:func:`reserve_version`): ``mkdir`` either creates a folder
+  or fails because it exists, atomically, so runs started at the same instant (a sweep, two terminals) each get
+  their own ``version_<n>``; the other processes of a multi-process run take rank 0's folder (:data:`RUN_DIR_ENV`).
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import os
 import re
 import shutil
@@ -23,6 +27,10 @@ from typing_extensions import override
 DEFAULT_ROOT = "runs"
 _RECIPE_NAMES = {"CausalLMModule": "sft", "DPOModule": "dpo", "GRPOModule": "grpo", "RewardModule": "reward"}
 _VERSION = re.compile(r"^version_(\d+)$")
+# Rank 0 of a fit names the folder it reserved here; the processes Lightning starts for the other ranks inherit the
+# environment, so they log to (and look for checkpoints in) the same folder instead of reserving one of their own.
+RUN_DIR_ENV = "LIT_TRAINER_RUN_DIR"
+_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def default_run_name(module_class_path: str) -> str:
@@ -96,6 +104,55 @@ def fresh_version(run_root: str | os.PathLike, pinned: int | str | None) -> tupl
         f"{Path(run_root) / version_folder(chosen)} instead, so nothing is overwritten (pass --ckpt_path to "
         "continue that run)."
     )
+
+
+def reserve_version(run_root: str | os.PathLike, pinned: int | str | None) -> tuple[int | str, str | None]:
+    """Like :func:`fresh_version`, and the folder is created before this returns, so no other run can take it.
+
+    ``os.mkdir`` of a folder that exists fails, atomically, so of several runs started at the same instant each
+    creates a different ``version_<n>``: one that finds its candidate just taken moves on to the next number. A
+    pinned version whose folder exists but is empty is used as it is (as :func:`fresh_version` decides).
+
+    Args:
+        run_root: ``<root>/<run name>`` (created when missing).
+        pinned: the logger's ``version`` from the config (``None``: not pinned).
+
+    Returns:
+        ``(version, note)`` as :func:`fresh_version`.
+
+    Raises:
+        PermissionError: ``run_root`` cannot be written (no permission, a read-only file system); the message
+            names the folder and the option that moves it.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp()) / "sft"
+        >>> reserve_version(root, None), reserve_version(root, None), sorted(p.name for p in root.iterdir())
+        ((0, None), (1, None), ['version_0', 'version_1'])
+    """
+    run_root = Path(run_root)
+    try:
+        run_root.mkdir(parents=True, exist_ok=True)
+        while True:
+            version, note = fresh_version(run_root, pinned)
+            folder = run_root / version_folder(version)
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                if pinned is not None and version_folder(version) == version_folder(pinned):
+                    if not _holds_files(folder):  # pinned and empty: used as it is
+                        return version, note
+                    pinned = None  # taken meanwhile: fall back to the next free number
+                continue
+            return version, note
+    except OSError as error:
+        if error.errno not in _NOT_WRITABLE:
+            raise
+        raise PermissionError(
+            f"Cannot create the run folder in {run_root}: {error.strerror.lower() if error.strerror else error}. "
+            "Runs are written under --trainer.default_root_dir (default: ./runs); point it at a folder you can write "
+            f"to, e.g. --trainer.default_root_dir $HOME/runs."
+        ) from None
 
 
 def version_of(
