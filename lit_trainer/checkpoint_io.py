@@ -92,8 +92,10 @@ def incomplete_reason(path: Path, pending: str | None) -> str | None:
         return (
             f"its save was interrupted ({path / SENTINEL_NAME} is present)" if (path / SENTINEL_NAME).exists() else None
         )
+    if path.is_file() and path.stat().st_size == 0:
+        return "it is empty (0 bytes: a save that never wrote, or a copy that failed)"
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no central directory
-        return "it is truncated or not a torch checkpoint"
+        return f"it is truncated or not a torch checkpoint ({path.stat().st_size:,} bytes, not a whole zip archive)"
     return None
 
 

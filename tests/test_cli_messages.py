@@ -4,6 +4,7 @@ the CPU-oversubscription decision, the run-folder rules, and the targeted noise 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -236,3 +237,45 @@ def test_plain_progress_lines_show_the_values_of_their_own_step(capsys, tmp_path
     lines = re.findall(r"step (\d+)/6 \| epoch 0 \| seen_step ([0-9.]+)", capsys.readouterr().out)
     assert [int(step) for step, _ in lines] == [2, 4, 6]
     assert all(float(value) == float(step) for step, value in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("trainer:\n\tmax_steps: 3\n", r'"{path}", line 2, column 1: a tab character; YAML indents with spaces only'),
+        ("trainer:\n  max_steps: 3\n  \tx: 1\n", r'"{path}", line 3, column 3: a tab character'),
+        ("trainer:\n  max_steps: [3\n", r'"{path}", line 3, column 1: expected .* flow sequence that starts at line 2'),
+        (
+            "trainer:\n  max_steps: 3\n   x: 1\n",
+            r"\"{path}\", line 3, column 5: mapping values are not allowed here",
+        ),
+    ],
+)
+def test_a_broken_config_file_is_named_with_its_line_and_tabs_are_called_tabs(tmp_path, capsys, text, expected):
+    """jsonargparse said `in "<unicode string>", line 2` and never "tab"; the user needs the file and the line."""
+    from lit_trainer.cli.app import main
+
+    config = tmp_path / "recipe.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert re.search(expected.format(path=re.escape(str(config))), err), err
+    assert "<unicode string>" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [(b"", r"it is empty \(0 bytes"), (b"PK\x03\x04 cut short", r"it is truncated or not a torch checkpoint \(14 bytes")],
+)
+def test_an_empty_or_truncated_checkpoint_is_named_in_the_words_of_the_command_line(tmp_path, capsys, content, reason):
+    """The message once spoke of `resume=` and 'auto', options the command line does not have."""
+    from lit_trainer.cli.app import main
+
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(content)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", SFT, "--trainer.default_root_dir", str(tmp_path / "runs"), "--ckpt_path", str(ckpt)])
+    err = capsys.readouterr().err
+    assert re.search(rf"--ckpt_path {re.escape(str(ckpt))} cannot be resumed: {reason}", err), err
+    assert "--ckpt_path last" in err and "resume=" not in err and "'auto'" not in err

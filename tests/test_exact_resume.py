@@ -142,7 +142,7 @@ def test_resume_policy_never_silently_resumes(tmp_path: Path, package: str) -> N
     # without an OnExceptionCheckpoint, ckpt_path=None is a fresh start in Lightning too: nothing to guard
     plain = ns.Trainer(accelerator="cpu", logger=False, default_root_dir=run)
     assert resolve_resume("never", run / "checkpoints", plain) is None
-    with pytest.raises(ValueError, match="no such checkpoint"):
+    with pytest.raises(ValueError, match="does not exist"):
         resolve_resume(str(run / "nope.ckpt"), run)
     write_sentinel(run / "checkpoints", "on_exception.ckpt", step=3)
     with pytest.raises(ValueError, match="save was interrupted"):

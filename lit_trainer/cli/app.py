@@ -44,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
-from lit_trainer.cli.checkpoints import complete_checkpoints, resolve_resume
+from lit_trainer.cli.checkpoints import checked_checkpoint, complete_checkpoints, resolve_resume
 from lit_trainer.cli.cpu_threads import CPUThreadCheck
 from lit_trainer.cli.errors import (
     TRACEBACK_ENV,
@@ -97,6 +97,7 @@ FIT_DESCRIPTION = (
     "print the short spelling `--model.learning_rate`; the docs and configs write `--model.init_args.learning_rate`: "
     "both set the same option. Recipes and commands: `lit-trainer --help`."
 )
+CKPT_PATH_INSTEAD = "--ckpt_path last (the newest complete checkpoint of this run; incomplete ones are skipped)"
 CKPT_PATH_HELP = (
     "Continue a run instead of starting a new one. 'last': the newest complete checkpoint of an unfinished run with "
     "this run name and the same model and data arguments (data-loading and eval_* options, and every trainer "
@@ -315,7 +316,7 @@ class LitTrainerCLI(LightningCLI):
             if path is None:
                 return None, None
         else:
-            path = resolve_resume(requested, [])
+            path = checked_checkpoint(requested, given=f"--ckpt_path {requested}", instead=CKPT_PATH_INSTEAD)
         record = read_record(path) or {}
         message = identity_mismatch(record, current, path) if record else None
         if message:

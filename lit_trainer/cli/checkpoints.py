@@ -155,15 +155,26 @@ def resolve_resume(
     return _checked_path(Path(key))
 
 
-def _checked_path(path: Path) -> str:
+def checked_checkpoint(path: _PathLike, *, given: str, instead: str) -> str:
+    """``path`` when it is a complete checkpoint; else a ``ValueError`` that says why, in the caller's words.
+
+    Args:
+        path: the checkpoint asked for.
+        given: how the user asked for it (``"`resume='x.ckpt'`"``, ``"--ckpt_path x.ckpt"``).
+        instead: what the user can pass instead.
+    """
+    path = Path(path)
     if not path.exists():
-        raise ValueError(
-            f"`resume={str(path)!r}` is invalid: no such checkpoint. Pass an existing checkpoint path, 'auto' "
-            "(the newest complete checkpoint of the run) or 'never'."
-        )
+        raise ValueError(f"{given} is invalid: {path} does not exist. Pass an existing checkpoint, or {instead}.")
     reason = incomplete_reason(path, sentinel_target(path.parent))
     if reason is not None:
-        raise ValueError(
-            f"`resume={str(path)!r}` is invalid: {reason}. Pass 'auto' to use the newest complete checkpoint."
-        )
+        raise ValueError(f"{given} cannot be resumed: {reason}. Pass another checkpoint, or {instead}.")
     return str(path)
+
+
+def _checked_path(path: Path) -> str:
+    return checked_checkpoint(
+        path,
+        given=f"`resume={str(path)!r}`",
+        instead="'auto' (the newest complete checkpoint of the run; incomplete ones are skipped) or 'never'",
+    )

@@ -140,10 +140,19 @@ class FriendlyParser(LightningArgumentParser):
     def _option_names(self) -> list[str]:
         return [opt for action in self._actions for opt in action.option_strings]
 
+    _given_args: tuple[str, ...] = ()  # the command line being parsed, to name a broken config file
+
+    def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        """jsonargparse's ``parse_args``; the arguments are kept to locate a config file's YAML error."""
+        if args is None or isinstance(args, (list, tuple)):
+            FriendlyParser._given_args = tuple(str(a) for a in (sys.argv[1:] if args is None else args))
+        return super().parse_args(args, *rest, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         """Shorten and annotate the message, then report it as jsonargparse does."""
         parser = getattr(ex, "subcommand_parser", None) or self
         names = parser._option_names() if isinstance(parser, FriendlyParser) else self._option_names()
+        message = locate_config_problem(message, FriendlyParser._given_args)
         super().error(suggest(lead_message(message), names), ex)
 
     def print_usage(self, file: Any = None) -> None:
@@ -180,3 +189,54 @@ def friendly_value_error(error: ValueError) -> ValueError | None:
     if _UNION not in message:
         return None
     return ValueError(suggest(lead_message(message)))
+
+
+def config_paths(args: Sequence[str]) -> list[Path]:
+    """The existing files given to ``--config`` in a command line (``--config F`` or ``--config=F``).
+
+    Example:
+        >>> config_paths(["fit", "--config", "/nonexistent.yaml", "--config=/"])
+        []
+    """
+    given = [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    given += [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--config"]
+    return [Path(p) for p in given if Path(p).is_file()]
+
+
+def yaml_problem(path: Path) -> str | None:
+    """What is wrong with a YAML file, located in it: ``"<path>", line L, column C: <problem>``; a tab used for
+    indentation is named as such. ``None`` when the file parses."""
+    import yaml
+
+    text = path.read_text(errors="replace")
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+        problem = getattr(error, "problem", None) or str(error)
+        if mark is None:
+            return f'"{path}": {problem}'
+        lines = text.splitlines()
+        line = lines[mark.line] if mark.line < len(lines) else ""
+        where = f'"{path}", line {mark.line + 1}, column {mark.column + 1}'
+        if "\t" in line[: max(mark.column, 0) + 1] or (problem and "\t" in line and "token" in problem):
+            return f"{where}: a tab character; YAML indents with spaces only, so replace the tab with spaces."
+        text_there = f": {line.strip()!r}" if line.strip() else ""
+        context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+        if context and start is not None and start.line != mark.line:
+            context_line = lines[start.line].strip() if start.line < len(lines) else ""
+            text_there += f" ({context.removeprefix('while ')} that starts at line {start.line + 1}: {context_line!r})"
+        return f"{where}: {problem}{text_there}"
+    return None
+
+
+def locate_config_problem(message: str, args: Sequence[str]) -> str:
+    """jsonargparse reports a broken ``--config`` file as ``in "<unicode string>"``; name the file and the line
+    instead, and say "tab" when a tab is the problem (the message is unchanged when no given file fails to parse)."""
+    if "<unicode string>" not in message:
+        return message
+    for path in config_paths(args):
+        problem = yaml_problem(path)
+        if problem is not None:
+            return f"The config file {problem}"
+    return message
