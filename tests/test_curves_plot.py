@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
@@ -137,3 +138,13 @@ def test_without_matplotlib_one_line_and_no_picture(tmp_path, monkeypatch, caplo
 def test_refuses_a_file_name_that_is_not_png():
     with pytest.raises(ValueError, match=r"filename='curves.svg' must end with .png"):
         CurvesPlot(filename="curves.svg")
+
+
+def test_the_plain_install_brings_matplotlib_so_every_run_folder_gets_its_picture():
+    """The README promises `curves.png` in every run folder after `pip install -e .`; matplotlib was once only in
+    extras, so the promise was false for a plain install. The package's own requirements (no extra) must name it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(dep.split(">")[0].split("=")[0].strip() == "matplotlib" for dep in dependencies), dependencies

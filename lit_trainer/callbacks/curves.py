@@ -3,8 +3,8 @@
 Someone who runs one job from a terminal looks at a picture before opening a dashboard. At the end of ``fit`` the
 metrics the run logged (the CSV logger's ``metrics.csv``, every part of a resumed run included) are drawn as a grid
 of small panels: the loss, the learning rate, DPO's reward margins and accuracies, GRPO's reward and KL, and every
-validation metric at the steps it was measured. matplotlib is optional: without it the callback says so in one line
-and draws nothing.
+validation metric at the steps it was measured. matplotlib is a dependency of lit_trainer; in an environment without
+it the callback says so in one line and draws nothing.
 """
 
 from __future__ import annotations
@@ -188,8 +188,7 @@ class CurvesPlot(_CurvesPlot, Callback):
     KL, and every other validation metric, over the logged steps. A panel appears when its metrics were logged.
     Works with any LightningModule; ``lit-trainer`` adds it to every run.
 
-    Needs matplotlib (in the ``notebooks`` and ``test`` extras); without it one info line is printed and nothing is
-    drawn. Without a CSV logger, nothing is drawn either.
+    Needs matplotlib (a dependency of lit_trainer); without it one info line is printed and nothing is drawn. Without a CSV logger, nothing is drawn either.
 
     Args:
         filename: the picture's file name in the run folder.

@@ -17,7 +17,7 @@ What it changes from a plain ``LightningCLI``:
 * a fresh run that fails before its first optimizer step removes the run folder it made;
 * ``--report_to trackio,tensorboard`` chooses experiment trackers by name next to the run's CSV log
   (:mod:`lit_trainer.cli.trackers`); a resumed run continues its Trackio run without duplicated steps;
-* every ``fit`` draws its curves to ``curves.png`` in the run folder when matplotlib is installed
+* every ``fit`` draws its curves to ``curves.png`` in the run folder
   (:class:`~lit_trainer.callbacks.CurvesPlot`);
 * after a ``JITCheckpoint`` stop (SIGTERM, Ctrl-C) the command to continue the run is printed;
 * no sanity-check validation by default (generation-based validation is costly and its result is thrown away);
