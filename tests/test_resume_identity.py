@@ -136,3 +136,13 @@ def test_a_fresh_run_that_fails_before_training_leaves_no_folder(sft_config, tmp
     with pytest.raises(Exception):  # noqa: B017  (whatever the data error is, the folder must go)
         _fit(sft_config, 2, "--data.init_args.dataset", str(bad))
     assert not (tmp_path / "runs" / "sft").exists() or not any((tmp_path / "runs" / "sft").iterdir())
+
+
+def test_a_run_refused_while_its_classes_are_built_leaves_no_reserved_folder(sft_config, tmp_path):
+    """`fit` reserves its folder before the model and data are built; an argument refused by a module's own check
+    (here at construction) must not leave that empty folder behind to push the next run to version_1."""
+    with pytest.raises(ValueError, match="max_grad_norm=-1"):
+        _fit(sft_config, 2, "--model.init_args.max_grad_norm=-1")
+    assert not any((tmp_path / "runs" / "sft").iterdir())
+    _fit(sft_config, 1)
+    assert sorted(p.name for p in (tmp_path / "runs" / "sft").iterdir()) == ["version_0"]

@@ -287,10 +287,20 @@ class LitTrainerCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except ValueError as error:
+            self._remove_fresh_run_dir()
             friendly = friendly_value_error(error)
             if friendly is None:
                 raise
             raise friendly from None
+        except BaseException:
+            self._remove_fresh_run_dir()
+            raise
+
+    def _remove_fresh_run_dir(self) -> None:
+        """Remove the folder a fresh run reserved, on rank 0, when it fails before its first optimizer step."""
+        fresh = self._fresh_run_dir
+        if fresh is not None and rank_zero_only.rank == 0 and remove_unused_run_folder(fresh):
+            rank_zero_info(f"[lit_trainer] removed {self._fresh_run_dir}: the run failed before it trained")
 
     def _resume_target(self, config: Any, run_root: Path) -> tuple[str | None, int | str | None]:
         """The checkpoint to resume (``None``: fresh start) and the version folder the run continues in."""
@@ -352,10 +362,8 @@ class LitTrainerCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except BaseException:
             trainer = getattr(self, "trainer", None)
-            untrained = trainer is None or trainer.global_step == 0
-            fresh = self._fresh_run_dir is not None and untrained and rank_zero_only.rank == 0
-            if fresh and remove_unused_run_folder(self._fresh_run_dir):
-                rank_zero_info(f"[lit_trainer] removed {self._fresh_run_dir}: the run failed before it trained")
+            if trainer is None or trainer.global_step == 0:
+                self._remove_fresh_run_dir()
             raise
 
     def before_fit(self) -> None:
