@@ -98,7 +98,7 @@ def test_invalid_module_options():
 
 
 def test_scheduler_warmup_then_cosine_per_optimizer_step(tokenizer):
-    module = CausalLMModule(tiny_llama(), tokenizer=tokenizer, learning_rate=1.0, warmup_steps=2)
+    module = CausalLMModule(tiny_llama(), tokenizer=tokenizer, learning_rate=1.0, warmup_steps=2, scheduler="cosine")
     lrs = []
 
     class Record(pl.Callback):

@@ -236,7 +236,7 @@ def test_identical_pairs_after_tokenization_are_counted_warned_once_and_dropped(
         "rejected": ["2", "4", "7", "9"],
     }  # row 0: same text; row 1: the same ids once EOS is appended
     with pytest.warns(UserWarning) as record:
-        dm = make(tokenizer, rows, max_length=32)
+        dm = make(tokenizer, rows, max_length=32, drop_identical_pairs=True)
     messages = [str(w.message) for w in record if "identical" in str(w.message)]
     assert len(messages) == 1, messages
     assert "train: 2 preference rows" in messages[0] and "drop_identical_pairs=False" in messages[0]
@@ -244,23 +244,23 @@ def test_identical_pairs_after_tokenization_are_counted_warned_once_and_dropped(
     assert dm.train_dataset["prompt_ids"] == [ids("3+3="), ids("4+4=")]
 
 
-def test_identical_pairs_can_be_kept(tokenizer):
+def test_identical_pairs_are_kept_by_default_as_trl(tokenizer):
     rows = {"prompt": ["1+1=", "3+3="], "chosen": ["2", "6"], "rejected": ["2", "7"]}
-    with pytest.warns(UserWarning, match=r"train: 1 preference rows .* identical .* kept"):
-        dm = make(tokenizer, rows, max_length=32, drop_identical_pairs=False)
+    with pytest.warns(UserWarning, match=r"train: 1 preference rows .* identical .* kept, as TRL"):
+        dm = make(tokenizer, rows, max_length=32)
     assert dm.stats["train_rows_identical_pairs"] == 1 and len(dm.train_dataset) == 2
 
 
 def test_pairs_identical_only_after_truncation_count_too(tokenizer):
     # keep_start, max_length 5: both rows become "1+1=2": the model sees the same inputs, the gradient is zero
     rows = {"prompt": ["1+1=", "1+1="], "chosen": ["2abc", "2"], "rejected": ["2xyz", "3"]}
-    dm = make(tokenizer, rows, max_length=5)
+    dm = make(tokenizer, rows, max_length=5, drop_identical_pairs=True)
     assert dm.stats["train_rows_identical_pairs"] == 1 and dm.train_dataset["chosen_ids"] == [ids("2") + [1]]
 
 
 def test_only_identical_pairs_is_an_error_naming_the_option(tokenizer):
     with pytest.raises(ValueError, match=r"No train row is left.*1 had chosen == rejected.*drop_identical_pairs"):
-        make(tokenizer, {"prompt": ["1+1="], "chosen": ["2"], "rejected": ["2"]})
+        make(tokenizer, {"prompt": ["1+1="], "chosen": ["2"], "rejected": ["2"]}, drop_identical_pairs=True)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ class BaseDataModule(pl.LightningDataModule):
             ``val_size`` rows held out from training.
         val_size: fraction in (0, 1) or row count held out when the source has no validation split; 0 = none.
         split: training split name of a hub dataset.
-        max_length: maximum tokens per row; longer rows are truncated, counted and reported.
+        max_length: maximum tokens per row (default 1024, TRL's); longer rows are truncated, counted and reported.
         batch_size: micro-batch size per device (average size for ``batch_rebalance``).
         eval_batch_size: validation batch size (default: ``batch_size``).
         sampling: ``random`` (default), ``sequential``, ``group_by_length`` or ``batch_rebalance``.
@@ -70,7 +70,7 @@ class BaseDataModule(pl.LightningDataModule):
         validation_dataset: Any = None,
         val_size: float | int = 0.05,
         split: str | None = None,
-        max_length: int = 512,
+        max_length: int = 1024,
         batch_size: int = 8,
         eval_batch_size: int | None = None,
         sampling: Sampling = "random",

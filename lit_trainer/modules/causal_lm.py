@@ -45,6 +45,7 @@ class CausalLMModule(BaseModule):
         preprocess_logits_for_metrics: optional ``(logits, labels) -> preds`` applied per validation batch.
         eval_metrics: optional torchmetrics (a ``Metric``, a ``MetricCollection`` or a dict of them) updated with
             ``(preds, labels)``; logged with a ``val_`` prefix.
+        learning_rate: peak learning rate (TRL's ``SFTConfig`` default 2e-5).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Example::
@@ -63,9 +64,10 @@ class CausalLMModule(BaseModule):
         eval_max_new_tokens: int = 8,
         preprocess_logits_for_metrics: Callable[[Tensor, Tensor], Tensor] | None = None,
         eval_metrics: Metric | MetricCollection | dict[str, Metric] | None = None,
+        learning_rate: float = 2e-5,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, **kwargs)
+        super().__init__(model, learning_rate=learning_rate, **kwargs)
         if eval_max_new_tokens < 1:
             raise ValueError(f"`eval_max_new_tokens={eval_max_new_tokens}` is invalid: it must be >= 1.")
         self.save_hyperparameters(

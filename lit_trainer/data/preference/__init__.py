@@ -6,7 +6,8 @@ the common prefix of chosen and rejected; standard (string) rows get the tokeniz
 completion; then ``prompt_ids = tok(prompt)``, ``tok(prompt + chosen)`` and ``tok(prompt + rejected)`` (the chat
 template with ``add_generation_prompt=True`` for the prompt, when rows are conversations) are split at their common
 prefix. With ``truncation_mode="keep_start"``, rows whose prompt alone reaches ``max_length`` are dropped and
-counted; pairs whose chosen and rejected rows are the same tokens (zero gradient) are counted and, by default, dropped.
+counted; pairs whose chosen and rejected rows are the same tokens are counted, reported and kept (as TRL), or
+dropped with ``drop_identical_pairs=True``.
 
 Collation: :class:`~lit_trainer.data.preference.collate.PreferenceCollator`; precomputed reference log-probs are
 stored as dataset columns by :meth:`PreferenceDataModule.set_reference_logps`.
@@ -111,9 +112,12 @@ class PreferenceDataModule(BaseDataModule):
                 one row, ``position_ids`` restarting per row, no padding (TRL's ``padding_free``); validation and the
                 reference log-prob pass stay padded. See :mod:`lit_trainer.data.packing`.
             drop_identical_pairs: drop the pairs whose chosen and rejected rows are the same tokens once truncated
-                (e.g. ``"4"`` and ``"4</s>"``): their DPO gradient is zero. They are counted
-                (``<split>_rows_identical_pairs``) and reported in one warning either way. Keep them (False) when a
-                chosen-only term (``loss_type`` with ``"sft"``, ``rpo_alpha``) should still learn from them.
+                (e.g. ``"4"`` and ``"4</s>"``). Default False: kept, as TRL. They are counted
+                (``<split>_rows_identical_pairs``) and reported in one warning either way. Such a pair adds no
+                gradient to a loss of the chosen-minus-rejected difference (``sigmoid``, ``ipo``, the reward model's
+                Bradley-Terry loss, ...) but counts in its pair mean, so dropping them scales the step's gradient by
+                ``all pairs / kept pairs``; losses that score chosen or rejected on its own (``"sft"``,
+                ``nca_pair``, ``bco_pair``, ``apo_zero``, the reward model's centring term) do learn from them.
             **kwargs: the options of :class:`~lit_trainer.data.base.BaseDataModule` (``tokenizer``, ``dataset``,
                 ``max_length``, ``batch_size``, ``sampling``, DataLoader options, ...).
 
@@ -138,7 +142,7 @@ class PreferenceDataModule(BaseDataModule):
         *args: Any,
         truncation_mode: TruncationMode = "keep_start",
         pad_to_multiple_of: int | None = None,
-        drop_identical_pairs: bool = True,
+        drop_identical_pairs: bool = False,
         packing: PreferencePacking = "none",
         **kwargs: Any,
     ) -> None:
@@ -274,7 +278,8 @@ class PreferenceDataModule(BaseDataModule):
         return usable.remove_columns(["truncated", "identical"])
 
     def _identical_pairs(self, data: Dataset, split: str) -> tuple[Dataset, int]:
-        """Count (and by default drop) the pairs whose chosen and rejected inputs are the same; warn once."""
+        """Count (and with ``drop_identical_pairs`` drop) the pairs whose chosen and rejected inputs are the same;
+        warn once."""
         count = sum(data["identical"])
         self.stats[f"{split}_rows_identical_pairs"] = count
         if not count:
@@ -282,11 +287,13 @@ class PreferenceDataModule(BaseDataModule):
         drop = self.hparams.drop_identical_pairs
         rank_zero_warn(
             f"[lit_trainer] {split}: {count} preference rows have identical chosen and rejected tokens "
-            f"(after truncation to max_length={self.hparams.max_length}), so their DPO gradient is zero; "
+            f"(after truncation to max_length={self.hparams.max_length}): a loss of the chosen-minus-rejected "
+            "difference gets no gradient from them, but counts them in its pair mean; "
             + (
-                "they were dropped (drop_identical_pairs=False keeps them)."
+                "they were dropped (drop_identical_pairs=True; drop_identical_pairs=False, the default, keeps them "
+                "as TRL does)."
                 if drop
-                else "they are kept (drop_identical_pairs=False)."
+                else "they are kept, as TRL (drop_identical_pairs=False; True drops them)."
             )
         )
         return (data.filter(lambda b: [not x for x in b["identical"]], batched=True) if drop else data), count

@@ -77,9 +77,10 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         learning_rate: peak learning rate of the default optimizer.
         weight_decay: weight decay of the default optimizer.
         warmup_steps: warmup length in optimizer steps, or a fraction (< 1) of the total steps (rounded up), as HF.
-        scheduler: a ``TrainingArguments.lr_scheduler_type`` name (``linear``, ``cosine``, ``cosine_with_min_lr``,
-            ``warmup_stable_decay``, ...; see :mod:`lit_trainer.modules.base._schedules`), built with
-            ``transformers.get_scheduler``: the same rate per step as the HF Trainer.
+        scheduler: a ``TrainingArguments.lr_scheduler_type`` name (``linear``, the default as in transformers and
+            TRL, ``cosine``, ``cosine_with_min_lr``, ``warmup_stable_decay``, ...; see
+            :mod:`lit_trainer.modules.base._schedules`), built with ``transformers.get_scheduler``: the same rate per
+            step as the HF Trainer.
         scheduler_kwargs: the scheduler's extra arguments (HF's ``lr_scheduler_kwargs``), e.g. ``{"min_lr_rate":
             0.1}`` for ``cosine_with_min_lr`` (what ``min_lr_ratio`` did before) or ``{"num_decay_steps": 100}`` for
             ``warmup_stable_decay``.
@@ -126,7 +127,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         learning_rate: float = 5e-5,
         weight_decay: float = 0.0,
         warmup_steps: int | float = 0,
-        scheduler: SchedulerName = "cosine",
+        scheduler: SchedulerName = "linear",
         scheduler_kwargs: dict[str, Any] | None = None,
         max_grad_norm: float | None = 1.0,
         peft_config: Any = None,

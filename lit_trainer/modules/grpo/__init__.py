@@ -183,6 +183,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         chat_template_kwargs: extra ``apply_chat_template`` keywords when tools render the prompts.
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
+        learning_rate: peak learning rate (TRL's ``GRPOConfig`` default 1e-6).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
@@ -213,7 +214,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         steps_per_generation: int | None = None,
         generation_batch_size: int | None = None,
         num_iterations: int = 1,
-        max_completion_length: int = 256,
+        max_completion_length: int = 512,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -261,6 +262,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         rollout_func: str | Callable[..., Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         generation_seed: int | None = None,
+        learning_rate: float = 1e-6,
         **kwargs: Any,
     ) -> None:
         options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
@@ -272,7 +274,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
                 FutureWarning,
                 stacklevel=2,
             )
-        super().__init__(model, **kwargs)
+        super().__init__(model, learning_rate=learning_rate, **kwargs)
         check_ref_sync_options(
             "GRPOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
         )
