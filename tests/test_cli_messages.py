@@ -266,7 +266,10 @@ def test_a_broken_config_file_is_named_with_its_line_and_tabs_are_called_tabs(tm
 
 @pytest.mark.parametrize(
     ("content", "reason"),
-    [(b"", r"it is empty \(0 bytes"), (b"PK\x03\x04 cut short", r"it is truncated or not a torch checkpoint \(14 bytes")],
+    [
+        (b"", r"it is empty \(0 bytes"),
+        (b"PK\x03\x04 cut short", r"it is truncated or not a torch checkpoint \(14 bytes"),
+    ],
 )
 def test_an_empty_or_truncated_checkpoint_is_named_in_the_words_of_the_command_line(tmp_path, capsys, content, reason):
     """The message once spoke of `resume=` and 'auto', options the command line does not have."""

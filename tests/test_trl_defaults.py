@@ -22,7 +22,7 @@ import lightning as L
 import pytest
 
 from lit_trainer import CausalLMModule, DPOModule, GRPOModule, RewardModule
-from lit_trainer.cli import DEFAULT_SEED
+from lit_trainer.cli.app import DEFAULT_SEED
 from lit_trainer.data import PreferenceDataModule, PromptDataModule, SFTDataModule
 
 trl = pytest.importorskip("trl")

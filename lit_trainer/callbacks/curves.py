@@ -188,7 +188,8 @@ class CurvesPlot(_CurvesPlot, Callback):
     KL, and every other validation metric, over the logged steps. A panel appears when its metrics were logged.
     Works with any LightningModule; ``lit-trainer`` adds it to every run.
 
-    Needs matplotlib (a dependency of lit_trainer); without it one info line is printed and nothing is drawn. Without a CSV logger, nothing is drawn either.
+    Needs matplotlib (a dependency of lit_trainer); without it one info line is printed and nothing is drawn.
+    Without a CSV logger, nothing is drawn either.
 
     Args:
         filename: the picture's file name in the run folder.
