@@ -67,6 +67,6 @@ def missing_export_message(path: str) -> str | None:
         state = f"it is the export of run '{run}', and {held}. Run the step that writes it first"
     where = " (in this directory)" if not root.is_absolute() else ""
     return (
-        f"Model path {path!r} does not exist: {state}{where}:\n  {command}\n"
-        "or point the recipe at another export (e.g. --model.init_args.model PATH)."
+        f"Model path {path!r} does not exist: {state}{where}: `{command}`; or point the recipe at another export "
+        "(e.g. --model.init_args.model PATH)."
     )
