@@ -34,6 +34,8 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from lit_trainer.run_exports import missing_export_message
+
 PRESET_PREFIX = "tiny"
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
 BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has id b + 3
@@ -189,7 +191,8 @@ def _check_source(name_or_path: str) -> None:
     looks_local = name_or_path.startswith(("/", ".", "~")) or not _HUB_ID.match(name_or_path)
     if looks_local:
         raise FileNotFoundError(
-            f"Model path {name_or_path!r} does not exist. Give an existing directory (written by save_pretrained), "
+            missing_export_message(name_or_path)
+            or f"Model path {name_or_path!r} does not exist. Give an existing directory (written by save_pretrained), "
             f"a hub id such as 'org/model', or a preset: {sorted(PRESETS)}."
         )
 

@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -28,6 +28,10 @@ from lit_trainer._async import resolve_awaitables
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """``f(prompts, completions, completion_ids, **columns) -> list[float | None]``."""
+RewardModelInputs = Literal["as_trained", "trl"]
+"""How a reward model's standard-format text is built (:class:`RewardModelScorer`): ``"as_trained"`` = prompt +
+completion + EOS with the tokenizer's special tokens, as reward models are trained; ``"trl"`` = TRL 1.16's GRPO text,
+prompt + completion without EOS or special tokens."""
 
 _RESERVED = ("prompts", "completions", "completion_ids")
 _INTEGER = re.compile(r"[+-]?\d+")
@@ -99,6 +103,10 @@ def format_reward(
     return [1.0 if _INTEGER.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
 
 
+def _is_conversation(prompts: Sequence[Any]) -> bool:
+    return bool(prompts) and not isinstance(prompts[0], str)
+
+
 def reward_model_name(path: str) -> str:
     """A reward model's display name: the last part of its path (TRL's rule), except for a ``lit-trainer`` export
     ``.../<run name>/version_<n>/hf_model``, which is named after its run (``runs/reward/version_0/hf_model`` ->
@@ -112,11 +120,21 @@ def reward_model_name(path: str) -> str:
 class RewardModelScorer:
     """A sequence-classification reward model used as a GRPO reward function (TRL 1.16's ``reward_funcs`` model entry).
 
-    Called like any reward function, it scores ``prompt + completion``: the two strings joined for standard data; for
-    conversational data the prompt messages followed by the completion's assistant message, rendered with the reward
-    tokenizer's chat template (no generation prompt). The texts are tokenized without special tokens, padded on the
-    right, and the reward is ``logits[:, 0]`` of the frozen model in eval mode under ``torch.no_grad`` (the score of
-    each row's last non-padding token), as ``trl.GRPOTrainer`` computes it.
+    Called like any reward function, it scores ``prompt + completion``, tokenized as the reward model was trained
+    (``inputs="as_trained"``, the default):
+
+    * standard data (strings): ``prompt + completion + EOS`` (the reward tokenizer's EOS string, appended unless the
+      completion ends with it), tokenized with the tokenizer's default special tokens (a BOS where it adds one): the
+      rows :class:`~lit_trainer.modules.reward.RewardModule` and TRL's ``RewardTrainer`` train on.
+      ``inputs="trl"`` scores TRL 1.16's ``GRPOTrainer`` text instead: ``prompt + completion``, no EOS, no special
+      tokens, which a reward model trained on EOS-ended rows has never seen (docs/reward.md measures the difference);
+    * conversational data: the prompt messages followed by the completion's assistant message, rendered with the
+      reward tokenizer's chat template (no generation prompt, with ``chat_template_kwargs``), tokenized without
+      special tokens (the template writes them). This is the same in both modes and equals the training rows, since
+      the template ends the assistant turn itself.
+
+    The rows are padded on the right and the reward is ``logits[:, 0]`` of the frozen model in eval mode under
+    ``torch.no_grad`` (the score of each row's last non-padding token), as ``trl.GRPOTrainer`` computes it.
 
     Args:
         model: a ``PreTrainedModel`` for sequence classification, or a preset name / local directory / hub id loaded
@@ -127,20 +145,36 @@ class RewardModelScorer:
             read at the last real token; a tokenizer without padding token pads with EOS, as TRL.
         batch_size: rows per forward pass (None = all rows of a call in one pass, as TRL).
         trust_remote_code: passed to the loaders; False unless you set it.
+        inputs: ``"as_trained"`` or ``"trl"`` (above).
+        chat_template_kwargs: extra ``apply_chat_template`` keywords for conversational texts (TRL 1.16 passes its
+            ``GRPOConfig.chat_template_kwargs``).
 
     The model is not a submodule of the LightningModule using it: it is frozen, left out of checkpoints (a resumed run
     loads it again from its path) and moved to the policy's device by :class:`~lit_trainer.modules.grpo.GRPOModule`
     before each scoring (:meth:`to`).
 
     Raises:
-        ValueError: if ``model`` is not a sequence classifier with one output, or its tokenizer cannot be found.
+        ValueError: if ``model`` is not a sequence classifier with one output, its tokenizer cannot be found, or
+            ``inputs`` is not one of :data:`RewardModelInputs`.
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any = None, *, batch_size: int | None = None, trust_remote_code: bool = False
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        batch_size: int | None = None,
+        trust_remote_code: bool = False,
+        inputs: RewardModelInputs = "as_trained",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from lit_trainer.models import load_model, load_tokenizer
 
+        if inputs not in get_args(RewardModelInputs):
+            raise ValueError(
+                f"Reward model `inputs={inputs!r}` is invalid: choose one of {get_args(RewardModelInputs)} "
+                "('as_trained': prompt + completion + EOS, as a reward model is trained; 'trl': TRL 1.16's GRPO text)."
+            )
         source = ""
         if isinstance(model, (str, os.PathLike)):
             source = str(model)
@@ -167,6 +201,8 @@ class RewardModelScorer:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.inputs = inputs
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.__name__ = reward_model_name(source) or type(model).__name__
 
     def to(self, device: torch.device | str) -> RewardModelScorer:
@@ -175,17 +211,25 @@ class RewardModelScorer:
         return self
 
     def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
-        """The texts the model scores: ``prompt + completion``, through the chat template for conversations."""
-        if prompts and not isinstance(prompts[0], str):
+        """The texts the model scores: ``prompt + completion`` (+ EOS for standard data with ``inputs="as_trained"``),
+        through the chat template for conversations."""
+        if _is_conversation(prompts):
             return [
-                self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+                self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False, **self.chat_template_kwargs)
                 for p, c in zip(prompts, completions, strict=True)
             ]
+        if self.inputs == "as_trained":
+            from lit_trainer.data.preference import end_with_eos
+
+            eos = self.tokenizer.eos_token
+            return [p + end_with_eos(c, eos) for p, c in zip(prompts, completions, strict=True)]
         return [p + c for p, c in zip(prompts, completions, strict=True)]
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
         texts = self.texts(prompts, completions)
+        # standard text as trained: the tokenizer's own special tokens (a BOS), as the training rows have them
+        special = self.inputs == "as_trained" and not _is_conversation(prompts)
         device = next(self.model.parameters()).device
         size = self.batch_size or max(len(texts), 1)
         scores: list[float] = []
@@ -195,7 +239,7 @@ class RewardModelScorer:
                 return_tensors="pt",
                 padding=True,
                 padding_side="right",
-                add_special_tokens=False,
+                add_special_tokens=special,
             ).to(device)
             scores.extend(self.model(**inputs).logits[:, 0].float().tolist())
         return scores

@@ -35,12 +35,13 @@ def saved_reward_model(path: Any, seed: int = 0) -> Any:
 
 
 def independent_scores(model: Any, texts: list[str]) -> list[float]:
-    """One row at a time, no padding: the model's score at the last token of ``prompt + completion``."""
+    """One row at a time, no padding: the model's score at the last token of ``prompt + completion + EOS``, the text
+    GRPO scores by default (as the reward model was trained; the presets' tokenizer adds no special token)."""
     tokenizer = build_tokenizer()
     out = []
     with torch.no_grad():
         for text in texts:
-            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+            ids = torch.tensor([tokenizer(text + "</s>", add_special_tokens=False)["input_ids"]])
             out.append(model.eval()(input_ids=ids).logits[0, 0].item())
     return out
 
@@ -77,7 +78,8 @@ def test_scores_equal_trl_grpo_trainer(tmp_path, conversational):
     inputs = [{"prompt": p} for p in prompts]
     expected = trainer._calculate_rewards(inputs, prompts, completions, ids).cpu()
 
-    ours = call_reward_functions(resolve_reward_funcs([model, lengths], [tokenizer, None]), prompts, completions, ids)
+    funcs = resolve_reward_funcs([model, lengths], [tokenizer, None], reward_model_inputs="trl")  # TRL's GRPO text
+    ours = call_reward_functions(funcs, prompts, completions, ids)
     assert torch.equal(ours, expected)  # same ids through the same model in one padded pass: the same arithmetic
     assert ours[:, 0].unique().numel() == 3  # three different scores: the test would see a wrong row or position
 

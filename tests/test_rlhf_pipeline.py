@@ -2,7 +2,8 @@
 
 The three recipes (configs/sft.yaml, reward.yaml, grpo_rm.yaml) run in one folder with a few steps each, on small
 files cut from the built-in data (tokenizing the full built-in sets would dominate the test); each stage reads the
-previous stage's export from its default place, exactly as the documented commands do.
+previous stage's export from the run folder the documented commands write (the SFT stage as run ``sft_partial``;
+an empty ``runs/sft/version_0/hf_model``, where the main job would be, is never read).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def test_sft_then_reward_model_then_grpo_on_it(tmp_path):
     builtin.preference_rows("train").select(range(64)).to_json(tmp_path / "pairs.jsonl")
     builtin.prompt_rows("train").select(range(32)).to_json(tmp_path / "prompts.jsonl")
 
-    fit_recipe("sft.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
-               f"--data.init_args.dataset={tmp_path / 'sft.jsonl'}")  # fmt: skip
+    (tmp_path / "runs/sft/version_0/hf_model").mkdir(parents=True)  # the main job's folder: the chain never reads it
+    fit_recipe("sft.yaml", tmp_path, "--run_name=sft_partial", "--trainer.max_steps=4",
+               "--data.init_args.batch_size=16", f"--data.init_args.dataset={tmp_path / 'sft.jsonl'}")  # fmt: skip
     fit_recipe("reward.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
                f"--data.init_args.dataset={tmp_path / 'pairs.jsonl'}")  # fmt: skip
     reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "runs/reward/version_0/hf_model")

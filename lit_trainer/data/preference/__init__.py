@@ -51,6 +51,19 @@ TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _DOUBLE_EOS_WARNING = r"This sequence already has"  # ByT5's notice when the text already ends with "</s>"
 
 
+def end_with_eos(text: str, eos: str | None) -> str:
+    """``text`` ending with the EOS string: appended unless it is already there (unchanged when there is no EOS).
+
+    TRL 1.16's rule for standard (string) preference rows, so the text a reward model trains on; GRPO scores a reward
+    model's standard-format completions the same way (:class:`~lit_trainer.rewards.RewardModelScorer`).
+
+    Example:
+        >>> end_with_eos("82", "</s>"), end_with_eos("82</s>", "</s>"), end_with_eos("82", None)
+        ('82</s>', '82</s>', '82')
+    """
+    return text if not eos or text.endswith(eos) else text + eos
+
+
 def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list, str | list, str | list]:
     """Split an implicit prompt off a pair: ``(prompt, chosen, rejected)`` (reference 1.2 step 1).
 
@@ -192,8 +205,7 @@ class PreferenceDataModule(BaseDataModule):
 
     def _encode_text(self, prompt: str, chosen: str, rejected: str) -> list[list[int]]:
         tok, eos = self.tokenizer, self.tokenizer.eos_token
-        if eos:  # reference 1.2 step 2: standard rows end with the EOS string
-            chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+        chosen, rejected = end_with_eos(chosen, eos), end_with_eos(rejected, eos)
         return tok([prompt, prompt + chosen, prompt + rejected])["input_ids"]  # one call: ~3x faster than three
 
     def _encode_chat(self, row: dict[str, Any], prompt: list, chosen: list, rejected: list) -> list[list[int]]:

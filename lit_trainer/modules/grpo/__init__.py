@@ -57,7 +57,7 @@ from typing_extensions import Self, override
 
 from lit_trainer._dist import gather_from_all_ranks
 from lit_trainer.data.loader import NUM_ITEMS_KEY
-from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
+from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
@@ -77,7 +77,7 @@ from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation,
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
-from lit_trainer.rewards import reward_function_name
+from lit_trainer.rewards import RewardModelInputs, reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
 _ENTROPY_KEY = "grpo_entropy_control"
@@ -102,6 +102,12 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             path; None = the model's own), None for functions (TRL 1.16's argument).
         reward_model_batch_size: rows per reward-model forward pass (None = a rank's whole generation batch in one
             pass, as TRL).
+        reward_model_inputs: what a reward model reads for standard (string) prompts: ``"as_trained"`` (default)
+            ``prompt + completion + EOS`` with the reward tokenizer's special tokens, the rows reward models are
+            trained on (:class:`~lit_trainer.modules.reward.RewardModule`, TRL's ``RewardTrainer``); ``"trl"``
+            TRL 1.16's ``GRPOTrainer`` text, ``prompt + completion`` without EOS or special tokens (a deliberate
+            difference from TRL: a reward model trained on EOS-ended rows ranks answers near chance on that text,
+            docs/reward.md). Conversational prompts go through the chat template either way.
         num_generations: completions per prompt ``G`` (>= 2).
         steps_per_generation: micro-steps served by one generation (default: ``accumulate_grad_batches``).
         generation_batch_size: completions per generation over all ranks (exclusive with the above).
@@ -180,7 +186,8 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             "logprobs", ...}`` (lists, one per row; a callable or import path). An ``env_mask`` (1 = model token)
             masks the loss; other keys reach the reward functions as keywords (see
             :mod:`lit_trainer.modules.grpo._agentic`).
-        chat_template_kwargs: extra ``apply_chat_template`` keywords when tools render the prompts.
+        chat_template_kwargs: extra ``apply_chat_template`` keywords (template variables) for conversational
+            prompts, tool messages and the reward models' texts, as TRL 1.16's ``GRPOConfig.chat_template_kwargs``.
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         learning_rate: peak learning rate (TRL's ``GRPOConfig`` default 1e-6).
@@ -210,6 +217,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         reward_weights: Sequence[float] | None = None,
         reward_processing_classes: Sequence[Any] | Any = None,
         reward_model_batch_size: int | None = None,
+        reward_model_inputs: RewardModelInputs = "as_trained",
         num_generations: int = 8,
         steps_per_generation: int | None = None,
         generation_batch_size: int | None = None,
@@ -296,6 +304,8 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
                 reward_processing_classes,
                 batch_size=reward_model_batch_size,
                 trust_remote_code=kwargs.get("trust_remote_code", False),
+                reward_model_inputs=reward_model_inputs,
+                chat_template_kwargs=chat_template_kwargs,
             )
             if as_list(given) or not own_rewards
             else []
@@ -600,8 +610,9 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             rewards, logged = score_completions(self, agentic_batch(batch, agentic), texts, kept, agentic.reward_kwargs)
             logged.update(agentic.tool_metrics)
             return texts, rewards, logged
+        prompt_ids, prompt_mask = self._prompt_inputs(batch)
         completions = rollout.generate_completions(
-            self.model, batch[PROMPT_IDS], batch[PROMPT_MASK], config, eos, _sharding.is_sharded(self.model)
+            self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
         )
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
         rewards, logged = score_completions(self, batch, texts, kept)

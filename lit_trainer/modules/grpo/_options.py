@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_options import ImportanceSamplingLevel, LossType
+from lit_trainer.rewards import RewardModelInputs
 
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_generations": (lambda v: v >= 2, "GRPO compares completions of a prompt: use >= 2, e.g. 8"),
@@ -47,6 +48,7 @@ _CHOICES = {
     "importance_sampling_level": ImportanceSamplingLevel,
     "scale_rewards": ScaleRewards,
     "multi_objective_aggregation": Aggregation,
+    "reward_model_inputs": RewardModelInputs,
 }
 CacheImplementation = Literal[
     "static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",

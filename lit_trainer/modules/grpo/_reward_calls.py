@@ -39,7 +39,7 @@ from transformers import TrainerState
 from lit_trainer._import_path import import_object
 from lit_trainer.data.prompt import PROMPTS, REWARD_COLUMNS
 from lit_trainer.models import is_preset
-from lit_trainer.rewards import RewardModelScorer, call_reward_functions, reward_function_name
+from lit_trainer.rewards import RewardModelInputs, RewardModelScorer, call_reward_functions, reward_function_name
 
 RewardSpec = str | Callable[..., Any]
 """A ``reward_funcs`` entry: a callable (a function, a ``PreTrainedModel``), an import path, or a model path."""
@@ -61,13 +61,16 @@ def resolve_reward_funcs(
     *,
     batch_size: int | None = None,
     trust_remote_code: bool = False,
+    reward_model_inputs: RewardModelInputs = "as_trained",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[Callable[..., Any]]:
     """Reward callables from TRL-style ``reward_funcs`` and ``reward_processing_classes``.
 
     A function (or ``'package.module.function'``) is used as is. A reward model (a ``torch.nn.Module``, or a string
     that :func:`is_model_path`) becomes a :class:`~lit_trainer.rewards.RewardModelScorer` with the matching
-    ``processing_classes`` entry as tokenizer (None = the model's own). Only what the user's config or code names is
-    imported or loaded (docs/design.md#nothing-unasked).
+    ``processing_classes`` entry as tokenizer (None = the model's own), ``batch_size``, ``reward_model_inputs`` (its
+    ``inputs``) and ``chat_template_kwargs``. Only what the user's config or code names is imported or loaded
+    (docs/design.md#nothing-unasked).
 
     Raises:
         ValueError: on an empty list, a path that does not import, an object that is not callable, a
@@ -95,7 +98,10 @@ def resolve_reward_funcs(
                 "directory, a preset or a hub id 'org/name'.",
             )
         if isinstance(item, (str, torch.nn.Module)):
-            item = RewardModelScorer(item, tokenizer, batch_size=batch_size, trust_remote_code=trust_remote_code)
+            item = RewardModelScorer(
+                item, tokenizer, batch_size=batch_size, trust_remote_code=trust_remote_code,
+                inputs=reward_model_inputs, chat_template_kwargs=chat_template_kwargs,
+            )  # fmt: skip
         elif tokenizer is not None and not isinstance(item, RewardModelScorer):
             raise ValueError(
                 f"`reward_processing_classes` gives a tokenizer for reward function {item!r}: tokenizers are for "

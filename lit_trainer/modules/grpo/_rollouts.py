@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_trainer._dist import gather_from_all_ranks
+from lit_trainer.data.chat import render
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
@@ -28,7 +29,7 @@ from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
 class GRPORolloutMixin:
     """Generation rounds of :class:`~lit_trainer.modules.grpo.GRPOModule` (reads ``self._buffer``, ``self._seed``,
     ``self.rollout_geometry``, ``self.ref_model``, ``self.reward_names`` and the hyperparameters; calls
-    ``self.completion_logps``)."""
+    ``self.completion_logps`` and ``self._prompt_rows``)."""
 
     def _gather_rows(self, local: Tensor) -> Tensor:
         """Rows of every rank, rank order (the reference gathers rewards before normalising)."""
@@ -46,11 +47,23 @@ class GRPORolloutMixin:
             cache_implementation=hp.cache_implementation,
         )  # fmt: skip
 
+    def _prompt_inputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """Left-padded prompt ids and mask for ``generate``: the data module's, or, for conversational prompts with
+        ``chat_template_kwargs``, the prompts rendered again with them (TRL 1.16 renders its prompts with
+        ``GRPOConfig.chat_template_kwargs``; the data module does not know the module's options)."""
+        options = self.hparams.chat_template_kwargs
+        if not options or not _conversational(batch[PROMPTS]):
+            return batch[PROMPT_IDS], batch[PROMPT_MASK]
+        rows = self._prompt_rows(
+            [render(self.tokenizer, p, add_generation_prompt=True, **options) for p in batch[PROMPTS]]
+        )
+        return rows["prompt_ids"], rows["prompt_mask"]
+
     @torch.no_grad()
     def _make_rollouts(self, batch: dict[str, Any]) -> None:
         """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring)."""
         rank, seed, round_index = self.global_rank, self._seed, self._buffer.next_round_index
-        prompt_ids, prompt_mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
+        prompt_ids, prompt_mask = self._prompt_inputs(batch)
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         hp = self.hparams
         config = self._sampling_config(eos)

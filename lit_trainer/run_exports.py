@@ -1,0 +1,72 @@
+"""Which step writes a run's export, for the message when a chained recipe's input is missing.
+
+A recipe that starts from another run's export names it by its folder, ``runs/<run name>/version_<n>/hf_model``
+(``configs/grpo_rm.yaml`` reads ``runs/sft_partial/version_0/hf_model`` and ``runs/reward/version_0/hf_model``).
+When that folder does not exist, :func:`missing_export_message` says which run it belongs to, what the run folder
+holds instead, and the command that writes it (:data:`RECIPE_STEPS` for the shipped recipes' runs).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePath
+
+RECIPE_STEPS: dict[str, str] = {
+    "sft": "lit-trainer fit --config configs/sft.yaml",
+    "sft_partial": "lit-trainer fit --config configs/sft.yaml --trainer.max_steps 300 --run_name sft_partial",
+    "reward": "lit-trainer fit --config configs/reward.yaml",
+    "sft_tool_chat": "lit-trainer fit --config configs/sft_tool_chat.yaml",
+}
+"""The command that writes ``runs/<run name>/`` for each run whose export a shipped recipe or page loads (run from the
+repository root; ``tests/test_chained_recipes.py`` checks that every such path is here and that each command writes
+that run)."""
+_VERSION = re.compile(r"^version_\d+$")
+EXPORT_DIR = "hf_model"  # the folder HFExport writes inside a run folder
+
+
+def run_of_export(path: str) -> tuple[Path, str, str] | None:
+    """``(root, run name, version folder)`` of a path shaped ``<root>/<run name>/version_<n>/hf_model``, else None.
+
+    Example:
+        >>> run_of_export("runs/reward/version_0/hf_model")
+        (PosixPath('runs'), 'reward', 'version_0')
+        >>> run_of_export("org/model") is None
+        True
+    """
+    parts = PurePath(path.rstrip("/\\")).parts
+    if len(parts) < 4 or parts[-1] != EXPORT_DIR or not _VERSION.match(parts[-2]):
+        return None
+    return Path(*parts[:-3]), parts[-3], parts[-2]
+
+
+def step_command(root: Path, run: str) -> str:
+    """The command that writes ``<root>/<run>/``: the shipped recipe's (:data:`RECIPE_STEPS`) or a generic form."""
+    command = RECIPE_STEPS.get(run, f"lit-trainer fit --config <the recipe of that run> --run_name {run}")
+    return command if root == Path("runs") else f"{command} --trainer.default_root_dir {root}"
+
+
+def missing_export_message(path: str) -> str | None:
+    """What to do about a missing run export ``path`` (None when ``path`` is not shaped like one).
+
+    Names the run and its folder, what that folder holds instead (other versions, or a run without ``hf_model/``,
+    i.e. one that has not finished) and the command to run first.
+    """
+    parsed = run_of_export(path)
+    if parsed is None:
+        return None
+    root, run, version = parsed
+    run_root, command = root / run, step_command(root, run)
+    if (run_root / version).is_dir():
+        state = (
+            f"{run_root / version} exists but has no {EXPORT_DIR}/: that run has not finished (HFExport writes "
+            f"{EXPORT_DIR}/ when fit ends). Finish it (its command with --ckpt_path last) or run the step again"
+        )
+    else:
+        others = sorted(p.name for p in run_root.glob("version_*") if (p / EXPORT_DIR).is_dir())
+        held = f"{run_root}/ holds the exports of {', '.join(others)} only" if others else f"{run_root}/ has no run"
+        state = f"it is the export of run '{run}', and {held}. Run the step that writes it first"
+    where = " (in this directory)" if not root.is_absolute() else ""
+    return (
+        f"Model path {path!r} does not exist: {state}{where}: `{command}`; or point the recipe at another export "
+        "(e.g. --model.init_args.model PATH)."
+    )
