@@ -38,7 +38,7 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
-from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _sharding
+from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding
 from lit_trainer.modules.base._logits import ChunkedLogits
 from lit_trainer.modules.base._optimization import OptimizationMixin
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
@@ -354,8 +354,15 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     # ------------------------------------------------------------------------------------------------- sharding
     @override
     def setup(self, stage: str) -> None:
-        """Refuse strategies under which a feature would be silently dropped (see :func:`_sharding.check_strategy`)."""
+        """Refuse strategies under which a feature would be silently dropped (see :func:`_sharding.check_strategy`);
+        name sequences longer than the model's positions (:mod:`~lit_trainer.modules.base._positions`)."""
         _sharding.check_strategy(self.trainer, self.hparams.max_grad_norm)
+        _positions.check_module_positions(self)
+
+    def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
+        """``(tokens, what, fix)``: the longest sequence the model sees when the data's longest row has
+        ``longest_row`` tokens, a sentence naming it, and the fix (GRPO adds its completions)."""
+        return _positions.row_budget(longest_row, positions)
 
     @override
     def configure_model(self) -> None:

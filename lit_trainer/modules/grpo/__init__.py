@@ -359,6 +359,18 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
         self._check_geometry(spg)
 
+    @override
+    def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
+        """The longest prompt plus ``max_completion_length`` (see :meth:`BaseModule.sequence_budget`)."""
+        budget = self.hparams.max_completion_length
+        what = (
+            f"the longest prompt ({longest_row} tokens) + max_completion_length={budget} = {longest_row + budget} "
+            "tokens" + (" (the prompt counted without the tools' schemas)" if self.agentic else "")
+        )
+        room = positions - longest_row
+        fix = f"lower max_completion_length to at most {room}, or" if room > 0 else "lower"
+        return longest_row + budget, what, f"{fix} the data module's `max_length` (longer prompts are dropped)"
+
     def _check_geometry(self, spg: int) -> None:
         """Refuse what cannot be exact with this ``steps_per_generation`` and strategy (the fix in the message)."""
         hp, accumulate = self.hparams, self.trainer.accumulate_grad_batches
