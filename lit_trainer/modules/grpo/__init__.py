@@ -283,7 +283,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         self._restored_entropy: dict[str, Any] | None = None
         self.completion_table: tuple[list[str], list[list[Any]]] | None = None  # the last round's (log_completions)
         self.tools = resolve_tools(tools)
-        self.environments = Environments(environment_factory) if environment_factory is not None else None
+        self.environments = Environments(environment_factory, self.tools) if environment_factory is not None else None
         self.agentic = bool(self.tools) or self.environments is not None
         self.rollout_func = resolve_rollout_func(rollout_func)
         own_rewards = self.environments.reward_funcs if self.environments is not None else []

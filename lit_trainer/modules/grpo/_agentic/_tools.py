@@ -3,7 +3,7 @@ put their results back into the conversation.
 
 A tool is a plain Python function (or a bound method of an environment), sync or ``async def``, with type hints and a
 Google docstring, so ``transformers.utils.get_json_schema`` can describe it to the chat template
-(``apply_chat_template(tools=...)``).
+(``apply_chat_template(tools=...)``); :func:`check_tool_schema` checks that when the module is built.
 Tools come only from the user's config or code: a callable, or the import path of one (``"package.module.add"``).
 
 Tool calls are read from the tokens of one assistant turn with the tokenizer's own response parser
@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers.utils import get_json_schema
+
 from lit_trainer._async import resolve_awaitables
 from lit_trainer._import_path import import_object
 
@@ -31,7 +33,8 @@ def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> list[Call
     """Tool callables from callables or their import paths (only what the user names is imported).
 
     Raises:
-        ValueError: for a path that does not import, an entry that is not callable, or two tools with one name.
+        ValueError: for a path that does not import, an entry that is not callable or cannot be described to the model
+            (:func:`check_tool_schema`), or two tools with one name.
     """
     resolved: list[Callable[..., Any]] = []
     for item in tools or []:
@@ -43,12 +46,36 @@ def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> list[Call
             )
         if not callable(item):
             raise ValueError(f"Tool {item!r} is not callable: give a function or its import path.")
+        check_tool_schema(item)
         resolved.append(item)
     names = [tool_name(t) for t in resolved]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"Two tools are named {duplicates}: tool names must be unique (the model calls them by name).")
     return resolved
+
+
+def check_tool_schema(tool: Callable[..., Any], where: str = "") -> None:
+    """Refuse, when the module is built, a tool whose schema ``transformers.utils.get_json_schema`` cannot write (what
+    ``apply_chat_template(tools=...)`` does at the first generation, after model and data setup).
+
+    Args:
+        tool: the function or bound method.
+        where: appended to its name in the message, e.g. ``" (a method of environment AddEnv ...)"``.
+
+    Raises:
+        ValueError: naming the function and transformers' reason (no docstring, an argument without a type hint or
+            without a line in ``Args:``).
+    """
+    try:
+        get_json_schema(tool)
+    except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException, or any other
+        name = getattr(tool, "__qualname__", tool_name(tool))
+        raise ValueError(
+            f"Tool {name!r}{where} cannot be described to the model ({err}): a tool needs a type hint on every "
+            "argument and a Google-style docstring, a description then `Args:` with one line per argument "
+            "(transformers.utils.get_json_schema writes the schema the chat template shows from them)."
+        ) from None
 
 
 def tool_name(tool: Callable[..., Any]) -> str:
