@@ -2,7 +2,8 @@
 schema transformers cannot write (no docstring, an argument without a type hint) is refused naming the function, an
 environment without tools is named, and a class without ``reset`` is told about the tools too.
 
-The tool-result texts of failed calls are compared with TRL 1.16's in ``test_grpo_tools_trl.py``.
+The tool-result texts of failed calls are TRL 1.16's (``trl/trainer/grpo_trainer.py``, ``_tool_call_loop``); the
+rollouts' tokens are compared with TRL's own in ``test_grpo_tools_trl.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from helpers.tool_policy import AddEnv, add
 from lit_trainer.modules.grpo import GRPOModule
+from lit_trainer.modules.grpo._agentic._tools import ToolStats, parse_tool_calls, run_tool_turns
 from lit_trainer.rewards import arithmetic_reward
 
 
@@ -94,3 +96,27 @@ def test_an_environment_without_tool_methods_is_named_unless_tools_are_given():
 def test_a_class_with_no_methods_is_told_about_reset_and_the_tools():
     with pytest.raises(ValueError, match=r"(?s)Empty.*no `reset` method.*public methods.*tools"):
         grpo(environment_factory=Empty)
+
+
+def test_failed_calls_read_as_trls_error_texts():
+    calls = [
+        {"type": "function", "function": {"name": "nope", "arguments": {}}},
+        {"type": "function", "function": {"name": "add", "arguments": [1, 2]}},
+        {"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+        {"type": "retrieval", "name": "search"},
+    ]
+    stats = ToolStats(per_row=[0])
+    (results,) = run_tool_turns([(calls, {"add": add})], stats, [0])
+    where = f"{add.__module__}.{add.__qualname__}"  # Python's TypeError of `add(**arguments)`, as TRL calls it
+    assert [m["content"] for m in results] == [
+        str({"error": "Tool nope not found."}),
+        str({"error": f"{where}() argument after ** must be a mapping, not list"}),
+        str({"error": f"{where}() argument after ** must be a mapping, not str"}),
+        str({"error": "Unsupported tool call type: retrieval"}),
+    ]
+    assert [m["name"] for m in results] == ["nope", "add", "add", "search"] and stats.failures == 4
+    # the fallback parser keeps non-object arguments as written (the response templates do), so they fail the same way
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": []}</tool_call>')[1][0]["function"] == {
+        "name": "add",
+        "arguments": [],
+    }

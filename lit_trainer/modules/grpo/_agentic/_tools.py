@@ -101,7 +101,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
             return text, []
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             return text, []
-        arguments = body.get("arguments") or {}
+        arguments = {} if body.get("arguments") is None else body["arguments"]  # as the response templates read it
         calls.append({"type": "function", "function": {"name": body["name"], "arguments": arguments}})
     content = text.split("<tool_call>", 1)[0] if calls else text
     return content, calls
@@ -170,8 +170,8 @@ def run_tool_turns(
     are then awaited all together, across rows, on the background event loop
     (:func:`lit_trainer._async.resolve_awaitables`), so a round's slow tools (a web request, a sandbox) overlap. A
     tool that raises (when called or while awaited), an unknown tool name, arguments that are not a JSON object, or a
-    call of another type is reported to the model as ``{"error": "<message>"}`` and counted in ``stats.failures``; it
-    never stops the run.
+    call of another type is reported to the model as ``{"error": "<message>"}``, with TRL 1.16's messages, and counted
+    in ``stats.failures``; it never stops the run.
     """
     started = [[_start(call, tools, stats, row) for call in calls] for (calls, tools), row in zip(turns, rows)]
     values = iter(resolve_awaitables([value for results in started for _, value in results]))
@@ -191,17 +191,17 @@ def _start(call: dict[str, Any], tools: dict[str, Callable[..., Any]], stats: To
     the call fails."""
     stats.calls += 1
     stats.per_row[row] += 1
-    function = call.get("function", {}) if call.get("type", "function") == "function" else None
-    name = function.get("name", "unknown") if isinstance(function, dict) else str(call.get("name", "unknown"))
+    # The error texts are TRL 1.16's, word for word (the model reads them: other tokens, another loss): an unknown
+    # name is "Tool <name> not found.", arguments that are not an object are Python's own TypeError of `f(**args)`.
+    if call.get("type", "function") != "function":
+        stats.failures += 1
+        return str(call.get("name", "unknown")), {"error": f"Unsupported tool call type: {call.get('type')}"}
+    function = call.get("function") if isinstance(call.get("function"), dict) else {}
+    name = function.get("name", "unknown")
     try:
-        if function is None:
-            raise ValueError(f"Unsupported tool call type {call.get('type')!r}.")
         if name not in tools:
-            raise ValueError(f"Tool {name!r} not found; available: {sorted(tools)}.")
-        arguments = function.get("arguments") or {}
-        if not isinstance(arguments, dict):
-            raise ValueError(f"Tool arguments must be a JSON object, got {arguments!r}.")
-        return name, tools[name](**arguments)
+            raise ValueError(f"Tool {name} not found.")
+        return name, tools[name](**function.get("arguments", {}))
     except Exception as err:  # a tool's error is the model's observation, never a crash
         stats.failures += 1
         return name, {"error": str(err)}
