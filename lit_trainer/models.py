@@ -87,7 +87,9 @@ class Preset:
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    max_position_embeddings: int = 256
+    # the context the presets declare: rotary positions, so a number, not a table; 1024 covers every recipe's rows
+    # (the tool transcripts of configs/sft_tool_chat.yaml reach 471 tokens), so training past it is what warns
+    max_position_embeddings: int = 1024
 
 
 PRESETS: dict[str, Preset] = {

@@ -20,8 +20,10 @@ helper's usual 100 for that reason), and the observed difference is of the same 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
+import re
 from typing import Any
 
 import lightning as L
@@ -69,25 +71,32 @@ def agentic(mode: str) -> dict[str, Any]:
     return {"tools": [add]} if mode == "tools" else {"environment_factory": AddEnv}
 
 
-def reference(tmp_path: Any, mode: str) -> dict[str, Any]:
-    """TRL: one generation batch scored, its loss and gradient (float32), and the float64 loss/gradient."""
+def trl_round(
+    tmp_path: Any, mode: str, choose: Any = tool_policy.reply, budget: int = MAX_COMPLETION
+) -> tuple[Any, Any, dict[str, Any]]:
+    """TRL: ``(trainer, initial model, output)`` of one generation batch, generated, with tools, and scored."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer, model = build_tokenizer(), initial_model()
     args = GRPOConfig(
         output_dir=str(tmp_path / "trl"), report_to="none", per_device_train_batch_size=len(PROBLEMS) * G,
-        num_generations=G, use_cpu=True, max_completion_length=MAX_COMPLETION, loss_type="dapo", beta=0.0,
+        num_generations=G, use_cpu=True, max_completion_length=budget, loss_type="dapo", beta=0.0,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=model, reward_funcs=[arithmetic_reward], args=args, train_dataset=prompt_rows(),
         processing_class=tokenizer, **agentic(mode),
     )  # fmt: skip
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which is not run here
-    ScriptedGenerate(trainer.model, tokenizer)
+    ScriptedGenerate(trainer.model, tokenizer, choose)
     rows = prompt_rows()
     inputs = [{"prompt": p, "answer": a} for p, a in zip(rows["prompt"], rows["answer"]) for _ in range(G)]
-    out = trainer._generate_and_score_completions(inputs)
+    return trainer, model, trainer._generate_and_score_completions(inputs)
+
+
+def reference(tmp_path: Any, mode: str) -> dict[str, Any]:
+    """TRL: one generation batch scored, its loss and gradient (float32), and the float64 loss/gradient."""
+    trainer, model, out = trl_round(tmp_path, mode)
     result = {"out": out, "rewards": {k: list(v) for k, v in trainer._logs["rewards"].items()}}
     for dtype in (torch.float32, torch.float64):
         policy = copy.deepcopy(model).to(dtype)
@@ -111,15 +120,15 @@ class FirstStep(L.Callback):
         self.table = pl_module.completion_table
 
 
-def ours(mode: str) -> FirstStep:
+def ours(mode: str, choose: Any = tool_policy.reply, budget: int = MAX_COMPLETION) -> FirstStep:
     """One optimizer step of GRPOModule (its first round's rows, loss and gradient)."""
     tokenizer = build_tokenizer()
     module = GRPOModule(
         initial_model(), tokenizer=tokenizer, reward_funcs=[arithmetic_reward], num_generations=G,
-        max_completion_length=MAX_COMPLETION, loss_type="dapo", beta=0.0, learning_rate=1e-3, max_grad_norm=0.0,
+        max_completion_length=budget, loss_type="dapo", beta=0.0, learning_rate=1e-3, max_grad_norm=0.0,
         scheduler="constant", generation_seed=0, log_completions=True, num_completions_to_print=1, **agentic(mode),
     )  # fmt: skip
-    ScriptedGenerate(module.model, tokenizer)
+    ScriptedGenerate(module.model, tokenizer, choose)
     data = PromptDataModule(
         tokenizer=tokenizer, dataset=prompt_rows(), batch_size=len(PROBLEMS) * G, max_length=64, val_size=0,
         sampling="sequential",
@@ -180,3 +189,39 @@ def test_multi_turn_rollouts_rewards_loss_and_gradients_equal_trl(tmp_path, mode
     assert gradient.bound * 25 <= mistake  # see the module docstring
     loss = Rounding.of(values([float(loss32)]), values([float(loss64)]), what="loss")
     loss.check(values([float(got.loss)]), values([float(loss32)]), mistake=abs(float(loss32)))
+
+
+def failing_calls(context: str, occurrence: int) -> str:
+    """First turns whose calls fail before any tool runs: an unknown tool, arguments that are a list, arguments that
+    are a JSON string (by the prompt's occurrence); after the error, :func:`helpers.tool_policy.reply`."""
+    if context.split("<|")[-2].startswith("tool|>"):
+        return tool_policy.reply(context, occurrence)
+    a, b = (int(x) for x in re.search(r"(\d+)\+(\d+)=\?", context).groups())
+    calls = [
+        {"name": "subtract", "arguments": {"a": a, "b": b}},
+        {"name": "add", "arguments": [a, b]},
+        {"name": "add", "arguments": json.dumps({"a": a, "b": b})},
+    ]
+    return "<tool_call>" + json.dumps(calls[occurrence % 3]) + "</tool_call></s>"
+
+
+@pytest.mark.slow  # importing trl and building its trainer takes several seconds
+@pytest.mark.parametrize("mode", ["tools", "environment"])
+def test_failed_calls_put_trls_error_text_in_the_rollouts(tmp_path, mode):
+    """The model reads the error of an unknown tool or of non-object arguments: the same tokens as under TRL."""
+    budget = 400  # room for the longest error text: a result that does not fit is dropped (both sides)
+    _, _, out = trl_round(tmp_path, mode, failing_calls, budget)
+    theirs = by_sequence(
+        out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"],
+        out["completion_mask"] * out["tool_mask"], out["advantages"],
+    )  # fmt: skip
+    s = ours(mode, failing_calls, budget).slice
+    mine = by_sequence(
+        s["prompt_ids"], s["prompt_mask"], s["completion_ids"], s["completion_attention_mask"], s["completion_mask"],
+        s["advantages"],
+    )  # fmt: skip
+    tokenizer = build_tokenizer()
+    texts = sorted(tokenizer.decode(list(key)) for key in theirs)
+    assert sum("error" in t for t in texts) == len(PROBLEMS) * G  # every rollout read an error
+    assert sorted(tokenizer.decode(list(key)) for key in mine) == texts  # the texts first: a readable difference
+    assert mine.keys() == theirs.keys() and all(mine[k][0] == theirs[k][0] for k in theirs)

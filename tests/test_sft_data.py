@@ -197,3 +197,43 @@ def test_hub_dataset_names_go_to_load_dataset(tokenizer, monkeypatch):
     dm = _dm_path(tokenizer, "someorg/some-dataset")
     assert calls == ["someorg/some-dataset"]
     assert len(dm.train_dataset) == 3 and len(dm.val_dataset) == 1  # the hub's "test" split validates
+
+
+# ------------------------------------------------------------------------------------- nothing to learn
+EMPTY_CASES = {
+    "prompt/completion": (
+        {"prompt": ["1+1=", "2+2="], "completion": ["", ""]},
+        {},
+        r"All 2 train rows have an empty 'completion'",
+    ),
+    "text": ({"text": ["", ""]}, {}, r"All 2 train rows have an empty 'text'"),
+    "messages": (
+        {"messages": [[{"role": "user", "content": "1+1="}], [{"role": "user", "content": "2+2="}]]},
+        {"assistant_only_loss": True},
+        r"no assistant message.*assistant_only_loss=True.*assistant_only_loss=False",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "tokenizer_kind"),
+    [(case, "preset") for case in EMPTY_CASES] + [(case, "byt5") for case in EMPTY_CASES if case != "messages"],
+)  # ByT5 has no chat template
+def test_rows_with_nothing_to_learn_are_refused_naming_the_column(tokenizer, case, tokenizer_kind):
+    from lit_trainer.models import build_tokenizer
+
+    rows, kwargs, message = EMPTY_CASES[case]
+    tok = build_tokenizer() if tokenizer_kind == "preset" else tokenizer  # ByT5 ends every encoding with EOS itself
+    with pytest.raises(ValueError, match=rf"(?s){message}") as raised:
+        _dm(tok, rows, **kwargs)
+    assert "nothing to learn" in str(raised.value) and "max_length" not in str(raised.value)  # not a length problem
+
+
+def test_some_empty_completions_are_counted_and_warned():
+    from lit_trainer.models import build_tokenizer
+
+    rows = {"prompt": ["1+1=", "2+2=", "3+3="], "completion": ["2", "", ""]}
+    with pytest.warns(UserWarning, match=r"2 of 3 train rows have an empty 'completion'"):
+        dm = _dm(build_tokenizer(), rows)
+    assert dm.stats["train_rows_empty_completion"] == 2
+    assert len(dm.train_dataset) == 3  # kept: each still teaches to stop after its prompt (EOS), as TRL trains them

@@ -182,6 +182,23 @@ class BaseDataModule(pl.LightningDataModule):
         """The trainer's live optimizer-step windows, for the training loader's window counts."""
         return partial(step_windows, self.trainer) if self.trainer is not None else None
 
+    def longest_row(self) -> int | None:
+        """Tokens of the longest row the model sees as one sequence (its positions run from 0), over the training and
+        validation data: their ``length`` column, or the rows of packed bins (``seq_lengths``: positions restart at
+        every row). None before setup. Modules compare it with the model's positions at setup."""
+        longest = None
+        for data in (self.train_dataset, self.val_dataset):
+            if data is None or len(data) == 0:
+                continue
+            if "seq_lengths" in data.column_names:
+                rows = max(max(lengths) for lengths in data["seq_lengths"])
+            elif "length" in data.column_names:
+                rows = max(data["length"])
+            else:
+                continue
+            longest = rows if longest is None else max(longest, rows)
+        return longest
+
     def rebalance_cost_model(self) -> CostModel:
         """``batch_rebalance``'s cost model: ``"packed"`` when training micro-batches are padding-free rows
         (``packing="padding_free"``), else ``"padded"`` (``"bfd"`` bins are padded to the longest bin). A preference

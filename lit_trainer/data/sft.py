@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from datasets import Dataset
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_trainer.data import builtin
@@ -35,7 +36,8 @@ class SFTDataModule(BaseDataModule):
     ``tok(prompt + completion)`` (so BOS/EOS conventions of any tokenizer are respected). An EOS token ends every
     string row. Rows longer than ``max_length`` are truncated (kept from the start) and counted; rows left without
     any target token (the prompt alone fills ``max_length``) are dropped and counted. A ``length`` column is added
-    once.
+    once. Rows with nothing of their own to learn (an empty text or completion; a conversation without an assistant
+    message under ``assistant_only_loss``) are counted and warned about, and a split made only of them is refused.
 
     Chat rows (TRL SFTTrainer's formats) are rendered with the tokenizer's chat template, passing on the row's
     optional ``tools`` and ``chat_template_kwargs`` columns; the template ends the turns (no EOS is added):
@@ -181,6 +183,7 @@ class SFTDataModule(BaseDataModule):
             encoded = self._encode_text(batch, fmt)
         limit = self.hparams.max_length
         out: dict[str, list] = {"input_ids": [], "prompt_length": [], "length": [], "truncated": [], "targets": []}
+        out["empty"] = self._empty_completions(batch, fmt, [mask for _, _, mask in encoded])
         if fmt in CHAT_FORMATS:
             out["loss_mask"] = [mask[:limit] for _, _, mask in encoded]
         for ids, plen, mask in encoded:
@@ -191,6 +194,35 @@ class SFTDataModule(BaseDataModule):
             out["length"].append(len(ids))
             out["targets"].append(sum(mask[:limit]) if mask is not None else len(ids) - plen)
         return out
+
+    def _empty_completions(self, batch: dict[str, list], fmt: str, masks: list[list[int] | None]) -> list[bool]:
+        """Per row: nothing of its own to learn (an empty text or completion string; a chat row without a trained
+        token before truncation, i.e. without an assistant message under ``assistant_only_loss``)."""
+        hp = self.hparams
+        if fmt in CHAT_FORMATS:
+            return [sum(mask) == 0 for mask in masks]
+        column = hp.text_column if fmt == "text" else hp.completion_column
+        return [value == "" for value in batch[column]]
+
+    def _check_empty(self, data: Dataset, split: str, fmt: str) -> None:
+        """Refuse a split whose every row has nothing to learn; count the rows that have nothing and warn."""
+        hp = self.hparams
+        empty, total = sum(data["empty"]), len(data)
+        self.stats[f"{split}_rows_empty_completion"] = empty
+        if fmt == "messages":
+            what = "no assistant message, and `assistant_only_loss=True` trains on the assistant's tokens only"
+            fix = "Add the assistant turns, or set assistant_only_loss=False (to train on every token)."
+        else:
+            option = "text_column" if fmt == "text" else "completion_column"
+            what = f"an empty {hp[option]!r}"
+            fix = f"Fill it, or set `{option}` to the column that holds the text to learn."
+        if empty == total:
+            raise ValueError(f"All {total} {split} rows have {what}: there is nothing to learn. {fix}")
+        if empty:
+            rank_zero_warn(
+                f"[lit_trainer] {split}: {empty} of {total} {split} rows have {what}: they teach nothing but where "
+                "the text ends."
+            )
 
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
@@ -203,6 +235,7 @@ class SFTDataModule(BaseDataModule):
             remove_columns=[c for c in rows.column_names if c not in keep],
             desc=f"Tokenizing {split}",
         )
+        self._check_empty(data, split, fmt)
         truncated = sum(data["truncated"])
         usable = data.filter(lambda b: [n > 0 for n in b["targets"]], batched=True)
         dropped = len(data) - len(usable)
@@ -218,7 +251,7 @@ class SFTDataModule(BaseDataModule):
                 f"No {split} row has a completion token within max_length={self.hparams.max_length}: "
                 "raise max_length or shorten the prompts."
             )
-        usable = usable.remove_columns(["truncated", "targets"])
+        usable = usable.remove_columns(["truncated", "targets", "empty"])
         if split == "train" and self.hparams.packing == "bfd":
             self.stats[PACKED_ROWS] = len(usable)  # the report counts these rows, not the bins they fill
             usable = pack_dataset(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from typing_extensions import override
 
 from lit_trainer.data.preference.collate import MARGIN_KEY
 from lit_trainer.losses.reward import reward_loss, reward_metrics
-from lit_trainer.modules.base import BaseModule, _peft
+from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._packing import datamodule_packing
 from lit_trainer.modules.dpo import disable_dropout_in_model
 
@@ -23,29 +22,6 @@ __all__ = ["METRIC_NAMES", "RewardModule"]
 #: logged in training (window means) and validation (``val_`` prefix, over the whole set)
 METRIC_NAMES = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward", "chosen_reward", "rejected_reward")
 _PAIR_MEANS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
-_SEQ_CLS = "SEQ_CLS"
-
-
-def _seq_cls_peft_config(spec: Any) -> Any:
-    """``peft_config`` with ``task_type="SEQ_CLS"`` when it has none (peft then trains and saves the score head)."""
-    if spec is None:
-        return None
-    if isinstance(spec, Mapping):
-        task = spec.get("task_type")
-        spec = {**spec, "task_type": task or _SEQ_CLS}
-    else:
-        task = getattr(spec, "task_type", None)
-        if task is None:
-            spec = _peft.as_peft_config(spec)
-            spec.task_type = _SEQ_CLS
-    if task is not None and str(getattr(task, "value", task)) != _SEQ_CLS:
-        raise ValueError(
-            f"`RewardModule(peft_config=...)` has task_type={str(getattr(task, 'value', task))!r}: a reward "
-            f"model needs task_type='{_SEQ_CLS}' (peft then trains and saves the new score head with the "
-            "adapters; with another task type the score head stays frozen at its random start). Set "
-            f"task_type: {_SEQ_CLS}, or leave it out."
-        )
-    return spec
 
 
 class RewardModule(BaseModule):
@@ -114,8 +90,6 @@ class RewardModule(BaseModule):
                 f"`RewardModule(center_rewards_coefficient={center_rewards_coefficient})` is invalid: use a "
                 "coefficient >= 0 (0.01 is the recommended value), or None for no centring term."
             )
-        if kwargs.get("peft_config") is not None:
-            kwargs["peft_config"] = _seq_cls_peft_config(kwargs["peft_config"])
         super().__init__(model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs)
         labels = getattr(self.model.config, "num_labels", None)
         if labels != 1:

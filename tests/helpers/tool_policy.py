@@ -84,15 +84,17 @@ class AddEnv:
 
 
 class ScriptedGenerate:
-    """``model.generate`` replacement (see the module docstring); records each call's batch size."""
+    """``model.generate`` replacement (see the module docstring; ``choose`` as :func:`reply`); records each call's
+    batch size."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
-        self.tokenizer, self.calls = tokenizer, []
+    def __init__(self, model: Any, tokenizer: Any, choose: Any = reply) -> None:
+        self.tokenizer, self.choose, self.calls = tokenizer, choose, []
         model.generate = self
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: Any, **_: Any):
         contexts = [self.tokenizer.decode(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
-        new = [tokens[: generation_config.max_new_tokens] for tokens in scripted_replies(self.tokenizer, contexts)]
+        replies = scripted_replies(self.tokenizer, contexts, self.choose)
+        new = [tokens[: generation_config.max_new_tokens] for tokens in replies]
         self.calls.append(len(new))
         width = max(len(t) for t in new)
         pad = generation_config.pad_token_id

@@ -38,7 +38,7 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
-from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _sharding
+from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding
 from lit_trainer.modules.base._logits import ChunkedLogits
 from lit_trainer.modules.base._optimization import OptimizationMixin
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
@@ -112,8 +112,10 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         logits_chunk_size: tokens per chunk of the chunked path (default: about 64 MiB of float32 logits per chunk).
 
     Raises:
-        ValueError: on a negative learning rate, warmup or ``max_grad_norm``, or a scheduler option that does not fit
-            (see :func:`~lit_trainer.modules.base._schedules.check_schedule`).
+        ValueError: on a negative learning rate, warmup or ``max_grad_norm``, a scheduler option that does not fit
+            (see :func:`~lit_trainer.modules.base._schedules.check_schedule`), or a ``peft_config``/``adapter_path``
+            of another task type than the module's (``CAUSAL_LM``; ``SEQ_CLS`` for the reward module); at setup, a
+            data row longer than a learned position table (:mod:`~lit_trainer.modules.base._positions`).
     """
 
     def __init__(
@@ -140,7 +142,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         logits_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        self._peft_hparam = _peft.config_hparam(peft_config)
+        self._peft_hparam = _peft.config_hparam(peft_config, _peft.TASK_TYPES[self.model_task])
         for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):
             if value < 0:
                 raise ValueError(f"`{name}={value}` is invalid: it must be >= 0.")
@@ -163,7 +165,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         if gradient_checkpointing:
             _peft.enable_gradient_checkpointing(self.model)
         if peft_config is not None or adapter_path is not None:
-            self.model = _peft.wrap_model(self.model, peft_config, adapter_path, self.uses_reference_adapter)
+            task_type = _peft.TASK_TYPES[self.model_task]
+            self.model = _peft.wrap_model(self.model, peft_config, adapter_path, self.uses_reference_adapter, task_type)
             self.strict_loading = False  # checkpoints hold only the trainable weights (_adapter_checkpoint)
         self._frozen_fingerprint: dict[str, Any] | None = None
         self.parameter_counts: tuple[int, int] | None = None
@@ -355,8 +358,15 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     # ------------------------------------------------------------------------------------------------- sharding
     @override
     def setup(self, stage: str) -> None:
-        """Refuse strategies under which a feature would be silently dropped (see :func:`_sharding.check_strategy`)."""
+        """Refuse strategies under which a feature would be silently dropped (see :func:`_sharding.check_strategy`);
+        name sequences longer than the model's positions (:mod:`~lit_trainer.modules.base._positions`)."""
         _sharding.check_strategy(self.trainer, self.hparams.max_grad_norm)
+        _positions.check_module_positions(self)
+
+    def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
+        """``(tokens, what, fix)``: the longest sequence the model sees when the data's longest row has
+        ``longest_row`` tokens, a sentence naming it, and the fix (GRPO adds its completions)."""
+        return _positions.row_budget(longest_row, positions)
 
     @override
     def configure_model(self) -> None:

@@ -7,7 +7,8 @@ weights is held.
 
 ``peft_config`` is a ``peft.PeftConfig`` (e.g. ``LoraConfig``) or a mapping (YAML): a mapping with a ``peft_type`` key
 goes through ``peft.get_peft_config`` (any peft method), any other mapping is ``peft.LoraConfig(**mapping)``. A config
-without ``task_type`` gets ``"CAUSAL_LM"``.
+without ``task_type`` gets the module's (``"CAUSAL_LM"``, ``"SEQ_CLS"`` for the reward module); a config or saved
+adapter of another task type is refused (peft would wrap the model for that task and export an adapter marked so).
 
 ``adapter_path`` starts from a saved adapter instead (it carries its own config, so it excludes ``peft_config``): it is
 loaded as the trainable adapter ``"default"``; modules that need a reference load it a second time as the frozen
@@ -47,18 +48,50 @@ def is_peft_model(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def as_peft_config(spec: Any) -> Any:
-    """A ``peft.PeftConfig`` from a config object or a mapping (module docstring); ``task_type`` defaults to
-    ``"CAUSAL_LM"``.
+#: the peft ``task_type`` of each module task (:data:`lit_trainer.models.Task`)
+TASK_TYPES = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}
+_WHY = {
+    "CAUSAL_LM": "this module trains a causal language model (task_type CAUSAL_LM), and peft would wrap it for "
+    "another task and export an adapter marked {found}",
+    "SEQ_CLS": "a reward model is a sequence classifier and needs task_type 'SEQ_CLS' (peft then trains and saves the "
+    "new score head with the adapters; with another task type the score head stays frozen at its random start)",
+}
+
+
+def check_task_type(found: Any, expected: str, source: str) -> None:
+    """Refuse a peft ``task_type`` other than the module's.
+
+    Args:
+        found: the config's task type (a string or peft's ``TaskType``).
+        expected: the module's (a value of :data:`TASK_TYPES`).
+        source: what carries it, e.g. ``"peft_config"`` or ``"adapter_path='runs/x'"``.
 
     Raises:
-        ValueError: a mapping with keys the config class does not know (the message names them).
+        ValueError: naming the value and the fix.
+    """
+    found = str(getattr(found, "value", found))
+    if found == expected:
+        return
+    fix = f"Set task_type: {expected}, or leave it out." if source == "peft_config" else (
+        f"Give an adapter trained with task_type {expected}."
+    )  # fmt: skip
+    raise ValueError(f"`{source}` has task_type={found!r}: {_WHY[expected].format(found=found)}. {fix}")
+
+
+def as_peft_config(spec: Any, task_type: str = "CAUSAL_LM") -> Any:
+    """A ``peft.PeftConfig`` from a config object or a mapping (module docstring); ``task_type`` defaults to the
+    module's ``task_type``.
+
+    Raises:
+        ValueError: a mapping with keys the config class does not know (the message names them), or a config of
+            another task type.
         TypeError: anything else than a mapping or a ``peft.PeftConfig``.
     """
     peft = _peft()
     if isinstance(spec, Mapping):
         mapping = dict(spec)
-        mapping.setdefault("task_type", "CAUSAL_LM")
+        mapping["task_type"] = mapping.get("task_type") or task_type
+        check_task_type(mapping["task_type"], task_type, "peft_config")
         try:
             return peft.get_peft_config(mapping) if "peft_type" in mapping else peft.LoraConfig(**mapping)
         except TypeError as err:
@@ -74,20 +107,23 @@ def as_peft_config(spec: Any) -> Any:
         )
     config = copy.deepcopy(spec)  # peft fills fields of the config it is given: keep the caller's intact
     if config.task_type is None:
-        config.task_type = "CAUSAL_LM"
+        config.task_type = task_type
+    check_task_type(config.task_type, task_type, "peft_config")
     return config
 
 
-def config_hparam(spec: Any) -> dict[str, Any] | None:
+def config_hparam(spec: Any, task_type: str = "CAUSAL_LM") -> dict[str, Any] | None:
     """A plain (JSON) mapping of ``peft_config`` for ``hparams``: checkpoints stay loadable with ``weights_only``."""
     if spec is None or isinstance(spec, Mapping):
         return None if spec is None else dict(spec)
     as_list = lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)
-    plain = json.dumps(as_peft_config(spec).to_dict(), default=as_list)
+    plain = json.dumps(as_peft_config(spec, task_type).to_dict(), default=as_list)
     return json.loads(plain)
 
 
-def wrap_model(model: Any, peft_config: Any, adapter_path: str | None, with_reference: bool) -> Any:
+def wrap_model(
+    model: Any, peft_config: Any, adapter_path: str | None, with_reference: bool, task_type: str = "CAUSAL_LM"
+) -> Any:
     """Wrap ``model`` with a new adapter (``peft_config``) or a saved one (``adapter_path``).
 
     Args:
@@ -95,9 +131,10 @@ def wrap_model(model: Any, peft_config: Any, adapter_path: str | None, with_refe
         peft_config: see :func:`as_peft_config`; None with ``adapter_path``.
         adapter_path: directory written by ``PeftModel.save_pretrained`` (or ``HFExport`` of a peft run).
         with_reference: load ``adapter_path`` a second time as the frozen ``"reference"`` adapter.
+        task_type: the module's peft task type (:data:`TASK_TYPES`); a config or adapter of another is refused.
 
     Raises:
-        ValueError: both ``peft_config`` and ``adapter_path`` given.
+        ValueError: both ``peft_config`` and ``adapter_path`` given, or another task type.
     """
     peft = _peft()
     if peft_config is not None and adapter_path is not None:
@@ -106,7 +143,9 @@ def wrap_model(model: Any, peft_config: Any, adapter_path: str | None, with_refe
             "Give `adapter_path` alone to continue training it, or `peft_config` alone for a new one."
         )
     if adapter_path is None:
-        return peft.get_peft_model(model, as_peft_config(peft_config), adapter_name=TRAINABLE_ADAPTER)
+        return peft.get_peft_model(model, as_peft_config(peft_config, task_type), adapter_name=TRAINABLE_ADAPTER)
+    saved = peft.PeftConfig.from_pretrained(adapter_path)
+    check_task_type(saved.task_type, task_type, f"adapter_path={adapter_path!r}")
     wrapped = peft.PeftModel.from_pretrained(model, adapter_path, adapter_name=TRAINABLE_ADAPTER, is_trainable=True)
     if with_reference:
         wrapped.load_adapter(adapter_path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)

@@ -293,7 +293,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         self._restored_entropy: dict[str, Any] | None = None
         self.completion_table: tuple[list[str], list[list[Any]]] | None = None  # the last round's (log_completions)
         self.tools = resolve_tools(tools)
-        self.environments = Environments(environment_factory) if environment_factory is not None else None
+        self.environments = Environments(environment_factory, self.tools) if environment_factory is not None else None
         self.agentic = bool(self.tools) or self.environments is not None
         self.rollout_func = resolve_rollout_func(rollout_func)
         own_rewards = self.environments.reward_funcs if self.environments is not None else []
@@ -370,6 +370,18 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
         self._check_geometry(spg)
+
+    @override
+    def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
+        """The longest prompt plus ``max_completion_length`` (see :meth:`BaseModule.sequence_budget`)."""
+        budget = self.hparams.max_completion_length
+        what = (
+            f"the longest prompt ({longest_row} tokens) + max_completion_length={budget} = {longest_row + budget} "
+            "tokens" + (" (the prompt counted without the tools' schemas)" if self.agentic else "")
+        )
+        room = positions - longest_row
+        fix = f"lower max_completion_length to at most {room}, or" if room > 0 else "lower"
+        return longest_row + budget, what, f"{fix} the data module's `max_length` (longer prompts are dropped)"
 
     def _check_geometry(self, spg: int) -> None:
         """Refuse what cannot be exact with this ``steps_per_generation`` and strategy (the fix in the message)."""

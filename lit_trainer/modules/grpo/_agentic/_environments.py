@@ -10,7 +10,8 @@ model's tools.
 * ``reset``, the tools and ``get_reward`` may be ``async def``: the awaitables of a round are awaited together on a
   background event loop (:mod:`lit_trainer._async`).
 * The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
-  :mod:`lit_trainer.modules.grpo._agentic._tools`), bound to the rollout's instance.
+  :mod:`lit_trainer.modules.grpo._agentic._tools`; checked on a first instance when the module is built), bound to
+  the rollout's instance. An environment without any (and no ``tools=``) is warned about: its rollouts are one turn.
 * ``get_reward()`` (when the class defines it) is an extra reward function named after the class, weight 1.0: it scores
   the rollouts of that class (None, unscored, for the others).
 
@@ -25,8 +26,11 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lit_trainer._async import resolve_awaitables
 from lit_trainer._import_path import import_object
+from lit_trainer.modules.grpo._agentic._tools import check_tool_schema
 
 EnvironmentFactory = Callable[[], Any]
 ENVIRONMENT_COLUMN = "environment"
@@ -66,12 +70,20 @@ class Environments:
 
     Args:
         factory: a factory, its import path, or a dict ``{name: factory}`` selected by the ``environment`` column.
+        tools: the module's other tools (given to every rollout): without them, an environment without public methods
+            is warned about (its rollouts would have no tool to call).
 
     Raises:
-        ValueError: for a factory that does not import or is not callable, or an environment without ``reset``.
+        ValueError: for a factory that does not import or is not callable, an environment without ``reset``, or a
+            tool method transformers cannot describe (see
+            :func:`~lit_trainer.modules.grpo._agentic._tools.check_tool_schema`).
     """
 
-    def __init__(self, factory: EnvironmentFactory | str | dict[str, EnvironmentFactory | str]) -> None:
+    def __init__(
+        self,
+        factory: EnvironmentFactory | str | dict[str, EnvironmentFactory | str],
+        tools: Sequence[Callable[..., Any]] = (),
+    ) -> None:
         self.multi = isinstance(factory, dict)
         items = factory.items() if isinstance(factory, dict) else [(None, factory)]
         self.factories = {name: _resolve(f) for name, f in items}
@@ -80,12 +92,7 @@ class Environments:
         self.reward_names: list[str] = []
         for name, make in self.factories.items():
             probe = make()
-            if not callable(getattr(probe, "reset", None)):
-                where = "" if name is None else f"[{name!r}]"
-                raise ValueError(
-                    f"Environment {type(probe).__name__} (from environment_factory{where}) has no `reset` method: "
-                    "define `reset(self, **row)` (it may return text for the prompt)."
-                )
+            _check_environment(probe, "environment_factory" + ("" if name is None else f"[{name!r}]"), bool(tools))
             self.pools[name] = [probe]
             kind = type(probe)
             if callable(getattr(probe, "get_reward", None)) and kind.__name__ not in self.reward_names:
@@ -144,6 +151,34 @@ class Environments:
                 prompt = [*prompt[:-1], {**last, "content": last["content"] + observation}]
             out.append(prompt)
         return out
+
+
+def _check_environment(probe: Any, source: str, other_tools: bool) -> None:
+    """Refuse an environment without ``reset`` (naming the tools too when it has none) or with a tool method
+    transformers cannot describe; warn when its rollouts would have no tool at all."""
+    kind = type(probe).__name__
+    tools = environment_tools(probe)
+    if not callable(getattr(probe, "reset", None)):
+        missing, also = "`reset` method", ""
+        if not tools:  # nothing defined at all: say what an environment is made of
+            missing += " and no public methods (its tools)"
+            also = (
+                ", and the tools the model may call as public methods with type hints and a Google docstring, e.g. "
+                "`def add(self, a: int, b: int) -> int`"
+            )
+        raise ValueError(
+            f"Environment {kind} (from {source}) has no {missing}: define `reset(self, **row)` (it may return text "
+            f"for the prompt){also}."
+        )
+    for tool in tools:
+        check_tool_schema(tool, f" (a method of environment {kind} from {source})")
+    if not tools and not other_tools:
+        rank_zero_warn(
+            f"[lit_trainer] Environment {kind} (from {source}) has no public method besides `reset` and `get_reward`, "
+            "and `tools` is empty: its rollouts have no tool to call, so the model answers in one turn. An "
+            "environment's tools are its public methods (with type hints and a Google docstring; a name starting "
+            "with '_' is not a tool). Ignore this if the environment only makes the prompt and scores it."
+        )
 
 
 def _environment_reward(kind: type) -> Callable[..., Any]:

@@ -3,7 +3,7 @@ put their results back into the conversation.
 
 A tool is a plain Python function (or a bound method of an environment), sync or ``async def``, with type hints and a
 Google docstring, so ``transformers.utils.get_json_schema`` can describe it to the chat template
-(``apply_chat_template(tools=...)``).
+(``apply_chat_template(tools=...)``); :func:`check_tool_schema` checks that when the module is built.
 Tools come only from the user's config or code: a callable, or the import path of one (``"package.module.add"``).
 
 Tool calls are read from the tokens of one assistant turn with the tokenizer's own response parser
@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers.utils import get_json_schema
+
 from lit_trainer._async import resolve_awaitables
 from lit_trainer._import_path import import_object
 
@@ -31,7 +33,8 @@ def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> list[Call
     """Tool callables from callables or their import paths (only what the user names is imported).
 
     Raises:
-        ValueError: for a path that does not import, an entry that is not callable, or two tools with one name.
+        ValueError: for a path that does not import, an entry that is not callable or cannot be described to the model
+            (:func:`check_tool_schema`), or two tools with one name.
     """
     resolved: list[Callable[..., Any]] = []
     for item in tools or []:
@@ -43,12 +46,36 @@ def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> list[Call
             )
         if not callable(item):
             raise ValueError(f"Tool {item!r} is not callable: give a function or its import path.")
+        check_tool_schema(item)
         resolved.append(item)
     names = [tool_name(t) for t in resolved]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"Two tools are named {duplicates}: tool names must be unique (the model calls them by name).")
     return resolved
+
+
+def check_tool_schema(tool: Callable[..., Any], where: str = "") -> None:
+    """Refuse, when the module is built, a tool whose schema ``transformers.utils.get_json_schema`` cannot write (what
+    ``apply_chat_template(tools=...)`` does at the first generation, after model and data setup).
+
+    Args:
+        tool: the function or bound method.
+        where: appended to its name in the message, e.g. ``" (a method of environment AddEnv ...)"``.
+
+    Raises:
+        ValueError: naming the function and transformers' reason (no docstring, an argument without a type hint or
+            without a line in ``Args:``).
+    """
+    try:
+        get_json_schema(tool)
+    except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException, or any other
+        name = getattr(tool, "__qualname__", tool_name(tool))
+        raise ValueError(
+            f"Tool {name!r}{where} cannot be described to the model ({err}): a tool needs a type hint on every "
+            "argument and a Google-style docstring, a description then `Args:` with one line per argument "
+            "(transformers.utils.get_json_schema writes the schema the chat template shows from them)."
+        ) from None
 
 
 def tool_name(tool: Callable[..., Any]) -> str:
@@ -74,7 +101,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
             return text, []
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             return text, []
-        arguments = body.get("arguments") or {}
+        arguments = {} if body.get("arguments") is None else body["arguments"]  # as the response templates read it
         calls.append({"type": "function", "function": {"name": body["name"], "arguments": arguments}})
     content = text.split("<tool_call>", 1)[0] if calls else text
     return content, calls
@@ -143,8 +170,8 @@ def run_tool_turns(
     are then awaited all together, across rows, on the background event loop
     (:func:`lit_trainer._async.resolve_awaitables`), so a round's slow tools (a web request, a sandbox) overlap. A
     tool that raises (when called or while awaited), an unknown tool name, arguments that are not a JSON object, or a
-    call of another type is reported to the model as ``{"error": "<message>"}`` and counted in ``stats.failures``; it
-    never stops the run.
+    call of another type is reported to the model as ``{"error": "<message>"}``, with TRL 1.16's messages, and counted
+    in ``stats.failures``; it never stops the run.
     """
     started = [[_start(call, tools, stats, row) for call in calls] for (calls, tools), row in zip(turns, rows)]
     values = iter(resolve_awaitables([value for results in started for _, value in results]))
@@ -164,17 +191,17 @@ def _start(call: dict[str, Any], tools: dict[str, Callable[..., Any]], stats: To
     the call fails."""
     stats.calls += 1
     stats.per_row[row] += 1
-    function = call.get("function", {}) if call.get("type", "function") == "function" else None
-    name = function.get("name", "unknown") if isinstance(function, dict) else str(call.get("name", "unknown"))
+    # The error texts are TRL 1.16's, word for word (the model reads them: other tokens, another loss): an unknown
+    # name is "Tool <name> not found.", arguments that are not an object are Python's own TypeError of `f(**args)`.
+    if call.get("type", "function") != "function":
+        stats.failures += 1
+        return str(call.get("name", "unknown")), {"error": f"Unsupported tool call type: {call.get('type')}"}
+    function = call.get("function") if isinstance(call.get("function"), dict) else {}
+    name = function.get("name", "unknown")
     try:
-        if function is None:
-            raise ValueError(f"Unsupported tool call type {call.get('type')!r}.")
         if name not in tools:
-            raise ValueError(f"Tool {name!r} not found; available: {sorted(tools)}.")
-        arguments = function.get("arguments") or {}
-        if not isinstance(arguments, dict):
-            raise ValueError(f"Tool arguments must be a JSON object, got {arguments!r}.")
-        return name, tools[name](**arguments)
+            raise ValueError(f"Tool {name} not found.")
+        return name, tools[name](**function.get("arguments", {}))
     except Exception as err:  # a tool's error is the model's observation, never a crash
         stats.failures += 1
         return name, {"error": str(err)}
