@@ -154,3 +154,51 @@ def test_ctrl_c_between_two_logging_steps_logs_the_window_once(tmp_path, monkeyp
     rows = _train_rows(tmp_path / "runs/sft/version_0")
     expected = [0, 1, 2, 3, 4, 5] if log_every == 1 else [2, 3, 5]
     assert sorted(rows) == expected
+
+
+def test_the_stopping_criterion_changes_no_token_until_it_fires_then_ends_the_generation():
+    """The same seeded sampling with a check that stays False gives the same tokens as without it; a check that turns
+    True at its 3rd call (after the 3rd token) ends every row there, although EOS is suppressed for 50 tokens."""
+    from transformers import GenerationConfig
+
+    from helpers.models import tiny_llama
+    from lit_trainer.modules.grpo._completions import generate_completions
+
+    model = tiny_llama()
+    prompt, mask = torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    config = GenerationConfig(max_new_tokens=50, min_new_tokens=50, do_sample=True, pad_token_id=0, eos_token_id=1)
+
+    def sample(check):
+        torch.manual_seed(0)
+        return generate_completions(model, prompt, mask, config, [1], should_stop=check)
+
+    plain, never = sample(None), sample(lambda: False)
+    assert plain.ids.shape == (2, 50) and torch.equal(plain.ids, never.ids)
+    calls = []
+    stopped = sample(lambda: calls.append(1) or len(calls) >= 3)
+    assert stopped.ids.shape == (2, 3) and torch.equal(stopped.ids, plain.ids[:, :3])
+    assert stopped.truncated.all()
+
+
+def test_a_stop_request_ends_the_tool_loop_before_any_tool_runs():
+    """Every row's first turn calls a tool; with the request on, the loop ends after that turn: no tool is run and
+    ``generate`` is called once (without it, the same call runs the tool and generates again)."""
+    from helpers.tool_policy import add, call
+    from lit_trainer.models import build_tokenizer
+    from lit_trainer.modules.grpo._agentic._multi_turn import multi_turn_rollouts
+
+    tokenizer = build_tokenizer()
+    calls = []
+
+    def always_call(inputs: list[list[int]], budget: int) -> list[list[int]]:
+        calls.append(len(inputs))
+        return [tokenizer(call({"a": 2, "b": 2}), add_special_tokens=False)["input_ids"][:budget] for _ in inputs]
+
+    prompt = [tokenizer.apply_chat_template([{"role": "user", "content": "2+2=?"}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)]  # fmt: skip
+    options = {"max_completion_length": 500, "max_iterations": 3, "eos_ids": [1], "pad_token_id": 0}
+    stopped = multi_turn_rollouts(always_call, tokenizer, prompt, [{"add": add}], should_stop=lambda: True, **options)
+    assert calls == [1] and stopped.stats.calls == 0 and len(stopped.messages[0]) == 1
+    calls.clear()
+    going = multi_turn_rollouts(always_call, tokenizer, prompt, [{"add": add}], should_stop=lambda: False, **options)
+    assert calls == [1, 1, 1, 1] and going.stats.calls == 3

@@ -66,7 +66,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -80,6 +80,11 @@ from typing_extensions import override
 
 from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.callbacks._stop_logs import (
+    logger_step_for_a_save_inside_a_batch,
+    write_pending_logs,
+    write_step_logs,
+)
 from lit_trainer.callbacks.checkpoint_resolution import SENTINEL_NAME, sentinel_target, write_sentinel
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
@@ -234,8 +239,8 @@ class _JITCheckpoint(PackageBound):
         if not trainer.strategy.reduce_boolean_decision(self._due(), all=False):
             return
         self._done = True
-        _write_pending_logs(trainer.lightning_module)
-        with _logger_step_for_a_save_inside_a_batch(trainer):
+        write_pending_logs(trainer.lightning_module)
+        with logger_step_for_a_save_inside_a_batch(trainer):
             path = self._save(trainer)
         self._stop(trainer, path)
 
@@ -287,12 +292,12 @@ class _JITCheckpoint(PackageBound):
         self._at_boundary = trainer.global_step != self._last_step
         if self._at_boundary:
             self._last_step = trainer.global_step
-            self._maybe_stop(trainer, lambda: _write_step_logs(trainer, pl_module, outputs, batch, batch_idx))
+            self._maybe_stop(trainer, lambda: write_step_logs(trainer, pl_module, outputs, batch, batch_idx))
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._at_boundary:
-            self._maybe_stop(trainer, lambda: _write_pending_logs(pl_module))  # the step's own row is written
+            self._maybe_stop(trainer, lambda: write_pending_logs(pl_module))  # the step's own row is written
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -369,45 +374,6 @@ def run_checkpoint_dir(trainer: pl.Trainer) -> str:
     version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
     folder = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints"
     return trainer.strategy.broadcast(str(folder))
-
-
-def _write_step_logs(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int) -> None:
-    """Write the logs of the optimizer step that just ended, which Lightning writes after the callbacks'
-    ``on_train_batch_end``: the module's ``on_train_batch_end`` (where a module may log) and the logger connector's
-    step metrics, with ``trainer.should_stop`` set meanwhile, as Lightning sets it for a run that stops early, so that
-    the step is logged even between two ``log_every_n_steps`` steps (a module's pending window included)."""
-    stopping, trainer.should_stop = trainer.should_stop, True
-    try:
-        pl_module.on_train_batch_end(outputs, batch, idx)
-        connector = trainer._logger_connector
-        connector.on_batch_end()
-        connector.update_train_step_metrics()
-    finally:
-        trainer.should_stop = stopping
-
-
-def _write_pending_logs(pl_module: pl.LightningModule) -> None:
-    """Let a module write what it keeps for a later logging step (``write_pending_logs``, every rank)."""
-    write = getattr(pl_module, "write_pending_logs", None)
-    if callable(write):
-        write()
-
-
-@contextlib.contextmanager
-def _logger_step_for_a_save_inside_a_batch(trainer: pl.Trainer) -> Iterator[None]:
-    """Save the logger step a checkpoint written inside a batch resumes with.
-
-    Lightning resumes such a checkpoint at its last completed batch, and adds one to the saved logger step
-    (``_batches_that_stepped``) when the checkpoint's batch would close an optimizer step, as for a checkpoint saved
-    before that step was counted; inside a batch it has already been counted, so one less is saved.
-    """
-    loop = trainer.fit_loop.epoch_loop
-    counted = 0 if loop._should_accumulate() else 1
-    loop._batches_that_stepped -= counted
-    try:
-        yield
-    finally:
-        loop._batches_that_stepped += counted
 
 
 def _remove_leftover(folder: Path, tmp: Path) -> None:
