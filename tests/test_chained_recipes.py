@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from helpers.ddp import output_tail, run_lit_trainer
+from lit_trainer.cli.runs import default_run_name
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.run_exports import RECIPE_STEPS
-from lit_trainer.runs import default_run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPORT = re.compile(r"runs/([\w.-]+)/version_\d+/hf_model")

@@ -75,6 +75,18 @@ TRAINER_ATTRIBUTES = [
         "_logger_connector.should_update_logs",
         bool,
     ),
+    (
+        "JITCheckpoint writes the saved step's logs through them before it stops",
+        "_logger_connector.update_train_step_metrics",
+        None,
+    ),
+    ("JITCheckpoint writes the saved step's logs through them", "_logger_connector.on_batch_end", None),
+    (
+        "JITCheckpoint corrects the logger step of a checkpoint written inside a batch",
+        "fit_loop.epoch_loop._batches_that_stepped",
+        int,
+    ),
+    ("JITCheckpoint reads it for a checkpoint written inside a batch", "fit_loop.epoch_loop._should_accumulate", None),
     ("ExactResume (lit_trainer.callbacks.resume) wraps the training loaders in it", "fit_loop._combined_loader", None),
     ("ExactResume rebuilds the epoch iterator through it", "fit_loop._data_fetcher", None),
 ]

@@ -8,6 +8,12 @@ recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, 
 * **Step boundary.** The request is acted on only right after an optimizer step (``on_train_batch_end`` when
   ``trainer.global_step`` changed), never inside an accumulation window, and the checkpoint holds exactly the
   updates that were applied (the reference saves step N, then applies step N+1 anyway).
+* **Inside a long step.** The handler prints one line at once. A module whose step can run for minutes (GRPO's
+  generation round) polls :attr:`stop_requested` and, on every rank before it applies anything of the step, calls
+  :meth:`stop_in_step`: if a signal is due on any rank the step's partial work is dropped, the last finished optimizer
+  step is saved and every rank stops (the duck-typed contract is in ``lit_trainer/_stop_request.py``).
+* **Logs.** Before the save, the step's logs are written (the module's ``on_train_batch_end``, Lightning's step
+  metrics, a module's ``write_pending_logs``), so the saved step has its one row in every logger.
 * **Every rank agrees.** At each optimizer step all ranks reduce their flags (any-rank semantics: one tiny
   all-reduce per optimizer step, nothing inside the signal handler). A signal that reaches one rank, some ranks or
   every rank stops all of them at the same step. Lightning's handler (a broadcast inside the handler, only rank 0's
@@ -36,7 +42,8 @@ recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, 
 
 Sizing the grace period: a save starts at the first optimizer-step boundary at least ``kill_wait`` seconds after
 the signal, so the worst case from signal to exit is ``kill_wait + one optimizer step (all micro-batches of the
-window, plus a validation run if one is in progress) + the save time + process teardown``. Set the scheduler's
+window, plus a validation run if one is in progress) + the save time + process teardown``; a generation that polls
+:attr:`stop_requested` shortens the step to one forward pass (docs/checkpoints.md has the table). Set the scheduler's
 grace period (Kubernetes ``terminationGracePeriodSeconds``, Slurm ``--signal=TERM@<seconds>``) above that.
 ``kill_wait`` exists to tell "SIGTERM then SIGKILL right away" (no grace period: do not start a save that cannot
 finish) from a real grace period; ``kill_wait=0`` saves at the next boundary.
@@ -51,6 +58,7 @@ Lightning's SIGUSR1 handler, which saves from inside the handler, while training
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -58,7 +66,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -72,6 +80,11 @@ from typing_extensions import override
 
 from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.callbacks._stop_logs import (
+    logger_step_for_a_save_inside_a_batch,
+    write_pending_logs,
+    write_step_logs,
+)
 from lit_trainer.checkpoint_io import SENTINEL_NAME, sentinel_target, write_sentinel
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
@@ -169,7 +182,7 @@ class _JITCheckpoint(PackageBound):
         self.save_seconds: float | None = None
         self._requested_at: float | None = None
         self._signal: int | None = None
-        self._announced = False
+        self._rank = 0
         self._previous: dict[signal.Signals, Any] = {}
         self._last_step: int | None = None
         self._at_boundary = False
@@ -181,9 +194,11 @@ class _JITCheckpoint(PackageBound):
         return self._requested_at is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # only record: no I/O, no logging, no collective (any of them can deadlock inside a signal handler)
+        # record, and say so with one unbuffered write (no logging, no collective: they can deadlock in a handler)
         if self._requested_at is None:
             self._requested_at, self._signal = time.monotonic(), signum
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), self._acknowledgement(signum).encode())
         elif signum == signal.SIGINT:  # a second Ctrl-C: the person wants out now, without a checkpoint
             raise KeyboardInterrupt
 
@@ -193,21 +208,41 @@ class _JITCheckpoint(PackageBound):
         # kill_wait guards against a SIGKILL right after the signal; nobody sends one after a Ctrl-C
         return self._signal == signal.SIGINT or time.monotonic() - self._requested_at >= self.kill_wait
 
-    def _announce(self, trainer: pl.Trainer) -> None:
-        """Say once, on the rank that got the signal, that a checkpoint is coming (not from the signal handler)."""
-        if self._announced or self._signal is None:
-            return
-        self._announced = True
-        name = signal.Signals(self._signal).name
-        waits = self._signal != signal.SIGINT and self.kill_wait > 0
+    def _acknowledgement(self, signum: int) -> str:
+        """The line printed, on the rank that got it, the moment a handled signal arrives."""
+        waits = signum != signal.SIGINT and self.kill_wait > 0
         wait = f" (at least {self.kill_wait:g} s after it)" if waits else ""
-        again = " Press Ctrl-C again to stop at once without a checkpoint." if self._signal == signal.SIGINT else ""
-        print(
-            f"\nJITCheckpoint: {name} received on rank {trainer.global_rank}: saving a checkpoint at the next "
-            f"optimizer step{wait}, then stopping.{again}",
-            file=sys.stderr,
-            flush=True,
+        again = " Press Ctrl-C again to stop at once without a checkpoint." if signum == signal.SIGINT else ""
+        return (
+            f"\nJITCheckpoint: {signal.Signals(signum).name} received on rank {self._rank}: saving a checkpoint at "
+            f"the next optimizer step{wait}, then stopping; a generation in progress stops now and its round is "
+            f"generated again on resume.{again}\n"
         )
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the work in progress inside a training step (a generation round) should stop now: a signal is due
+        on this rank (``kill_wait`` passed). Local and cheap (read on every generated token); with
+        ``exit_code=None`` always False, since ``fit`` would then go on training that step."""
+        return self.exit_code is not None and not self._done and self._due()
+
+    def stop_in_step(self, trainer: pl.Trainer) -> None:
+        """Called by a module on every rank inside a training step that has changed nothing yet (its first
+        micro-batch, before any backward): if a signal is due on any rank (all ranks agree, one all-reduce), save the
+        state of the last finished optimizer step and raise :class:`JITCheckpointExit`; otherwise return.
+
+        The step's partial work (a generation round cut short) is dropped: Lightning resumes a checkpoint written
+        inside a batch at its last completed batch, so the resumed run redoes this one from its start.
+        """
+        if self.exit_code is None or self._done or not trainer.training:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self._due(), all=False):
+            return
+        self._done = True
+        write_pending_logs(trainer.lightning_module)
+        with logger_step_for_a_save_inside_a_batch(trainer):
+            path = self._save(trainer)
+        self._stop(trainer, path)
 
     def _install(self) -> None:
         if self._previous:
@@ -228,7 +263,7 @@ class _JITCheckpoint(PackageBound):
         super().setup(trainer, pl_module, stage)  # checks the trainer's Lightning package
         if stage != TrainerFn.FITTING:
             return
-        self._requested_at, self._signal, self._announced = None, None, False
+        self._requested_at, self._signal, self._rank = None, None, trainer.global_rank
         self._done, self._at_boundary = False, False
         self.dirpath = self._dirpath_arg or run_checkpoint_dir(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
@@ -254,16 +289,15 @@ class _JITCheckpoint(PackageBound):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._announce(trainer)
         self._at_boundary = trainer.global_step != self._last_step
         if self._at_boundary:
             self._last_step = trainer.global_step
-            self._maybe_stop(trainer)
+            self._maybe_stop(trainer, lambda: write_step_logs(trainer, pl_module, outputs, batch, batch_idx))
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._at_boundary:
-            self._maybe_stop(trainer)
+            self._maybe_stop(trainer, lambda: write_pending_logs(pl_module))  # the step's own row is written
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -273,15 +307,25 @@ class _JITCheckpoint(PackageBound):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()
 
-    def _maybe_stop(self, trainer: pl.Trainer) -> None:
+    def _maybe_stop(self, trainer: pl.Trainer, write_logs: Callable[[], None]) -> None:
+        """At an optimizer-step boundary: if a signal is due on any rank, write the step's logs, save, stop.
+
+        The logs come first, so that the step the checkpoint holds always has its row in every logger (a resume
+        rewinds the loggers to the checkpoint's step: the row is written once, by this part of the run).
+        """
         if self._done or not trainer.strategy.reduce_boolean_decision(self._due(), all=False):
             return
         self._done = True
-        path = self._save(trainer)
-        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
-        if self.exit_code is None:
+        if self.exit_code is None:  # fit goes on to the loop's end: Lightning writes the step's logs itself
+            path = self._save(trainer)
+            rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
             trainer.should_stop = True
             return
+        write_logs()
+        self._stop(trainer, self._save(trainer))
+
+    def _stop(self, trainer: pl.Trainer, path: str) -> None:
+        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
         raise JITCheckpointExit(self._exit_status(trainer), path)
 
     def _exit_status(self, trainer: pl.Trainer) -> int:

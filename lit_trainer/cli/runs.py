@@ -20,9 +20,12 @@ import shutil
 from pathlib import Path
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
+
+from lit_trainer._atomic import atomic_write
 
 DEFAULT_ROOT = "runs"
 _RECIPE_NAMES = {"CausalLMModule": "sft", "DPOModule": "dpo", "GRPOModule": "grpo", "RewardModule": "reward"}
@@ -199,6 +202,32 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+    @rank_zero_only
+    def rewind(self, step: int) -> None:
+        """Before a resume from a checkpoint at global step ``step``: drop the rows the interrupted part logged at
+        steps ``>= step`` (after its checkpoint: the resumed run logs those steps again), so each step has one row.
+        The same rule as :meth:`lit_trainer.loggers.TrackioLogger.rewind`."""
+        if self._experiment is not None:
+            self._experiment.save()
+        drop_rows_from(Path(self.log_dir) / ExperimentWriter.NAME_METRICS_FILE, int(step))
+
+
+def drop_rows_from(metrics_file: Path, step: int) -> int:
+    """Remove the rows of a ``metrics.csv`` whose ``step`` is ``>= step`` (rewritten atomically); returns how many."""
+    if not metrics_file.is_file():
+        return 0
+    with open(metrics_file, newline="") as file:
+        reader = csv.DictReader(file)
+        header, rows = reader.fieldnames or [], list(reader)
+    kept = [row for row in rows if not row.get("step") or int(float(row["step"])) < step]
+    if len(kept) == len(rows):
+        return 0
+    with atomic_write(metrics_file) as partial, open(partial, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(kept)
+    return len(rows) - len(kept)
 
 
 PART_RECORDS = ("config.yaml", "hparams.yaml")  # files a resumed part would otherwise rewrite in the run folder

@@ -131,9 +131,17 @@ class StepLoggingMixin:
         """Write the last logging window when the run ended between two logging steps.
 
         Lightning writes logs only every ``log_every_n_steps`` steps, so a run of 30 steps with the default 50 would
-        leave ``metrics.csv`` without a training row, and a longer run would lose its last steps. The remaining
-        window goes straight to the loggers (``self.log`` is not allowed in ``on_train_end``), at the step Lightning
-        would have used.
+        leave ``metrics.csv`` without a training row, and a longer run would lose its last steps.
+        """
+        self.write_pending_logs()
+
+    def write_pending_logs(self) -> None:
+        """Write the logging window's steps now, at the step Lightning would have used (every rank calls it).
+
+        For a run that stops between two logging steps: at its end (:meth:`on_train_end`), or when a stopping
+        callback saves a checkpoint and exits (``JITCheckpoint``, see :mod:`lit_trainer._stop_request`), so each
+        optimizer step is in exactly one row. The values go straight to the loggers (``self.log`` is not allowed
+        outside the training hooks).
         """
         if self._log_steps == 0 or not self.trainer.loggers:
             return
@@ -142,6 +150,7 @@ class StepLoggingMixin:
             values["epoch"] = self._last_step_epoch
             for logger in self.trainer.loggers:
                 logger.log_metrics(values, step=self.trainer.global_step - 1)
+                logger.save()  # on disk now: the process may be about to exit
         self._reset_log_window()
 
     def _cost_spread(self) -> Tensor:

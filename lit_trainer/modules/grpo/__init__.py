@@ -56,6 +56,7 @@ from transformers import GenerationConfig
 from typing_extensions import Self, override
 
 from lit_trainer._dist import gather_from_all_ranks
+from lit_trainer._stop_request import stop_check
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
@@ -476,10 +477,10 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         if batch_idx == 0:
             self._buffer.end_round()  # an epoch always starts a round (even if the last one was cut short)
         new_window = self._enter_window(batch_idx)
-        if self._buffer.needs_refill:
-            self._make_rollouts(batch)
-        micro, slice_index = self._buffer.next()
         start, stop = self.step_window(batch_idx)
+        if self._buffer.needs_refill:  # a round that starts an optimizer step may be stopped by a signal
+            self._make_rollouts(batch, can_stop=batch_idx == start)
+        micro, slice_index = self._buffer.next()
         num_items = self._num_items(slice_index, stop - batch_idx, new_window, batch_idx - start)
         loss, metrics = self.compute_loss(micro, num_items)
         world = self.trainer.world_size
@@ -615,20 +616,36 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
 
     # -------------------------------------------------------------------------------------------- validation
     def _validation_completions(self, batch: dict[str, Any], config: Any, eos: list[int]) -> tuple:
-        """``(texts, rewards, logged metrics)`` of one validation batch under ``config``."""
+        """``(texts, rewards, logged metrics)`` of one validation batch under ``config``; a stop request (a signal)
+        cuts the generation short (the validation is then not logged, see :meth:`on_validation_epoch_end`)."""
+        should_stop = stop_check(self.trainer)
         if self.agentic:  # the same multi-turn loop with tools
-            agentic = self._tool_round(batch, config, eos)
+            agentic = self._tool_round(batch, config, eos, should_stop)
             texts, kept = agentic.texts, agentic.kept
             rewards, logged = score_completions(self, agentic_batch(batch, agentic), texts, kept, agentic.reward_kwargs)
             logged.update(agentic.tool_metrics)
             return texts, rewards, logged
         prompt_ids, prompt_mask = self._prompt_inputs(batch)
         completions = rollout.generate_completions(
-            self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
+            self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop
         )
         texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
         rewards, logged = score_completions(self, batch, texts, kept)
         return texts, rewards, logged
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """Log the validation metrics, unless a stop request cut its generations short on some rank (all ranks
+        agree): a validation of truncated completions is not logged, and the stopped run does not repeat it."""
+        should_stop = stop_check(self.trainer)
+        stopped = should_stop is not None and should_stop()
+        if self.trainer.world_size > 1:
+            flag = torch.tensor(float(stopped), device=self.device)
+            stopped = bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+        if stopped:
+            self.val_metrics.reset()
+            return
+        super().on_validation_epoch_end()
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -7,13 +7,13 @@ docs/design.md#trl-grpo). Nothing here knows about Lightning; scoring and advant
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from lit_trainer._seeding import derive_seed
 
@@ -115,6 +115,18 @@ def cut_after_eos(ids: Tensor, eos_ids: Sequence[int], pad_token_id: int) -> Com
     return Completions(ids.masked_fill(mask == 0, pad_token_id), mask, ~has_eos)
 
 
+class StopWhen(StoppingCriteria):
+    """A stopping criterion that ends every row once ``check()`` is True (read after each generated token): a stop
+    request (a signal, :mod:`lit_trainer._stop_request`) ends a generation within one forward pass. While the check is
+    False it changes nothing, so the tokens are the same as without it."""
+
+    def __init__(self, check: Callable[[], bool]) -> None:
+        self.check = check
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: Any) -> Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.check()), dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def generate_completions(
     model: Any,
@@ -123,14 +135,23 @@ def generate_completions(
     config: GenerationConfig,
     eos_ids: Sequence[int],
     synced: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Completions:
     """One batched ``generate`` call (KV cache, left-padded prompts) and the EOS cut.
 
     The model is NOT switched to eval mode (as the reference); ``no_grad`` also keeps NEFTune noise off. ``synced``
     (sharded weights: every forward is a collective) makes a rank whose rows have all stopped keep running forwards
     until every rank has stopped (transformers' ``synced_gpus``), so ranks generating different lengths stay in step.
+    ``should_stop``: ends the generation early once it is True (:class:`StopWhen`); the caller drops the result.
     """
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, synced_gpus=synced)
+    criteria = StoppingCriteriaList([StopWhen(should_stop)]) if should_stop is not None else None
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=config,
+        synced_gpus=synced,
+        stopping_criteria=criteria,
+    )
     completion = out[:, prompt_ids.shape[1] :]
     if completion.shape[1] == 0:  # every row stopped at once (cannot happen with max_new_tokens >= 1)
         completion = torch.full_like(prompt_ids[:, :1], config.pad_token_id)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_trainer._dist import gather_from_all_ranks
+from lit_trainer._stop_request import stop_check, stop_in_step
 from lit_trainer.data.chat import render
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
@@ -60,28 +61,36 @@ class GRPORolloutMixin:
         return rows["prompt_ids"], rows["prompt_mask"]
 
     @torch.no_grad()
-    def _make_rollouts(self, batch: dict[str, Any]) -> None:
-        """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring)."""
+    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False) -> None:
+        """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring).
+
+        ``can_stop``: the round starts an optimizer step (nothing of the step is applied yet), so a stop request (a
+        signal, :mod:`lit_trainer._stop_request`) may end its generation early; the ranks then agree, right after
+        generating, whether to drop the round and save the last finished step (the callback raises) or go on.
+        """
         rank, seed, round_index = self.global_rank, self._seed, self._buffer.next_round_index
         prompt_ids, prompt_mask = self._prompt_inputs(batch)
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         hp = self.hparams
         config = self._sampling_config(eos)
+        should_stop = stop_check(self.trainer) if can_stop else None
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
             if self.agentic or self.rollout_func is not None:
                 agentic = (
                     self._custom_round(batch, eos, config.pad_token_id)
                     if self.rollout_func is not None
-                    else self._tool_round(batch, config, eos)
+                    else self._tool_round(batch, config, eos, should_stop)
                 )
-            elif self.continuous_batching:
+            elif self.continuous_batching:  # the engine has no stopping criteria: a stop waits for its batch
                 completions = rollout.generate_completions_continuous(
                     self.model, prompt_ids, prompt_mask, config, eos, hp.transformers_continuous_batching_config
                 )
             else:
                 completions = rollout.generate_completions(
-                    self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model)
+                    self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop
                 )
+        if should_stop is not None:
+            stop_in_step(self.trainer)  # raises when the run stops here; the partial round is dropped
         if self.agentic or self.rollout_func is not None:
             rows, completions = agentic.rows, agentic.completions
             decoded = (agentic.texts, agentic.kept, agentic.reward_kwargs)

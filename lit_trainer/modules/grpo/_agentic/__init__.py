@@ -72,8 +72,9 @@ class AgenticRolloutMixin:
         prompts = self.environments.reset(instances, list(prompts), columns)
         return prompts, [list(self.tools) + environment_tools(e) for e in instances], instances
 
-    def _generator(self, config: Any, eos: list[int]):
-        """``generate(token lists, max_new_tokens) -> kept ids`` on the policy, batched (left-padded)."""
+    def _generator(self, config: Any, eos: list[int], should_stop: Callable[[], bool] | None = None):
+        """``generate(token lists, max_new_tokens) -> kept ids`` on the policy, batched (left-padded); ``should_stop``
+        ends a ``generate`` call early (the continuous-batching engine has no stopping criteria)."""
 
         def generate(inputs: list[list[int]], budget: int) -> list[list[int]]:
             ids = pad_left(inputs, config.pad_token_id).to(self.device)
@@ -85,7 +86,8 @@ class AgenticRolloutMixin:
                     self.model, ids, mask, step, eos, self.hparams.transformers_continuous_batching_config
                 )
             else:
-                out = rollout.generate_completions(self.model, ids, mask, step, eos, _sharding.is_sharded(self.model))
+                sharded = _sharding.is_sharded(self.model)
+                out = rollout.generate_completions(self.model, ids, mask, step, eos, sharded, should_stop)
             return [row[m.bool()].tolist() for row, m in zip(out.ids.cpu(), out.mask.cpu())]
 
         return generate
@@ -95,8 +97,11 @@ class AgenticRolloutMixin:
             return flag
         return bool(self.trainer.strategy.reduce(torch.tensor(float(flag), device=self.device), reduce_op="sum") > 0)
 
-    def _tool_round(self, batch: dict[str, Any], config: Any, eos: list[int]) -> AgenticRound:
-        """Render, generate, call tools and continue (all rows together); see the module docstring."""
+    def _tool_round(
+        self, batch: dict[str, Any], config: Any, eos: list[int], should_stop: Callable[[], bool] | None = None
+    ) -> AgenticRound:
+        """Render, generate, call tools and continue (all rows together); see the module docstring. ``should_stop``
+        (a stop request) ends the generation calls early and the loop before the next tool turn."""
         columns = batch[REWARD_COLUMNS]
         prompts, row_tools, instances = self._row_tools(batch[PROMPTS], columns)
         if not prompts or isinstance(prompts[0], str):
@@ -113,11 +118,12 @@ class AgenticRolloutMixin:
         ]  # fmt: skip
         iterations = self.hparams.max_tool_calling_iterations
         result = multi_turn_rollouts(
-            self._generator(config, eos), self.tokenizer, prompt_ids,
+            self._generator(config, eos, should_stop), self.tokenizer, prompt_ids,
             [{tool_name(t): t for t in tools} for tools in row_tools],
             max_completion_length=self.hparams.max_completion_length,
             max_iterations=2**31 if iterations is None else iterations,
             eos_ids=eos, pad_token_id=config.pad_token_id, any_rank=self._any_rank, chat_template_kwargs=options,
+            should_stop=should_stop,
         )  # fmt: skip
         rows = self._prompt_rows(prompt_ids)
         rows["completion_ids"] = result.completion_ids.to(self.device)

@@ -69,6 +69,7 @@ def multi_turn_rollouts(
     pad_token_id: int,
     any_rank: Callable[[bool], bool] = bool,
     chat_template_kwargs: dict | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> MultiTurnRollouts:
     """Generate, call tools and continue, for every row at once (see the module docstring).
 
@@ -83,6 +84,8 @@ def multi_turn_rollouts(
         pad_token_id: padding of the returned ids.
         any_rank: True when the argument is True on any rank (identity on one process).
         chat_template_kwargs: extra ``apply_chat_template`` keywords for the tool messages.
+        should_stop: a stop request (a signal): checked before each tool turn, and the loop ends when it is True on
+            any rank (the caller drops the round); ``generate`` stops its own calls with it.
     """
     rows = len(prompts)
     stats = ToolStats(per_row=[0] * rows)
@@ -93,6 +96,8 @@ def multi_turn_rollouts(
     messages = [[parse_assistant_turn(tokenizer, ids, list(p), s)] for ids, p, s in zip(sequences, prompts, schemas)]
     calling = [i for i in range(rows) if messages[i][-1].get("tool_calls")]
     for _ in range(max_iterations):
+        if should_stop is not None and any_rank(should_stop()):
+            break  # no tool runs for a round that is dropped
         continuing = []
         turns = [(messages[i][-1]["tool_calls"], tools[i]) for i in calling]
         for i, results in zip(calling, run_tool_turns(turns, stats, calling)):
