@@ -239,7 +239,8 @@ def test_a_bad_margin_is_named(margins):
 
 
 def test_resume_from_a_checkpoint_is_bit_exact(tmp_path):
-    """6 steps straight vs 2 steps, a checkpoint, then resumed to 6 (shuffled data, accumulation 2): same weights."""
+    """6 steps straight vs the same 6-step run resumed from its step-2 checkpoint (shuffled data, accumulation 2):
+    same weights. (Stopping a 2-step run and raising max_steps would change the learning-rate schedule itself.)"""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lit_trainer.callbacks import ExactResume
@@ -249,12 +250,13 @@ def test_resume_from_a_checkpoint_is_bit_exact(tmp_path):
         module = RewardModule(_model(), tokenizer=load_tokenizer("tiny"), learning_rate=3e-3, warmup_steps=2)
         callbacks = [ExactResume()]
         if save:
-            callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True))
+            callbacks.append(
+                ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+            )
         trainer = _trainer(max_steps, accumulate_grad_batches=2, callbacks=callbacks, enable_checkpointing=save)
         trainer.fit(module, datamodule=_datamodule(train=20, batch_size=3, sampling="random"), ckpt_path=ckpt_path)
         return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
-    straight = run(6)
-    run(2, save=True)
-    resumed = run(6, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    straight = run(6, save=True)
+    resumed = run(6, ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
     assert all(torch.equal(resumed[k], v) for k, v in straight.items())
