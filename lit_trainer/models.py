@@ -93,7 +93,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # ~0.57M parameters: the default; >90% exact match on the built-in addition task in about a minute on 2 cores
+    # ~0.57M parameters: the default; configs/sft.yaml: >= 99% exact match on the built-in addition task at seeds
+    # 1-5 in 3,000 steps (about two minutes on 2 cores)
     "tiny": Preset(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
     # ~0.16M parameters: the size measured with plain torch loops (docs/design.md#default-task)
     "tiny-64": Preset(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2),

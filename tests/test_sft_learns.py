@@ -1,8 +1,12 @@
-"""The default recipe learns for real: configs/sft.yaml reaches > 90% greedy exact match on 500 held-out problems.
+"""The default recipe learns for real, at more than one seed: configs/sft.yaml reaches >= 90% greedy exact match on 500
+held-out problems at seeds 1 and 5.
 
-This is the slowest test of the suite (about a minute of training on one thread); it runs the shipped config as is,
-through the CLI, with only the progress bar turned off.
-"""
+Both seeds failed with the former recipe (1,500 steps): seed 1 ended at 0.70 in one measurement, seed 5 at 0.26 in
+another (rounding-level differences move the step at which the model learns the carry by hundreds of steps). With
+3,000 steps every seed of 1-5 ended at >= 99.5% (docs/quickstart.md#at-every-seed); the bound keeps a margin because
+exact match moves by a few points between evaluations. These are the slowest tests of the suite: 3,000 steps each on
+one thread (342 and 363 s side by side under ``-n 2`` on the busy 2-core machine); they run the shipped config as
+is, through the CLI, with only the seed given and the progress bar turned off."""
 
 from pathlib import Path
 
@@ -19,21 +23,23 @@ pytestmark = pytest.mark.slow
 SFT = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 
 
-def test_default_sft_config_reaches_90_percent_exact_match(tmp_path, monkeypatch):
+@pytest.mark.parametrize("seed", [1, 5])
+def test_default_sft_config_reaches_90_percent_exact_match(seed, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = LitTrainerCLI(args=["fit", "--config", str(SFT), "--trainer.enable_progress_bar", "false"])
+    args = ["fit", "--config", str(SFT), "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false"]
+    cli = LitTrainerCLI(args=args)
     metrics = cli.trainer.callback_metrics
-    assert cli.trainer.global_step == 1500
-    assert float(metrics["val_exact_match"]) > 0.90, dict(metrics)
+    assert cli.trainer.global_step == cli.trainer.max_steps == 3000
+    assert float(metrics["val_exact_match"]) >= 0.90, dict(metrics)
     assert float(metrics["val_token_accuracy"]) > 0.95
     # the README's generate example, run as written on the export (plain transformers), answers held-out problems
     export = next(c.last_export for c in cli.trainer.callbacks if isinstance(c, HFExport))
     problems = builtin.addition_problems("validation")[:20]
     answers = [run_readme_generate(export, f"{a}+{b}=") for a, b in problems]
-    assert sum(text == f"{a}+{b}={a + b}" for text, (a, b) in zip(answers, problems)) >= 17, answers  # 18 measured
-    # the untrained model is at 0: check the logged history rose over the run
+    assert sum(text == f"{a}+{b}={a + b}" for text, (a, b) in zip(answers, problems)) >= 17, answers
+    # the untrained model is at 0: check the logged history rose over the run (a validation every 500 steps)
     rows = (tmp_path / "runs" / "sft" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     column = header.index("val_exact_match")
     history = [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
-    assert len(history) == 3 and history[0] < history[-1]
+    assert len(history) == 6 and history[0] < history[-1]
