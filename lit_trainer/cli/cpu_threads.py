@@ -3,7 +3,8 @@
 torch runs its CPU kernels on ``torch.get_num_threads()`` OpenMP threads (one per core by default). When other
 processes keep the cores busy and OpenMP's waiting threads spin (libgomp's default), each parallel region waits for
 its slowest thread to get a core while the others burn the cores it needs, and a step can take 5-15 times longer
-than on a quiet machine (``configs/sft.yaml``: about a minute quiet, 7 to 33 minutes on a busy 2-core machine).
+than on a quiet machine (``configs/sft.yaml`` at its former 1,500 steps: about a minute quiet, 7 to 33 minutes on a
+busy 2-core machine).
 
 The ``lit-trainer`` command therefore sets ``GOMP_SPINCOUNT=10000`` before torch loads (``lit_trainer.cli.openmp``:
 waiting threads spin briefly, then sleep; results unchanged), and the busy-machine cost then stays close to one
