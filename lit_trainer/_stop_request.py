@@ -4,7 +4,8 @@ generation round). Duck-typed, so callbacks never import modules and any module 
 
 A *stop requester* is a trainer callback with
 
-* ``stop_requested`` (bool, local, cheap: read on every generated token): the step in progress should give up now;
+* ``stop_requested`` (bool, cheap: read on every generated token): the step in progress should give up now (under
+  DDP also when another rank's request is due: it must not wait for the all-reduce below to learn of it);
 * ``stop_in_step(trainer)``: called by the module on every rank at the same point of a step that has changed
   nothing yet (no backward since the last optimizer step): if any rank's request is due (a collective), the callback
   saves the state of the last finished optimizer step and raises; otherwise it returns.

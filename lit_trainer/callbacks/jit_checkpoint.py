@@ -11,7 +11,10 @@ recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, 
 * **Inside a long step.** The handler prints one line at once. A module whose step can run for minutes (GRPO's
   generation round) polls :attr:`stop_requested` and, on every rank before it applies anything of the step, calls
   :meth:`stop_in_step`: if a signal is due on any rank the step's partial work is dropped, the last finished optimizer
-  step is saved and every rank stops (the duck-typed contract is in ``lit_trainer/_stop_request.py``).
+  step is saved and every rank stops (the duck-typed contract is in ``lit_trainer/_stop_request.py``). A signal that
+  reaches one rank only is posted in the process group's store, which the other ranks' generations poll, so they
+  stop too instead of generating the whole round while the signalled rank waits in the all-reduce
+  (``_stop_board.py``).
 * **Logs.** Before the save, the step's logs are written (the module's ``on_train_batch_end``, Lightning's step
   metrics, a module's ``write_pending_logs``), so the saved step has its one row in every logger.
 * **Every rank agrees.** At each optimizer step all ranks reduce their flags (any-rank semantics: one tiny
@@ -80,6 +83,7 @@ from typing_extensions import override
 
 from lit_trainer._atomic import commit, is_local_path, partial_path
 from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.callbacks._stop_board import StopBoard
 from lit_trainer.callbacks._stop_logs import (
     logger_step_for_a_save_inside_a_batch,
     write_pending_logs,
@@ -187,6 +191,7 @@ class _JITCheckpoint(PackageBound):
         self._last_step: int | None = None
         self._at_boundary = False
         self._done = False
+        self._board = StopBoard()  # one process until setup opens the run's
 
     @property
     def requested(self) -> bool:
@@ -222,9 +227,15 @@ class _JITCheckpoint(PackageBound):
     @property
     def stop_requested(self) -> bool:
         """Whether the work in progress inside a training step (a generation round) should stop now: a signal is due
-        on this rank (``kill_wait`` passed). Local and cheap (read on every generated token); with
-        ``exit_code=None`` always False, since ``fit`` would then go on training that step."""
-        return self.exit_code is not None and not self._done and self._due()
+        on this rank (``kill_wait`` passed; the other ranks are then told through the process group's store), or
+        another rank said so there (``_stop_board.py``). Cheap (read on every generated token; the store is polled at
+        most every 0.1 s); with ``exit_code=None`` always False, since ``fit`` would then go on training that step."""
+        if self.exit_code is None or self._done:
+            return False
+        if self._due():
+            self._board.post()
+            return True
+        return self._board.seen()
 
     def stop_in_step(self, trainer: pl.Trainer) -> None:
         """Called by a module on every rank inside a training step that has changed nothing yet (its first
@@ -236,6 +247,8 @@ class _JITCheckpoint(PackageBound):
         """
         if self.exit_code is None or self._done or not trainer.training:
             return
+        if self._due():  # a signal that came after this rank's last token: the others may still be generating
+            self._board.post()
         if not trainer.strategy.reduce_boolean_decision(self._due(), all=False):
             return
         self._done = True
@@ -266,6 +279,7 @@ class _JITCheckpoint(PackageBound):
         self._requested_at, self._signal, self._rank = None, None, trainer.global_rank
         self._done, self._at_boundary = False, False
         self.dirpath = self._dirpath_arg or run_checkpoint_dir(trainer)
+        self._board = StopBoard.open(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
             rank_zero_warn(
                 "JITCheckpoint(exit_code=None) stops through `trainer.should_stop`, which Lightning ignores "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -83,3 +84,26 @@ def wait_json(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 15
             proc.kill()
             pytest.fail(f"{path} did not appear (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a run's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_lit_trainer_ranks(*args: str | os.PathLike, cwd: Path, ranks: int = 2) -> list[subprocess.Popen]:
+    """``lit-trainer`` with ``args`` started once per rank, in the background, as torchrun or Slurm start a run (each
+    process gets ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``; Lightning then starts
+    no process itself), so the caller holds every rank's pid and exit status. Environment as :func:`script_env`;
+    rank ``r``'s output goes to ``cwd/rank<r>.log``."""
+    exe = Path(sys.executable).with_name("lit-trainer")
+    command = [str(exe) if exe.exists() else "lit-trainer", *map(str, args)]
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0"}
+    procs = []
+    for rank in range(ranks):
+        env = script_env(**rendezvous, WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))
+        with open(cwd / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
