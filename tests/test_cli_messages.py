@@ -282,3 +282,26 @@ def test_an_empty_or_truncated_checkpoint_is_named_in_the_words_of_the_command_l
     err = capsys.readouterr().err
     assert re.search(rf"--ckpt_path {re.escape(str(ckpt))} cannot be resumed: {reason}", err), err
     assert "--ckpt_path last" in err and "resume=" not in err and "'auto'" not in err
+
+
+def _reserve_at_once(args):
+    root, pinned, barrier = args
+    from lit_trainer.cli.runs import reserve_version
+
+    barrier.wait()
+    return reserve_version(root, pinned)[0]
+
+
+@pytest.mark.parametrize("pinned", [None, 0], ids=["unpinned", "pinned"])
+def test_runs_reserving_at_the_same_instant_get_different_folders_even_from_one_saved_config(tmp_path, pinned):
+    """Every saved config.yaml pins its version: four launches of one saved config for a sweep must not share its
+    folder (a folder another launch created a moment ago is empty, but taken)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # Linux: no re-import of torch in each process
+    with context.Manager() as manager:
+        barrier = manager.Barrier(4)
+        with context.Pool(4) as pool:
+            versions = pool.map(_reserve_at_once, [(tmp_path / "sft", pinned, barrier)] * 4)
+    assert sorted(versions) == [0, 1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "sft").iterdir()) == [f"version_{n}" for n in range(4)]

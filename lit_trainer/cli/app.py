@@ -253,7 +253,7 @@ class LitTrainerCLI(LightningCLI):
             self._resume_from, version = self._resume_target(config, run_root)
         if version is None:
             pinned = _init_arg(loggers[0], "version") if loggers else None
-            version, note = self._fresh_version(run_root, pinned)
+            version, note = self._fresh_version(run_root, pinned, reserve=bool(loggers))
             if note:
                 rank_zero_info(f"[lit_trainer] {note}")
             if self.subcommand == "fit":
@@ -267,10 +267,11 @@ class LitTrainerCLI(LightningCLI):
                 logger["init_args"][key] = value
         place_remote_trackers(_as_list(trainer.get("logger")), str(root), name, version_folder(version))
 
-    def _fresh_version(self, run_root: Path, pinned: int | str | None) -> tuple[int | str, str | None]:
-        """``fit`` on rank 0 reserves a new version folder (created at once, so simultaneous runs never share one);
-        the other ranks of the run take that folder; other subcommands only choose a version."""
-        if self.subcommand != "fit":
+    def _fresh_version(self, run_root: Path, pinned: int | str | None, reserve: bool) -> tuple[int | str, str | None]:
+        """Rank 0 reserves a new version folder (created at once, so simultaneous runs, ``fit``, ``validate``, ...,
+        never share one); the other ranks of the run take that folder. Without a run logger nothing is written in
+        a run folder, so none is made."""
+        if not reserve:
             return fresh_version(run_root, pinned)
         if rank_zero_only.rank == 0:
             version, note = reserve_version(run_root, pinned)

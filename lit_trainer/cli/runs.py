@@ -114,7 +114,8 @@ def reserve_version(run_root: str | os.PathLike, pinned: int | str | None) -> tu
 
     ``os.mkdir`` of a folder that exists fails, atomically, so of several runs started at the same instant each
     creates a different ``version_<n>``: one that finds its candidate just taken moves on to the next number. A
-    pinned version whose folder exists but is empty is used as it is (as :func:`fresh_version` decides).
+    pinned version is used only when this call creates its folder: an existing folder, even an empty one, may have
+    just been taken by a run started at the same instant with the same saved config.
 
     Args:
         run_root: ``<root>/<run name>`` (created when missing).
@@ -136,18 +137,10 @@ def reserve_version(run_root: str | os.PathLike, pinned: int | str | None) -> tu
     run_root = Path(run_root)
     try:
         run_root.mkdir(parents=True, exist_ok=True)
-        while True:
-            version, note = fresh_version(run_root, pinned)
-            folder = run_root / version_folder(version)
-            try:
-                folder.mkdir()
-            except FileExistsError:
-                if pinned is not None and version_folder(version) == version_folder(pinned):
-                    if not _holds_files(folder):  # pinned and empty: used as it is
-                        return version, note
-                    pinned = None  # taken meanwhile: fall back to the next free number
-                continue
-            return version, note
+        if pinned is not None and _try_mkdir(run_root / version_folder(pinned)):
+            return (version_number(pinned) if version_number(pinned) is not None else pinned), None
+        while not _try_mkdir(run_root / version_folder(version := next_version(run_root))):
+            pass  # taken by a run started at the same instant: the next number
     except OSError as error:
         if error.errno not in _NOT_WRITABLE:
             raise
@@ -156,6 +149,23 @@ def reserve_version(run_root: str | os.PathLike, pinned: int | str | None) -> tu
             "Runs are written under --trainer.default_root_dir (default: ./runs); point it at a folder you can write "
             f"to, e.g. --trainer.default_root_dir $HOME/runs."
         ) from None
+    if pinned is None:
+        return version, None
+    # the pinned folder exists (an earlier run's, or, even empty, one a run started at the same instant with the same
+    # saved config has just taken): this run takes the next free number
+    return version, (
+        f"{run_root / version_folder(pinned)} is taken (an earlier run, or one started at the same time); this run "
+        f"writes to {run_root / version_folder(version)} instead, so nothing is overwritten (pass --ckpt_path to "
+        "continue that run)."
+    )
+
+
+def _try_mkdir(folder: Path) -> bool:
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        return False
+    return True
 
 
 def version_of(
