@@ -39,3 +39,15 @@ def test_a_saved_adapter_of_another_task_is_refused(tmp_path):
         RewardModule("tiny-64", adapter_path=str(tmp_path / "causal"))
     assert CausalLMModule("tiny-64", adapter_path=str(tmp_path / "causal")).is_peft  # the matching ones load
     assert RewardModule("tiny-64", adapter_path=str(tmp_path / "reward")).is_peft
+
+
+def test_a_saved_adapter_without_a_task_type_still_loads(tmp_path):
+    """Plain peft code often saves a LoraConfig with no task_type (None in its adapter_config.json); such an adapter
+    loaded before the task-type check and must still load (there is nothing to contradict)."""
+    import peft
+
+    base = CausalLMModule("tiny-64").model
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert model.peft_config["default"].task_type is None
+    model.save_pretrained(tmp_path / "plain")
+    assert CausalLMModule("tiny-64", adapter_path=str(tmp_path / "plain")).is_peft

@@ -69,6 +69,8 @@ def check_task_type(found: Any, expected: str, source: str) -> None:
     Raises:
         ValueError: naming the value and the fix.
     """
+    if found is None:  # a config saved without a task type (plain peft code often leaves it out): nothing to refuse
+        return
     found = str(getattr(found, "value", found))
     if found == expected:
         return
