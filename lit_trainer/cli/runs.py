@@ -240,7 +240,9 @@ def drop_rows_from(metrics_file: Path, step: int) -> int:
     return len(rows) - len(kept)
 
 
-PART_RECORDS = ("config.yaml", "hparams.yaml")  # files a resumed part would otherwise rewrite in the run folder
+# files a resumed part rewrites in the run folder: its records, and metrics.csv, which a resume rewinds to the
+# checkpoint's step (a resume from an earlier checkpoint of a longer run would otherwise lose the rows after it)
+PART_RECORDS = ("config.yaml", "hparams.yaml", "metrics.csv")
 PARTS_FOLDER = "parts"
 
 
@@ -248,8 +250,10 @@ def keep_part_records(run_dir: str | os.PathLike) -> Path | None:
     """Copy the records of the run's latest part into ``<run_dir>/parts/part_<k>/`` before a resumed part rewrites them.
 
     ``config.yaml`` and ``hparams.yaml`` at the top of a run folder always describe its latest part; each earlier
-    part's copies are kept under ``parts/part_0``, ``parts/part_1``, ... (``metrics.csv`` is continued, not
-    rewritten, so it needs no copy). Returns the new folder, or ``None`` when there was nothing to keep.
+    part's copies are kept under ``parts/part_0``, ``parts/part_1``, ... ``metrics.csv`` is continued, but first
+    rewound to the checkpoint's step (each step once), so the rows as they were before the resume are kept there
+    too: resuming from an earlier checkpoint of a longer run loses no logged history. Returns the new folder, or
+    ``None`` when there was nothing to keep.
 
     Example:
         >>> keep_part_records("/nonexistent") is None
