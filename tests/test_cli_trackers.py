@@ -86,3 +86,29 @@ def test_report_to_trackio_then_resume_continues_the_same_trackio_run_with_each_
     assert Path(resumed.trainer.log_dir).resolve() == run_dir.resolve()
     assert runs(project) == [run]  # the same Trackio run
     assert steps_of(project, run["id"], "train_loss") == [0, 1, 2, 3, 4]  # each step once
+
+
+def test_a_resume_hides_the_tensorboard_events_logged_after_its_checkpoint(tmp_path):
+    """After a crash past the last checkpoint, the resumed part logs those steps again: TensorBoard must show each
+    step once, as metrics.csv and Trackio do (SummaryWriter's purge_step hides the events at and after it)."""
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_trainer.cli.app import rewind_trackers
+
+    first = TensorBoardLogger(tmp_path, name="run", version=0, default_hp_metric=False)
+    for step in range(6):  # the interrupted part: steps 0-5, its last checkpoint at step 3
+        first.log_metrics({"train_loss": float(step)}, step=step)
+    first.finalize("failed")
+    checkpoint = tmp_path / "step3.ckpt"
+    torch.save({"lit_trainer_run": {"global_step": 3}}, checkpoint)
+    resumed = TensorBoardLogger(tmp_path, name="run", version=0, default_hp_metric=False)
+    rewind_trackers([resumed], str(checkpoint))
+    for step in range(3, 6):  # the resumed part logs steps 3-5 again
+        resumed.log_metrics({"train_loss": 10.0 + step}, step=step)
+    resumed.finalize("success")
+    events = EventAccumulator(str(tmp_path / "run" / "version_0"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train_loss")]
+    assert logged == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)], logged

@@ -149,6 +149,16 @@ def test_private_logger_attributes_exist(tmp_path: Path) -> None:
     )
 
 
+def test_private_tensorboard_logger_attributes_exist(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path, default_hp_metric=False)
+    feature = "rewind_trackers (lit_trainer.cli.app) opens a resumed run's writer with purge_step through them"
+    assert logger._experiment is None and isinstance(logger._kwargs, dict), _message(
+        feature, "TensorBoardLogger._experiment / _kwargs", "lightning.pytorch"
+    )
+
+
 def test_private_hyperparameter_dicts_exist() -> None:
     class Module(pl.LightningModule):
         def __init__(self, width: int = 3) -> None:

@@ -381,8 +381,10 @@ class LitTrainerCLI(LightningCLI):
 
 
 def rewind_trackers(loggers: list[Any], checkpoint: str) -> None:
-    """Before a resume from ``checkpoint``: loggers that can (``rewind(step)``, e.g. ``TrackioLogger``) drop what the
-    interrupted run logged after that checkpoint, since the resumed run logs those steps again."""
+    """Before a resume from ``checkpoint``: loggers that can (``rewind(step)``: ``RunCSVLogger``, ``TrackioLogger``)
+    drop what the interrupted run logged after that checkpoint, since the resumed run logs those steps again; a
+    TensorBoard logger whose writer is not open yet opens it with ``purge_step``, which hides the events logged at
+    that step and after (TensorBoard's own mechanism for a resumed run)."""
     step = (read_record(checkpoint) or {}).get("global_step")
     if step is None:
         return
@@ -390,6 +392,8 @@ def rewind_trackers(loggers: list[Any], checkpoint: str) -> None:
         rewind = getattr(logger, "rewind", None)
         if callable(rewind):
             rewind(int(step))
+        elif type(logger).__name__ == "TensorBoardLogger" and getattr(logger, "_experiment", True) is None:
+            logger._kwargs.setdefault("purge_step", int(step))  # passed to SummaryWriter when it opens
 
 
 def _nothing_to_continue(requested: str, run_root: Path, skipped: list[tuple[str, str]]) -> str:
