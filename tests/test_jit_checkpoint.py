@@ -277,3 +277,15 @@ def test_ddp_sigterm_to_one_rank_then_to_both_stops_together_and_resumes_exactly
         expected = torch.load(tmp_path / f"ref_final_rank{rank}.pt", weights_only=True)
         got = torch.load(tmp_path / f"d_final_rank{rank}.pt", weights_only=True)
         assert all(torch.equal(expected[k], got[k]) for k in expected), f"rank {rank} differs"
+
+
+def test_a_signal_too_late_to_act_on_is_forgotten_when_training_ends():
+    """A SIGTERM after the last optimizer step (during the final validation or export) is never acted on; it must not
+    linger as a stop request that would cut a later `trainer.validate`'s generations short in the same process."""
+    import signal as signals
+
+    callback = JITCheckpoint(kill_wait=0)
+    callback._handle(signals.SIGTERM, None)
+    assert callback.stop_requested
+    callback.on_train_end(None, None)
+    assert not callback.stop_requested

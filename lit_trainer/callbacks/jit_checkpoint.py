@@ -315,11 +315,17 @@ class _JITCheckpoint(PackageBound):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._uninstall()
+        self._forget()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        """Training is over: restore the handlers and drop a signal that came too late to act on (after the last
+        step), so that a later ``trainer.validate`` in the same process (a notebook) does not see a stop request."""
         self._uninstall()
+        self._requested_at, self._signal = None, None
 
     def _maybe_stop(self, trainer: pl.Trainer, write_logs: Callable[[], None]) -> None:
         """At an optimizer-step boundary: if a signal is due on any rank, write the step's logs, save, stop.
