@@ -56,17 +56,29 @@ def missing_export_message(path: str) -> str | None:
         return None
     root, run, version = parsed
     run_root, command = root / run, step_command(root, run)
+    others = sorted((p for p in run_root.glob("version_*") if (p / EXPORT_DIR).is_dir()), key=_version_key)
+    where = " (in this directory)" if not root.is_absolute() else ""
+    if others:  # a finished run of that name exists under another number: say how to use it
+        newest = others[-1] / EXPORT_DIR
+        return (
+            f"Model path {path!r} does not exist: it is the export of run '{run}', and {run_root}/ holds the exports "
+            f"of {', '.join(p.name for p in others)}. Point the recipe at one of them: replace {path} by {newest} "
+            "where the config names it (--model.init_args.model for the policy, its entry of "
+            "--model.init_args.reward_funcs for a reward model), or run the step that writes it and then pass the "
+            f"version it prints{where}: `{command}`."
+        )
     if (run_root / version).is_dir():
         state = (
             f"{run_root / version} exists but has no {EXPORT_DIR}/: that run has not finished (HFExport writes "
             f"{EXPORT_DIR}/ when fit ends). Finish it (its command with --ckpt_path last) or run the step again"
         )
     else:
-        others = sorted(p.name for p in run_root.glob("version_*") if (p / EXPORT_DIR).is_dir())
-        held = f"{run_root}/ holds the exports of {', '.join(others)} only" if others else f"{run_root}/ has no run"
-        state = f"it is the export of run '{run}', and {held}. Run the step that writes it first"
-    where = " (in this directory)" if not root.is_absolute() else ""
+        state = f"it is the export of run '{run}', and {run_root}/ has no run. Run the step that writes it first"
     return (
         f"Model path {path!r} does not exist: {state}{where}: `{command}`; or point the recipe at another export "
-        "(e.g. --model.init_args.model PATH)."
+        "(--model.init_args.model PATH for the policy, an entry of --model.init_args.reward_funcs for a reward model)."
     )
+
+
+def _version_key(folder: Path) -> int:
+    return int(folder.name.removeprefix("version_"))

@@ -69,12 +69,18 @@ def test_a_missing_export_names_its_run_and_the_command_that_writes_it(tmp_path,
         message = str(error.value)
         assert repr(path) in message and "run 'sft_partial'" in message and "runs/sft_partial/ has no run" in message
         assert RECIPE_STEPS["sft_partial"] in message
-    (tmp_path / "runs/sft_partial/version_1/hf_model").mkdir(parents=True)  # another run's export is there
-    with pytest.raises(FileNotFoundError, match=r"holds the exports of version_1 only"):
-        load_model(path)
-    (tmp_path / "runs/sft_partial/version_0").mkdir()  # a run that has not finished: no hf_model/ yet
+    (tmp_path / "runs/reward/version_0").mkdir(parents=True)  # a run that has not finished: no hf_model/ yet
     with pytest.raises(FileNotFoundError, match=r"version_0 exists but has no hf_model/: that run has not finished"):
+        load_model("runs/reward/version_0/hf_model")
+    # the step was run twice (its first run failed): the export is version_1's, and re-running the step would write
+    # version_2, so the message points at the export that exists and the option that names it
+    (tmp_path / "runs/sft_partial/version_0").mkdir(parents=True)
+    (tmp_path / "runs/sft_partial/version_1/hf_model").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError) as error:
         load_model(path)
+    message = str(error.value)
+    assert "holds the exports of version_1" in message and "--model.init_args.model" in message
+    assert f"replace {path} by {Path('runs/sft_partial/version_1/hf_model')}" in message
     with pytest.raises(FileNotFoundError, match=r"--run_name mine --trainer.default_root_dir out"):
         load_model("out/mine/version_0/hf_model")  # an unknown run in another root: the generic step
     with pytest.raises(FileNotFoundError, match=r"a hub id such as 'org/model'"):
