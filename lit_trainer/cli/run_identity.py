@@ -97,15 +97,20 @@ def flatten_config(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Primi
 def config_differences(recorded: Mapping[str, Primitive], current: Mapping[str, Primitive]) -> dict[str, tuple]:
     """``{key: (checkpoint value, this run's value)}`` for every identity key that differs.
 
-    Keys matching :data:`RESUME_MAY_CHANGE` are ignored; a key present on one side only is compared with ``None``.
+    Keys matching :data:`RESUME_MAY_CHANGE` are ignored. A key only this run has is an option the checkpoint's
+    version of lit_trainer did not have (the configuration lists every argument, defaults included): not a
+    difference, so upgrading does not turn a preempted run into a new one. A key only the checkpoint has is compared
+    with ``None``.
 
     Example:
         >>> config_differences({"data.init_args.dataset": "a.jsonl"}, {"data.init_args.dataset": "b.jsonl"})
         {'data.init_args.dataset': ('a.jsonl', 'b.jsonl')}
         >>> config_differences({"data.init_args.num_workers": 0}, {"data.init_args.num_workers": 4})
         {}
+        >>> config_differences({}, {"model.init_args.new_option": 1})  # an option added since the checkpoint
+        {}
     """
-    keys = sorted(set(recorded) | set(current))
+    keys = sorted(recorded)
     return {
         key: (recorded.get(key), current.get(key))
         for key in keys
