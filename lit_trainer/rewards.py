@@ -103,7 +103,8 @@ def format_reward(
     return [1.0 if _INTEGER.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
 
 
-def _is_conversation(prompts: Sequence[Any]) -> bool:
+def is_conversational(prompts: Sequence[Any]) -> bool:
+    """Whether a batch's prompts are conversations (lists of messages) rather than strings."""
     return bool(prompts) and not isinstance(prompts[0], str)
 
 
@@ -213,7 +214,7 @@ class RewardModelScorer:
     def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
         """The texts the model scores: ``prompt + completion`` (+ EOS for standard data with ``inputs="as_trained"``),
         through the chat template for conversations."""
-        if _is_conversation(prompts):
+        if is_conversational(prompts):
             return [
                 self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False, **self.chat_template_kwargs)
                 for p, c in zip(prompts, completions, strict=True)
@@ -229,7 +230,7 @@ class RewardModelScorer:
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
         texts = self.texts(prompts, completions)
         # standard text as trained: the tokenizer's own special tokens (a BOS), as the training rows have them
-        special = self.inputs == "as_trained" and not _is_conversation(prompts)
+        special = self.inputs == "as_trained" and not is_conversational(prompts)
         device = next(self.model.parameters()).device
         size = self.batch_size or max(len(texts), 1)
         scores: list[float] = []

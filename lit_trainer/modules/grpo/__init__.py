@@ -77,8 +77,8 @@ from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
-from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin, _conversational
-from lit_trainer.rewards import RewardModelInputs, reward_function_name
+from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
+from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
 _ENTROPY_KEY = "grpo_entropy_control"
@@ -629,7 +629,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         completions = rollout.generate_completions(
             self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop
         )
-        texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+        texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
         rewards, logged = score_completions(self, batch, texts, kept)
         return texts, rewards, logged
 

@@ -25,6 +25,7 @@ from lit_trainer.modules.grpo._agentic import agentic_batch
 from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
+from lit_trainer.rewards import is_conversational
 
 
 class GRPORolloutMixin:
@@ -53,7 +54,7 @@ class GRPORolloutMixin:
         ``chat_template_kwargs``, the prompts rendered again with them (TRL 1.16 renders its prompts with
         ``GRPOConfig.chat_template_kwargs``; the data module does not know the module's options)."""
         options = self.hparams.chat_template_kwargs
-        if not options or not _conversational(batch[PROMPTS]):
+        if not options or not is_conversational(batch[PROMPTS]):
             return batch[PROMPT_IDS], batch[PROMPT_MASK]
         rows = self._prompt_rows(
             [render(self.tokenizer, p, add_generation_prompt=True, **options) for p in batch[PROMPTS]]
@@ -136,7 +137,7 @@ class GRPORolloutMixin:
         metrics count ``completions.mask``, the model's tokens."""
         hp = self.hparams
         if decoded is None:
-            texts, kept = rollout.decode_completions(self.tokenizer, completions, _conversational(batch[PROMPTS]))
+            texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
             extra = None
         else:
             texts, kept, extra = decoded
@@ -189,7 +190,3 @@ class GRPORolloutMixin:
             for i in range(0, rows["prompt_ids"].shape[0], size)
         ]
         return torch.cat(chunks)
-
-
-def _conversational(prompts: Sequence[Any]) -> bool:
-    return bool(prompts) and not isinstance(prompts[0], str)
