@@ -287,15 +287,12 @@ class LitTrainerCLI(LightningCLI):
         """Build the classes; a validation error of ours comes out alone, not inside jsonargparse's Union text."""
         try:
             super().instantiate_classes()
-        except ValueError as error:
+        except BaseException as error:
             self._remove_fresh_run_dir()
-            friendly = friendly_value_error(error)
+            friendly = friendly_value_error(error) if isinstance(error, ValueError) else None
             if friendly is None:
                 raise
             raise friendly from None
-        except BaseException:
-            self._remove_fresh_run_dir()
-            raise
 
     def _remove_fresh_run_dir(self) -> None:
         """Remove the folder a fresh run reserved, on rank 0, when it fails before its first optimizer step."""
