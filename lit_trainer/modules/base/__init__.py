@@ -142,7 +142,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         logits_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        self._peft_hparam = _peft.config_hparam(peft_config, _peft.TASK_TYPES[self.model_task])
+        task_type = _peft.TASK_TYPES[self.model_task]  # CAUSAL_LM, SEQ_CLS for the reward module
+        self._peft_hparam = _peft.config_hparam(peft_config, task_type)
         for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):
             if value < 0:
                 raise ValueError(f"`{name}={value}` is invalid: it must be >= 0.")
@@ -165,7 +166,6 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         if gradient_checkpointing:
             _peft.enable_gradient_checkpointing(self.model)
         if peft_config is not None or adapter_path is not None:
-            task_type = _peft.TASK_TYPES[self.model_task]
             self.model = _peft.wrap_model(self.model, peft_config, adapter_path, self.uses_reference_adapter, task_type)
             self.strict_loading = False  # checkpoints hold only the trainable weights (_adapter_checkpoint)
         self._frozen_fingerprint: dict[str, Any] | None = None
