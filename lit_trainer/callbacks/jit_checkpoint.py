@@ -254,8 +254,8 @@ class _JITCheckpoint(PackageBound):
         self._done = True
         write_pending_logs(trainer.lightning_module)
         with logger_step_for_a_save_inside_a_batch(trainer):
-            path = self._save(trainer)
-        self._stop(trainer, path)
+            path = self._save_and_say(trainer)
+        raise JITCheckpointExit(self._exit_status(trainer), path)
 
     def _install(self) -> None:
         if self._previous:
@@ -336,17 +336,18 @@ class _JITCheckpoint(PackageBound):
         if self._done or not trainer.strategy.reduce_boolean_decision(self._due(), all=False):
             return
         self._done = True
-        if self.exit_code is None:  # fit goes on to the loop's end: Lightning writes the step's logs itself
-            path = self._save(trainer)
-            rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
+        if self.exit_code is not None:  # fit ends here (with None it goes on and Lightning writes the logs itself)
+            write_logs()
+        path = self._save_and_say(trainer)
+        if self.exit_code is None:
             trainer.should_stop = True
             return
-        write_logs()
-        self._stop(trainer, self._save(trainer))
-
-    def _stop(self, trainer: pl.Trainer, path: str) -> None:
-        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
         raise JITCheckpointExit(self._exit_status(trainer), path)
+
+    def _save_and_say(self, trainer: pl.Trainer) -> str:
+        path = self._save(trainer)
+        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
+        return path
 
     def _exit_status(self, trainer: pl.Trainer) -> int:
         """``exit_code``, or 128 + the signal (the same on every rank: the highest signal number any rank got)."""
