@@ -34,6 +34,7 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from lit_trainer import quantization as quantized
 from lit_trainer.run_exports import missing_export_message
 
 PRESET_PREFIX = "tiny"
@@ -206,6 +207,7 @@ def load_model(
     task: Task = "causal_lm",
     trust_remote_code: bool = False,
     dtype: str | torch.dtype | None = None,
+    quantization: Any = None,
     **config_overrides: Any,
 ) -> PreTrainedModel:
     """Load a causal LM (or, with ``task``, a sequence classifier) from a preset name, a local directory or a hub id.
@@ -218,6 +220,9 @@ def load_model(
             score is read at each row's last non-padding token.
         trust_remote_code: passed to ``from_pretrained``; False unless you set it.
         dtype: weights dtype for ``from_pretrained`` (e.g. ``"bfloat16"``); presets are float32.
+        quantization: load the weights quantized with bitsandbytes: ``"nf4"``, ``"fp4"``, ``"int8"``, or the
+            arguments of ``transformers.BitsAndBytesConfig`` (see :mod:`lit_trainer.quantization`); a preset is built,
+            then loaded back through the same quantizing ``from_pretrained``.
         **config_overrides: extra config fields for presets (e.g. ``attention_dropout=0.1``).
 
     Raises:
@@ -225,16 +230,21 @@ def load_model(
         FileNotFoundError: a local path that does not exist.
     """
     _check_task(task)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if is_preset(name_or_path):
-        return build_preset_model(name_or_path, task, **config_overrides)
+        model = build_preset_model(name_or_path, task, **config_overrides)
+        if quantization is None:
+            return model
+        return quantized.load_quantized(_AUTO_CLASSES[task].from_pretrained, model, quantization, dtype)
     _check_source(name_or_path)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **config_overrides}
     if task == "sequence_classification":
         kwargs.setdefault("num_labels", 1)
-    if dtype is not None:
-        kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     path = os.path.expanduser(name_or_path)
-    model = _AUTO_CLASSES[task].from_pretrained(path, **kwargs)
+    if quantization is not None:
+        model = quantized.load_quantized(_AUTO_CLASSES[task].from_pretrained, path, quantization, dtype, **kwargs)
+    else:
+        model = _AUTO_CLASSES[task].from_pretrained(path, **kwargs, **({"dtype": dtype} if dtype else {}))
     if task == "sequence_classification" and model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
     return model

@@ -6,7 +6,9 @@ the modules): a peft model is anything with ``peft_config`` and ``merge_and_unlo
 ``PeftModel.save_pretrained`` of the trained adapter only (a frozen reference adapter is left out); it loads with
 ``PeftModel.from_pretrained(base, path)`` on the same base model. The merged export is a standalone transformers model
 (``AutoModelForCausalLM.from_pretrained(path)``); it merges a copy, so it needs memory for a second copy of the model
-while it is written, and training continues on the unmerged weights.
+while it is written, and training continues on the unmerged weights. On a quantized base (QLoRA) the copy is
+dequantized and cast back to the base's original dtype before the merge, so the merged export needs no bitsandbytes
+(:func:`lit_trainer.quantization.merged_full_precision`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing_extensions import override
 from lit_trainer._atomic import atomic_directory
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.modules.base._sharding import full_state_dict, is_sharded
+from lit_trainer.quantization import is_quantized, merged_full_precision
 
 
 def is_adapter_model(model: Any) -> bool:
@@ -43,6 +46,9 @@ def save_adapter_model(model: Any, directory: str | os.PathLike, state_dict: dic
         model.save_pretrained(
             directory, safe_serialization=True, state_dict=state_dict, selected_adapters=[model.active_adapter]
         )
+        return
+    if is_quantized(model):  # QLoRA: dequantize, cast back to the base's dtype, merge (a plain transformers model)
+        merged_full_precision(model, state_dict).save_pretrained(directory, safe_serialization=True)
         return
     merged = copy.deepcopy(model)
     if state_dict is not None:

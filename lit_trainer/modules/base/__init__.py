@@ -35,14 +35,26 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
+from lit_trainer import quantization as quantized
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
 from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding
 from lit_trainer.modules.base._logits import ChunkedLogits
-from lit_trainer.modules.base._optimization import OptimizationMixin
+from lit_trainer.modules.base._optimization import OptimizationMixin, OptimName, check_optim
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
 from lit_trainer.modules.base._step_logging import StepLoggingMixin
+
+
+def _check_quantized_has_adapter(model: Any, peft_config: Any, adapter_path: str | None) -> None:
+    if peft_config is None and adapter_path is None:
+        raise ValueError(
+            f"The base model is quantized ({type(model).__name__} with bitsandbytes weights) but no adapter is "
+            "given: quantized weights are packed integers that cannot take gradients or optimizer updates, so "
+            "full fine-tuning of a quantized model is impossible. Add `peft_config` (e.g. {r: 16, lora_alpha: 32, "
+            "target_modules: all-linear}) to train LoRA adapters on the quantized base (QLoRA), or remove "
+            "`quantization` to fine-tune every weight."
+        )
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -72,6 +84,13 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             ``learning_rate``/``weight_decay`` (no decay on biases and norms, as HF), using torch's fused kernel when
             every parameter supports it (as HF's default ``adamw_torch_fused``; see
             :func:`~lit_trainer.modules.base._optimization.fused_adamw_supported`).
+        optim: the default optimizer, by the HF Trainer's names: ``"adamw_torch_fused"`` (torch's AdamW, fused kernel
+            where every parameter supports it), ``"adamw_torch"`` (torch's AdamW, unfused), ``"adamw_8bit"`` (AdamW
+            from bitsandbytes with 8-bit state; embeddings keep 32-bit state, as in the HF Trainer),
+            ``"paged_adamw_8bit"``/``"paged_adamw_32bit"`` (paged state on CUDA: spilled to CPU memory under memory
+            pressure; on a CPU they behave as unpaged). The bitsandbytes ones need ``pip install "lit_trainer[qlora]"``;
+            see :mod:`lit_trainer.modules.base._optimization`. Ignored by a custom ``optimizer`` (giving both with a
+            non-default ``optim`` is refused).
         lr_scheduler: an ``LRSchedulerCallable`` (``optimizer -> scheduler``), stepped per optimizer step; default:
             transformers' ``scheduler`` over ``trainer.estimated_stepping_batches`` optimizer steps.
         learning_rate: peak learning rate of the default optimizer.
@@ -93,6 +112,12 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             (see :mod:`lit_trainer.modules.base._peft` and :mod:`lit_trainer.modules.base._adapter_checkpoint`).
             Under ``ModelParallelStrategy`` the wrapped model is then sharded: adapters over a sharded, frozen base.
         adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
+        quantization: QLoRA: load the base quantized with bitsandbytes (``"nf4"``, ``"fp4"``, ``"int8"`` or the
+            arguments of ``transformers.BitsAndBytesConfig``; see :mod:`lit_trainer.quantization`) and prepare it for
+            k-bit training (peft's ``prepare_model_for_kbit_training``). Needs ``peft_config`` or ``adapter_path``
+            (quantized weights cannot be trained) and ``pip install "lit_trainer[qlora]"``. A model given as an object
+            is used as loaded: quantize it with ``from_pretrained(..., quantization_config=...)``. One device or DDP;
+            refused under ``ModelParallelStrategy`` (docs/sharding.md).
         gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
             non-reentrant): less activation memory, about one more forward of compute. Works under sharding too.
         shard_blocks: under ``ModelParallelStrategy``: class names of the transformer blocks sharded one by one
@@ -126,6 +151,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
+        optim: OptimName = "adamw_torch_fused",
         learning_rate: float = 5e-5,
         weight_decay: float = 0.0,
         warmup_steps: int | float = 0,
@@ -134,6 +160,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         max_grad_norm: float | None = 1.0,
         peft_config: Any = None,
         adapter_path: str | None = None,
+        quantization: Any = None,
         gradient_checkpointing: bool = False,
         shard_blocks: list[str] | None = None,
         shard_param_dtype: _sharding.ParamDtype | None = None,
@@ -144,6 +171,10 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         super().__init__()
         task_type = _peft.TASK_TYPES[self.model_task]  # CAUSAL_LM, SEQ_CLS for the reward module
         self._peft_hparam = _peft.config_hparam(peft_config, task_type)
+        self._quantization_hparam = quantized.hparam(quantization)
+        if quantization is not None:
+            quantized.as_bnb_config(quantization)  # a bad value fails here, before anything is loaded
+        check_optim(optim, optimizer)
         for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):
             if value < 0:
                 raise ValueError(f"`{name}={value}` is invalid: it must be >= 0.")
@@ -159,10 +190,23 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "lr_scheduler"])
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         by_name = isinstance(model, str)
-        self.model = load_model(model, task=self.model_task, trust_remote_code=trust_remote_code) if by_name else model
+        if not by_name and quantization is not None:
+            raise ValueError(
+                f"`quantization={quantization!r}` applies to a model given by name or path; a {type(model).__name__} "
+                "object is used as it was loaded. Quantize it when you load it: "
+                "`from_pretrained(path, quantization_config=BitsAndBytesConfig(...))`, or pass the path."
+            )
+        self.model = (
+            load_model(model, task=self.model_task, trust_remote_code=trust_remote_code, quantization=quantization)
+            if by_name
+            else model
+        )
         # from_pretrained returns eval-mode models and Lightning 2.6 keeps each submodule's mode: train the policy in
         # train mode (dropout on), as the HF Trainer does
         self.model.train()
+        if quantized.is_quantized(self.model):
+            _check_quantized_has_adapter(self.model, peft_config, adapter_path)
+            self.model = quantized.prepare_for_training(self.model, gradient_checkpointing)
         if gradient_checkpointing:
             _peft.enable_gradient_checkpointing(self.model)
         if peft_config is not None or adapter_path is not None:
@@ -206,10 +250,18 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         unloadable with ``weights_only=True``)."""
         ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
         frame = frame or inspect.currentframe().f_back
-        super().save_hyperparameters(*args, ignore=[*ignore, "peft_config"], frame=frame, logger=logger)
-        if getattr(self, "_peft_hparam", None) is not None:
-            self._hparams["peft_config"] = self._peft_hparam
-            self._hparams_initial["peft_config"] = copy.deepcopy(self._peft_hparam)  # what loggers record
+        plain = {"peft_config": getattr(self, "_peft_hparam", None)}
+        plain["quantization"] = getattr(self, "_quantization_hparam", None)
+        super().save_hyperparameters(*args, ignore=[*ignore, *plain], frame=frame, logger=logger)
+        for name, value in plain.items():
+            if value is not None:
+                self._hparams[name] = value
+                self._hparams_initial[name] = copy.deepcopy(value)  # what loggers record
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the base model's weights are bitsandbytes-quantized (``quantization``, or a quantized model)."""
+        return quantized.is_quantized(self.model)
 
     @property
     def is_peft(self) -> bool:
@@ -361,7 +413,32 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         """Refuse strategies under which a feature would be silently dropped (see :func:`_sharding.check_strategy`);
         name sequences longer than the model's positions (:mod:`~lit_trainer.modules.base._positions`)."""
         _sharding.check_strategy(self.trainer, self.hparams.max_grad_norm)
+        self.check_low_bit_strategy()
         _positions.check_module_positions(self)
+
+    def check_low_bit_strategy(self) -> None:
+        """Refuse a quantized base or a bitsandbytes optimizer under sharding (``ModelParallelStrategy``): FSDP2 would
+        shard the packed 4-bit weights as plain uint8 tensors, losing the quantization constants that live beside them,
+        and bitsandbytes' optimizers update whole local tensors, not DTensor shards (docs/sharding.md says what sharded
+        QLoRA needs). One device and DDP are tested.
+
+        Raises:
+            ValueError: naming the strategy and the fix.
+        """
+        if not _sharding.strategy_is(self.trainer.strategy, ("ModelParallelStrategy",)):
+            return
+        what = []
+        if self.is_quantized:
+            what.append("a quantized base (`quantization`)")
+        if self.hparams.get("optim", "adamw_torch_fused") not in ("adamw_torch_fused", "adamw_torch"):
+            what.append(f"a bitsandbytes optimizer (`optim={self.hparams.optim!r}`)")
+        if what:
+            raise ValueError(
+                f"{' and '.join(what)} cannot be sharded with ModelParallelStrategy (FSDP2): FSDP2 would split the "
+                "packed quantized weights without their quantization constants, and bitsandbytes updates whole "
+                "tensors, not shards. Use one device or strategy='ddp' (each rank holds the quantized base, which "
+                "is what makes QLoRA small), or shard an unquantized base with optim='adamw_torch_fused'."
+            )
 
     def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
         """``(tokens, what, fix)``: the longest sequence the model sees when the data's longest row has

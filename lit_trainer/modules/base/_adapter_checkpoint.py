@@ -30,6 +30,26 @@ def frozen_names(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
+#: what bitsandbytes writes beside a quantized weight ``<module>.weight``: 4-bit constants under ``<module>.weight.``
+#: (absmax, quant_map, nested_*, quant_state.*) and the 8-bit scales under ``<module>.`` (SCB, weight_format)
+_INT8_EXTRAS = ("SCB", "weight_format")
+
+
+def frozen_entries(module: torch.nn.Module, state: dict[str, Any]) -> list[str]:
+    """Keys of ``state`` that belong to frozen parameters: the parameters themselves and, for a bitsandbytes-quantized
+    base, the quantization constants saved beside them (frozen as well: they only decode the frozen weights)."""
+    frozen = set(frozen_names(module))
+    prefixes = tuple(f"{name}." for name in frozen)
+    owners = {name.rpartition(".")[0] for name in frozen}
+    return [
+        key
+        for key in state
+        if key in frozen
+        or key.startswith(prefixes)
+        or (key.rpartition(".")[2] in _INT8_EXTRAS and key.rpartition(".")[0] in owners)
+    ]
+
+
 def trainable_names(module: torch.nn.Module) -> list[str]:
     """State-dict names of the trainable parameters of ``module`` (tied aliases included)."""
     return [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
@@ -60,7 +80,7 @@ def drop_frozen(module: torch.nn.Module, checkpoint: dict[str, Any], cached: dic
     print_ = fingerprint(module) if cached is None else cached
     state = checkpoint.get("state_dict")
     if state is not None:
-        for name in frozen_names(module):
+        for name in frozen_entries(module, state):
             state.pop(name, None)
     checkpoint[FINGERPRINT_KEY] = dict(print_)
     return print_

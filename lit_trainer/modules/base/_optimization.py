@@ -1,11 +1,28 @@
-"""The optimizer mixin of :class:`~lit_trainer.modules.base.BaseModule`: the default AdamW (fused when possible) and
-learning-rate schedule, the learning rate of each step, and gradient clipping with the pre-clipping norm logged."""
+"""The optimizer mixin of :class:`~lit_trainer.modules.base.BaseModule`: the default AdamW (fused when possible, or
+bitsandbytes' 8-bit / paged AdamW) and learning-rate schedule, the learning rate of each step, and gradient clipping
+with the pre-clipping norm logged.
+
+``optim`` names the default optimizer as the HF Trainer does. The bitsandbytes ones (``adamw_8bit``,
+``paged_adamw_8bit``, ``paged_adamw_32bit``) are ``bitsandbytes.optim.AdamW`` with ``optim_bits`` 8 or 32 and
+``is_paged``, with the HF Trainer's defaults (betas 0.9/0.999, eps 1e-8), so their numbers are bitsandbytes' own:
+
+- 8-bit state is block-wise quantized (blocks of 256 values with their own scale, dynamic 8-bit code): about a quarter
+  of the 32-bit state's memory. Tensors with fewer than 4,096 values (bitsandbytes' ``min_8bit_size``) keep 32-bit
+  state, which is negligible memory. Embedding weights keep 32-bit state as in the HF Trainer (quantized state on
+  embeddings is known to destabilise training); here through a parameter group of their own with ``optim_bits`` 32,
+  not bitsandbytes' process-wide override registry (which HF uses, and which keys parameters by ``id`` across runs).
+- Paged state lives in CUDA unified memory and is evicted to CPU memory under pressure; on a CPU there is nothing to
+  page and bitsandbytes runs them as the unpaged optimizers.
+- The state (uint8 tensors, their scales and code books) is part of ``optimizer.state_dict()``, so checkpoints carry
+  it, load with ``weights_only=True``, and a resume continues bit-exactly on CPU (tests/test_qlora.py).
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from typing_extensions import override
@@ -14,6 +31,51 @@ from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.base._schedules import build_schedule
 
 _NO_DECAY = ("bias", "norm")
+OptimName = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"]
+"""The default optimizer's names (the HF Trainer's ``optim`` values for the same optimizers)."""
+TORCH_OPTIMS = ("adamw_torch_fused", "adamw_torch")
+
+
+def check_optim(optim: str, optimizer: Any) -> None:
+    """Refuse an unknown ``optim``, or a non-default one together with a custom ``optimizer`` (one would be ignored).
+
+    Raises:
+        ValueError: naming the value and the fix.
+    """
+    if optim not in get_args(OptimName):
+        raise ValueError(f"`optim={optim!r}` is not a known optimizer: choose one of {get_args(OptimName)}.")
+    if optimizer is not None and optim != "adamw_torch_fused":
+        raise ValueError(
+            f"`optim={optim!r}` and a custom `optimizer` are both given: the custom optimizer would be used and "
+            "`optim` ignored. Keep one: remove `optimizer`, or leave `optim` at its default."
+        )
+
+
+@functools.cache
+def _bnb_adamw() -> type:
+    """``bitsandbytes.optim.AdamW`` that reads ``optim_bits`` from a parameter group (a group of embeddings keeps
+    32-bit state under an 8-bit optimizer)."""
+    from lit_trainer.quantization import require_bitsandbytes
+
+    bnb = require_bitsandbytes("`optim` adamw_8bit / paged_adamw_8bit / paged_adamw_32bit")
+
+    class AdamW(bnb.optim.AdamW):
+        def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
+            config = super().get_config(gindex, pindex, group)
+            if "optim_bits" in group:
+                config["optim_bits"] = group["optim_bits"]
+            return config
+
+    AdamW.__qualname__ = AdamW.__name__ = "BnbAdamW"
+    return AdamW
+
+
+def build_adamw(optim: str, groups: list[dict[str, Any]], lr: float, fused: bool) -> torch.optim.Optimizer:
+    """The AdamW that ``optim`` names over parameter ``groups`` (see the module docstring)."""
+    if optim in TORCH_OPTIMS:
+        return torch.optim.AdamW(groups, lr=lr, fused=(optim == "adamw_torch_fused" and fused) or None)
+    bits = 8 if optim.endswith("8bit") else 32
+    return _bnb_adamw()(groups, lr=lr, optim_bits=bits, is_paged=optim.startswith("paged"))
 
 
 def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
@@ -73,18 +135,22 @@ class OptimizationMixin:
         learning-rate schedule is then applied to the optimizer it returns."""
         if self._optimizer_fn is not None:
             return self._optimizer_fn([p for _, p in named])
+        optim = self.hparams.get("optim", "adamw_torch_fused")
         decays = [p.ndim > 1 and not any(k in n.lower() for k in _NO_DECAY) for n, p in named]
-        decay = [p for (_, p), d in zip(named, decays) if d]
-        no_decay = [p for (_, p), d in zip(named, decays) if not d]
         groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": [p for (_, p), d in zip(named, decays) if d], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for (_, p), d in zip(named, decays) if not d], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=self.hparams.learning_rate,
-            fused=fused_adamw_supported([p for _, p in named]) or None,
-        )
+        if optim.endswith("8bit"):  # HF Trainer: embeddings keep 32-bit state under an 8-bit AdamW
+            embeddings = {id(m.weight) for m in self.modules() if isinstance(m, torch.nn.Embedding)}
+            groups += [
+                {**g, "params": [p for p in g["params"] if id(p) in embeddings], "optim_bits": 32} for g in groups
+            ]
+            for group in groups[:2]:
+                group["params"] = [p for p in group["params"] if id(p) not in embeddings]
+        groups = [g for g in groups if g["params"]]
+        fused = fused_adamw_supported([p for _, p in named])
+        return build_adamw(optim, groups, self.hparams.learning_rate, fused)
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
