@@ -13,6 +13,11 @@ In one process, after the main job (``lit-trainer fit --config configs/sft.yaml`
 5. the run's outputs: ``last.ckpt`` holds only adapter tensors (count and size vs the base file); the merged
    ``hf_model`` loads with ``from_pretrained`` and is scored on both tasks.
 
+With a QLoRA recipe (``--config configs/sft_qlora.yaml``: ``quantization`` set) step 4 compares the packed 4-bit base
+with the base file quantized afresh, and two more rows show where the adapter can go: merged into the dequantized
+4-bit weights (the export) and merged into the unquantized base file (``PeftModel`` on the float base, then
+``merge_and_unload``), each with its logit gap to the QLoRA model (relative L2 over 64 held-out prompts).
+
 Usage: python benchmarks/lora_adapt.py [--base runs/sft/version_0/hf_model] [--config configs/sft_lora.yaml]
                                        [--threads 1] [-- extra lit-trainer arguments, e.g. --trainer.max_steps 500]
 """
@@ -20,6 +25,7 @@ Usage: python benchmarks/lora_adapt.py [--base runs/sft/version_0/hf_model] [--c
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import sys
 import time
@@ -33,7 +39,7 @@ from safetensors.torch import load_file
 from lit_trainer import CausalLMModule
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import SFTDataModule
-from lit_trainer.models import load_tokenizer
+from lit_trainer.models import load_model, load_tokenizer
 
 TASKS = ("builtin:addition", "builtin:subtraction")
 
@@ -69,6 +75,40 @@ def base_parameters(module: CausalLMModule) -> dict[str, torch.Tensor]:
     return {n.replace(".base_layer", ""): p for n, p in network.named_parameters() if "lora_" not in n}
 
 
+def quantized_base(base_dir: str, module: CausalLMModule) -> dict[str, torch.Tensor]:
+    """The base file quantized afresh as the run quantized it: its packed parameters, by name."""
+    fresh = load_model(base_dir, quantization=module.hparams.quantization)
+    return {n: p.detach() for n, p in fresh.named_parameters()}
+
+
+def merged_into_float_base(module: CausalLMModule, base_dir: str) -> Any:
+    """The trained adapter merged into the unquantized base file (not the weights it was trained on)."""
+    import peft
+
+    name = module.model.active_adapter
+    config = copy.deepcopy(module.model.peft_config[name])
+    wrapped = peft.get_peft_model(load_model(base_dir), config)
+    peft.set_peft_model_state_dict(wrapped, peft.get_peft_model_state_dict(module.model, adapter_name=name))
+    return wrapped.merge_and_unload().eval()
+
+
+@torch.no_grad()
+def logit_gaps(module: CausalLMModule, others: dict[str, Any], tokenizer: str) -> dict[str, float]:
+    """Relative L2 gap of each model's logits to the QLoRA module's on 64 held-out subtraction prompts."""
+    from transformers import AutoModelForCausalLM
+
+    data = SFTDataModule(tokenizer=tokenizer, dataset=TASKS[1], max_length=32, batch_size=64, eval_batch_size=64)
+    data.setup("validate")
+    ids = next(iter(data.val_dataloader()))["input_ids"]
+    module.model.eval()
+    reference = module.model(input_ids=ids).logits
+    gaps = {}
+    for name, other in others.items():
+        model = AutoModelForCausalLM.from_pretrained(other).eval() if isinstance(other, str) else other
+        gaps[name] = float((model(input_ids=ids).logits - reference).norm() / reference.norm())
+    return gaps
+
+
 def main() -> None:
     args, extra = parse()
     torch.set_num_threads(args.threads)
@@ -87,20 +127,31 @@ def main() -> None:
     with module.model.disable_adapter():
         report["adapter disabled"] = scores(module.model, str(base_dir))
 
-    saved = load_file(str(base_file))
+    quantized = module.is_quantized
+    saved = load_file(str(base_file)) if not quantized else quantized_base(str(base_dir), module)
     live = base_parameters(module)
     changed = [n for n, p in live.items() if not torch.equal(p.detach().cpu(), saved[n])]
     adapters = {n: p for n, p in module.named_parameters() if "lora_" in n}
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     state = checkpoint["state_dict"]
     report["merged export"] = scores(str(run_dir / "hf_model"), str(base_dir))
+    if quantized:
+        on_float = merged_into_float_base(module, str(base_dir))
+        report["merged into the float base"] = scores(on_float, str(base_dir))
+        gaps = logit_gaps(module, {"merged export": str(run_dir / "hf_model"), "float base": on_float}, str(base_dir))
 
     print(
         f"\nbase: {base_dir}\nLoRA run: {run_dir} ({report['train_s']:.0f} s of fit, {cli.trainer.global_step} steps)"
     )
     print("\n| model | addition exact match | subtraction exact match |\n|---|---|---|")
-    for name in ("base", "adapter on", "adapter disabled", "merged export"):
-        print(f"| {name} | {report[name]['addition']:.3f} | {report[name]['subtraction']:.3f} |")
+    for name in ("base", "adapter on", "adapter disabled", "merged export", "merged into the float base"):
+        if name in report:
+            print(f"| {name} | {report[name]['addition']:.3f} | {report[name]['subtraction']:.3f} |")
+    if quantized:
+        print(
+            f"\nlogit gap to the QLoRA model (relative L2): merged export {gaps['merged export']:.2e}, adapter merged "
+            f"into the unquantized base {gaps['float base']:.2e}"
+        )
     print(
         f"\nbase parameters: {len(live)} tensors, {sum(p.numel() for p in live.values()):,} values; "
         f"bit-identical to the base file after training: {not changed and live.keys() == saved.keys()}"

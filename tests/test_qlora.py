@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import bitsandbytes as bnb  # the test extra installs it
 import peft
 import pytest
 import qlora_common  # tests/scripts
@@ -29,12 +30,12 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from helpers.ddp import output_tail, run_script
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer import CausalLMModule, DPOModule, RewardModule
-from lit_trainer.callbacks import ExactResume, HFExport, JITCheckpoint
+from lit_trainer.callbacks import BEMA, ExactResume, HFExport, JITCheckpoint
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules.base import _peft
 from lit_trainer.quantization import as_bnb_config
 
-bnb = pytest.importorskip("bitsandbytes")  # the test extra installs it; the message names the extra otherwise
+
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 
 
@@ -163,11 +164,13 @@ def qlora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     step 2 (JIT checkpoint) and resumed."""
     root = tmp_path_factory.mktemp("qlora")
     initial = qlora_common.base_checksum(qlora_common.module())
-    full = _fit(root / "full", [HFExport(str(root / "merged"), merge_adapters=True), HFExport(str(root / "adapter"))])
+    bema = BEMA(update_after=1)
+    exports = [HFExport(str(root / "merged"), merge_adapters=True), HFExport(str(root / "adapter"))]
+    full = _fit(root / "full", [*exports, bema])
     jit = JITCheckpoint(kill_wait=0, dirpath=str(root / "jit"), exit_code=None)
     _fit(root / "stopped", [jit, _SignalAt(1)])  # saved after step 2
     resumed = _fit(root / "resumed", [], ckpt_path=jit.checkpoint_path)
-    return {"root": root, "initial": initial, "full": full, "resumed": resumed, "jit": jit.checkpoint_path}
+    return {"root": root, "initial": initial, "full": full, "resumed": resumed, "jit": jit.checkpoint_path, "bema": bema}
 
 
 @pytest.mark.slow
@@ -176,6 +179,8 @@ def test_jit_resume_with_8bit_adamw_is_bit_exact_and_checkpoints_hold_the_adapte
     assert qlora_common.base_checksum(full) == qlora_runs["initial"]  # the packed base never changed
     expected, got = qlora_common.adapter(full), qlora_common.adapter(resumed)
     assert expected.keys() == got.keys() and all(torch.equal(expected[n], got[n]) for n in expected)
+    averaged = qlora_runs["bema"].bema_state_dict()  # BEMA averages the adapters, nothing of the packed base
+    assert averaged.keys() == {f"model.{n}" for n in expected}
     saved = torch.load(qlora_runs["jit"], weights_only=True)
     assert saved["global_step"] == 2 and saved["state_dict"] and all(".lora_" in k for k in saved["state_dict"])
     states = saved["optimizer_states"][0]["state"].values()
@@ -267,3 +272,37 @@ def test_ddp_two_ranks_match_one_process(tmp_path: Path) -> None:
     rounding = Rounding(scale=relative_l2(qlora_common.adapter(split), expected), what="QLoRA adapters, DDP")
     step = relative_l2(initial, expected)  # the adapters' change over the run: a wrong gradient misses by this much
     rounding.check(ranks[0]["adapter"], expected, mistake=step)
+
+
+def _token_sum_reward(completion_ids: list, **_: Any) -> list[float]:
+    """An arbitrary reward that differs between completions (non-zero advantages)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def test_grpo_on_a_quantized_base_scores_the_reference_with_the_quantized_base() -> None:
+    from lit_trainer import GRPOModule
+    from lit_trainer.data import PromptDataModule, builtin
+
+    pl.seed_everything(0)
+    module = GRPOModule(
+        "tiny-64",
+        quantization="nf4",
+        peft_config=LORA,
+        beta=0.04,
+        reward_funcs=[_token_sum_reward],
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        generation_seed=0,
+    )
+    assert isinstance(module.ref_model, _peft.AdapterReference)
+    rows = builtin.prompt_rows("train").select(range(8))
+    data = PromptDataModule(tokenizer="tiny", dataset=rows, val_size=0, batch_size=4, max_length=16)
+    qlora_common.trainer(max_steps=3).fit(module, data)  # the adapters have moved before the last round
+    pl.seed_everything(0)
+    base = load_model("tiny-64", quantization="nf4").eval()  # the same packed weights, loaded afresh
+    rollout = module._buffer.slices[0]
+    torch.testing.assert_close(rollout["ref_logps"], module.completion_logps(base, rollout)[0], rtol=0, atol=1e-6)
+    with torch.no_grad():
+        policy = module.completion_logps(module.model, rollout)[0]
+    assert (policy - rollout["ref_logps"]).abs().max() > 1e-4  # the reference is not the trained policy
