@@ -234,7 +234,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(peft_config: dict | Non
     rounding.check(grads[1], grads[0], mistake=relative_l2(cut, grads[0]))
 
 
-@pytest.mark.parametrize("recipe", ["sft_lora", "dpo_lora"])
+@pytest.mark.parametrize("recipe", ["sft_lora", "dpo_lora", "sft_qlora"])
 def test_lora_recipes_wrap_the_model_from_the_yaml_mapping(
     recipe: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -1,4 +1,4 @@
-"""configs/sft_lora.yaml and configs/dpo_lora.yaml as documented: the main job (configs/sft.yaml, shortened) writes
+"""configs/sft_lora.yaml, configs/dpo_lora.yaml and configs/sft_qlora.yaml as documented: the main job (configs/sft.yaml, shortened) writes
 its export, then each LoRA recipe runs on it through the command line, on ``builtin:subtraction``. Every base parameter
 stays bit-identical to the export's file, the adapters are all that trains (every ``lora_B``, which starts at zero, has
 moved), and the checkpoint holds only adapter tensors. The measured run is ``benchmarks/lora_adapt.py``
@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from helpers.cli import CONFIGS, QUIET_FIT
 from lit_trainer.cli import LitTrainerCLI
+from lit_trainer.models import load_model
 
 BASE = Path("runs") / "sft" / "version_0" / "hf_model"  # relative to the working directory, as in the recipes
 QUIET = [*QUIET_FIT, "--trainer.log_every_n_steps=1"]
@@ -36,7 +37,7 @@ def main_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "steps"), [("sft_lora", 8), ("dpo_lora", 4)])
+@pytest.mark.parametrize(("recipe", "steps"), [("sft_lora", 8), ("dpo_lora", 4), ("sft_qlora", 4)])
 def test_lora_recipe_on_the_main_jobs_export_trains_only_the_adapters(
     main_job: Path, recipe: str, steps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -52,6 +53,9 @@ def test_lora_recipe_on_the_main_jobs_export_trains_only_the_adapters(
     assert first.get("prompt_ids", first.get("input_ids"))[:3] == [ord(c) + 3 for c in "13-"]  # "13-88=" -> "-75"
 
     saved = load_file(str(base_file))
+    if cli.model.is_quantized:  # QLoRA: the packed 4-bit base against the base file quantized afresh
+        assert recipe == "sft_qlora" and type(cli.model.optimizers().optimizer).__name__ == "BnbAdamW"
+        saved = {n: p.detach() for n, p in load_model(str(BASE), quantization="nf4").named_parameters()}
     network = cli.model.model.get_base_model()
     frozen = {n.replace(".base_layer", ""): p for n, p in network.named_parameters() if "lora_" not in n}
     assert frozen.keys() == saved.keys()
