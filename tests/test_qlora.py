@@ -306,3 +306,10 @@ def test_grpo_on_a_quantized_base_scores_the_reference_with_the_quantized_base()
     with torch.no_grad():
         policy = module.completion_logps(module.model, rollout)[0]
     assert (policy - rollout["ref_logps"]).abs().max() > 1e-4  # the reference is not the trained policy
+
+
+def test_a_quantized_peft_model_given_as_an_object_is_used_as_it_is() -> None:
+    pl.seed_everything(0)
+    trained = CausalLMModule("tiny-64", quantization="nf4", peft_config=LORA)
+    again = CausalLMModule(trained.model, tokenizer=trained.tokenizer)  # e.g. to score it: no second preparation
+    assert again.model is trained.model and again.is_quantized and again.is_peft

@@ -204,7 +204,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         # from_pretrained returns eval-mode models and Lightning 2.6 keeps each submodule's mode: train the policy in
         # train mode (dropout on), as the HF Trainer does
         self.model.train()
-        if quantized.is_quantized(self.model):
+        if quantized.is_quantized(self.model) and not _peft.is_peft_model(self.model):  # (a PeftModel given as an
+            # object already has its adapter and was prepared by whoever wrapped it)
             _check_quantized_has_adapter(self.model, peft_config, adapter_path)
             self.model = quantized.prepare_for_training(self.model, gradient_checkpointing)
         if gradient_checkpointing:
