@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -329,8 +328,8 @@ def main() -> None:
     )
     print(
         f"- not quantized (embeddings, lm_head, norms, in {args.dtype}): {rest / MIB:.1f} MiB; LoRA adapters "
-        f"{qlora['trainable_bytes'] / MIB:.1f} MiB; parameters vs full: LoRA x{lora['param_bytes'] / full['param_bytes']:.3f}, "
-        f"QLoRA x{qlora['param_bytes'] / full['param_bytes']:.3f}"
+        f"{qlora['trainable_bytes'] / MIB:.1f} MiB; parameters vs full: LoRA "
+        f"x{lora['param_bytes'] / full['param_bytes']:.3f}, QLoRA x{qlora['param_bytes'] / full['param_bytes']:.3f}"
     )
     print(
         f"- optimizer state: 8-bit AdamW / torch AdamW = x{adam8['optimizer_bytes'] / qlora['optimizer_bytes']:.3f} "
@@ -342,8 +341,9 @@ def main() -> None:
     ratios = [q / lo for q, lo in zip(times["qlora"], times["lora"])]
     print(
         f"- step time ({args.rounds} interleaved rounds, median): LoRA {med['lora']:.2f} s, QLoRA {med['qlora']:.2f} "
-        f"s: QLoRA / LoRA x{med['qlora'] / med['lora']:.2f} (median of per-round ratios x{statistics.median(ratios):.2f}; "
-        f"rounds {', '.join(f'x{x:.2f}' for x in ratios)})"
+        f"s: QLoRA / LoRA x{med['qlora'] / med['lora']:.2f} "
+        f"(median of per-round ratios x{statistics.median(ratios):.2f}; rounds "
+        f"{', '.join(f'x{x:.2f}' for x in ratios)})"
     )
     print(
         f"- dequantizing all {qlora['quantized_tensors']} 4-bit weights once: {1000 * dequant:.0f} ms; twice per step "
