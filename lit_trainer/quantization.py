@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -113,8 +112,11 @@ def _check_config(config: Any) -> None:
         )
 
 
-def describe(config: Any) -> str:
-    """One line naming a ``BitsAndBytesConfig`` (for logs)."""
+def describe(model: Any) -> str:
+    """One line naming how ``model`` is quantized (for logs)."""
+    config = getattr(_transformers_model(model).config, "quantization_config", None)
+    if config is None or not hasattr(config, "load_in_8bit"):
+        return "quantized"
     if config.load_in_8bit:
         return "8-bit (LLM.int8)"
     double = " + double quantization" if config.bnb_4bit_use_double_quant else ""
@@ -240,7 +242,8 @@ def merged_full_precision(model: Any, state_dict: dict | None) -> Any:
 
     It merges into the *dequantized* weights, the ones the adapter was trained on: the merged model's outputs equal
     the QLoRA model's up to the rounding of the merge. (Merging into the original unquantized checkpoint instead is
-    ``PeftModel.from_pretrained(base, adapter).merge_and_unload()`` on the exported adapter; docs/qlora.md measures both.)
+    ``PeftModel.from_pretrained(base, adapter).merge_and_unload()`` on the exported adapter; docs/qlora.md measures
+    both.)
 
     Args:
         model: the ``peft.PeftModel`` being trained (left untouched: a copy is merged).
@@ -263,8 +266,3 @@ def merged_full_precision(model: Any, state_dict: dict | None) -> Any:
     wrapped = peft.get_peft_model(base, config)
     peft.set_peft_model_state_dict(wrapped, adapter)
     return wrapped.merge_and_unload()
-
-
-def bitsandbytes_loaded() -> bool:
-    """Whether something imported bitsandbytes (a quantized model exists only then)."""
-    return "bitsandbytes" in sys.modules

@@ -1,8 +1,8 @@
-"""configs/sft_lora.yaml, configs/dpo_lora.yaml and configs/sft_qlora.yaml as documented: the main job (configs/sft.yaml, shortened) writes
-its export, then each LoRA recipe runs on it through the command line, on ``builtin:subtraction``. Every base parameter
-stays bit-identical to the export's file, the adapters are all that trains (every ``lora_B``, which starts at zero, has
-moved), and the checkpoint holds only adapter tensors. The measured run is ``benchmarks/lora_adapt.py``
-(docs/lora.md)."""
+"""configs/sft_lora.yaml, configs/dpo_lora.yaml and configs/sft_qlora.yaml as documented: the main job
+(configs/sft.yaml, shortened) writes its export, then each LoRA recipe runs on it through the command line, on
+``builtin:subtraction``. Every base parameter stays bit-identical to the export's file, the adapters are all that
+trains (every ``lora_B``, which starts at zero, has moved), and the checkpoint holds only adapter tensors. The
+measured run is ``benchmarks/lora_adapt.py`` (docs/lora.md)."""
 
 from __future__ import annotations
 

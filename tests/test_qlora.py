@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import bitsandbytes as bnb  # the test extra installs it
+import lightning.pytorch as pl
 import peft
 import pytest
 import qlora_common  # tests/scripts
@@ -34,7 +34,6 @@ from lit_trainer.callbacks import BEMA, ExactResume, HFExport, JITCheckpoint
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules.base import _peft
 from lit_trainer.quantization import as_bnb_config
-
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 
@@ -170,7 +169,14 @@ def qlora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jit = JITCheckpoint(kill_wait=0, dirpath=str(root / "jit"), exit_code=None)
     _fit(root / "stopped", [jit, _SignalAt(1)])  # saved after step 2
     resumed = _fit(root / "resumed", [], ckpt_path=jit.checkpoint_path)
-    return {"root": root, "initial": initial, "full": full, "resumed": resumed, "jit": jit.checkpoint_path, "bema": bema}
+    return {
+        "root": root,
+        "initial": initial,
+        "full": full,
+        "resumed": resumed,
+        "bema": bema,
+        "jit": jit.checkpoint_path,
+    }
 
 
 @pytest.mark.slow

@@ -52,5 +52,5 @@ def adapter(module: Any) -> dict[str, torch.Tensor]:
 
 
 def base_checksum(module: Any) -> float:
-    """A float64 sum of the frozen base's stored values (packed 4-bit bytes included): changes if any base weight does."""
+    """A float64 sum of the frozen base's stored values (packed 4-bit bytes included): changes if a base weight does."""
     return float(sum(p.detach().double().sum() for p in module.model.parameters() if not p.requires_grad))

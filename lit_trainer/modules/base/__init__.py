@@ -27,15 +27,15 @@ from typing import Any, get_args
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer import quantization as quantized
+from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
@@ -208,6 +208,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             # object already has its adapter and was prepared by whoever wrapped it)
             _check_quantized_has_adapter(self.model, peft_config, adapter_path)
             self.model = quantized.prepare_for_training(self.model, gradient_checkpointing)
+            rank_zero_info(f"[lit_trainer] quantized base: {quantized.describe(self.model)}")
         if gradient_checkpointing:
             _peft.enable_gradient_checkpointing(self.model)
         if peft_config is not None or adapter_path is not None:
