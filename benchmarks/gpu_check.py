@@ -9,7 +9,9 @@ What it does (each part prints one line; a failure stops the run with its traceb
    (``shard_param_dtype="bfloat16"``), then, when 2 GPUs are visible, the same SFT with ``devices=2`` (a second launch
    of this script, ``--part fsdp2``), for SFT, DPO and GRPO (generation with ``synced_gpus``).
 3. An ``HFExport`` round trip under FSDP2: the export loads with ``from_pretrained`` and gives the module's logits.
-4. SFT tokens/s and peak CUDA memory of ``CausalLMModule`` in ``lightning.Trainer`` (bf16-mixed) next to
+4. QLoRA on CUDA: ``CausalLMModule`` with an NF4 base (bfloat16 compute), LoRA and ``paged_adamw_8bit`` (paging is
+   real only on CUDA); checks the adapters moved, the packed base did not, and the merged export loads.
+5. SFT tokens/s and peak CUDA memory of ``CausalLMModule`` in ``lightning.Trainer`` (bf16-mixed) next to
    ``transformers.Trainer`` (``bf16=True``; needs ``accelerate``) on the same model, batches and optimizer settings.
 Put the printed figures in docs/benchmarks.md ("Figures") with the GPU name.
 """
@@ -121,6 +123,34 @@ def part_export(args: argparse.Namespace) -> None:
         assert diff < 1e-4
 
 
+def part_qlora(args: argparse.Namespace) -> None:
+    quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    quantization["bnb_4bit_compute_dtype"] = "bfloat16"
+    module = CausalLMModule(
+        args.model,
+        quantization=quantization,
+        peft_config={"r": 16, "target_modules": "all-linear"},
+        optim="paged_adamw_8bit",
+        learning_rate=1e-3,
+    )
+    base = {n: p.detach().clone() for n, p in module.model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+    with tempfile.TemporaryDirectory() as out:
+        fit = trainer(args.steps, callbacks=[HFExport(out, merge_adapters=True)])
+        fit.fit(module, datamodule=SFTDataModule(args.model, batch_size=16, max_length=32, val_size=0))
+        after = dict(module.model.named_parameters())
+        moved = all(not torch.equal(v.cpu(), after[n].detach().cpu()) for n, v in adapters.items() if "lora_B" in n)
+        kept = all(torch.equal(v.cpu(), after[n].detach().cpu()) for n, v in base.items())
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out)
+        print(
+            f"[gpu_check] QLoRA (NF4, bf16 compute, paged 8-bit AdamW): {fit.global_step} steps, every lora_B moved: "
+            f"{moved}, packed base unchanged: {kept}, merged export loads ({merged.dtype}), peak memory "
+            f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB",
+            flush=True,
+        )
+        assert moved and kept
+
+
 def part_throughput(args: argparse.Namespace) -> None:
     """Same model, rows in the same order, AdamW lr 1e-4, clipping 1.0, batch 16, bf16 autocast."""
     steps, batch = args.steps * 4, 16
@@ -195,6 +225,7 @@ def main() -> None:
     part_modules(args, sharded=False, devices=1)
     part_modules(args, sharded=True, devices=1)
     part_export(args)
+    part_qlora(args)
     part_throughput(args)
     if torch.cuda.device_count() >= 2:
         subprocess.run(
