@@ -20,15 +20,24 @@ Columns:
     absmax; bitsandbytes' two 256-entry code books are one tensor shared by every parameter, counted once);
   * peak RSS MiB: the subprocess's VmHWM after building and the steps, minus its VmRSS before loading (Python, torch,
     bitsandbytes and the batch); then, sampled every 5 ms, the peak anonymous part (RssAnon) and the file-backed
-    pages of the memory-mapped checkpoint (RssFile at the end), both above the baseline.
+    pages of the memory-mapped checkpoint (RssFile at the end), both above the baseline. On CPU, transformers loads a
+    safetensors file memory-mapped and the weights it does not convert stay views of that mapping: the whole frozen
+    base of ``lora`` (file-backed, not anonymous), and for ``qlora`` the embeddings, head and norms, which keep the
+    mapping, with the float32 pages read for quantizing, resident (clean pages the kernel may drop under pressure).
+    The subprocesses run with ``MALLOC_MMAP_THRESHOLD_=1048576``: glibc then returns every freed block of 1 MiB or
+    more to the system at once, so the peaks follow the live tensors (repeat runs within ~5 MiB). With its default
+    adaptive threshold (``--malloc-default``) glibc keeps freed activation buffers in its heap: peaks ~400 MiB higher
+    and ±150 MiB from run to run, more than the differences between the adapter variants.
 Step time: the ``lora`` and ``qlora`` modules side by side in this process, one step of each per round, alternating
 which goes first, after one warm-up step each (load from another process hits both alike); medians and the median of
-the per-round QLoRA / LoRA ratios. Also timed: dequantizing every 4-bit weight once (QLoRA does it in the forward and
-again in the backward of each step, since only the packed weight is kept).
+the per-round QLoRA / LoRA ratios. Then one more step of each under ``torch.profiler``: the time QLoRA spends in
+bitsandbytes' dequantization (each 4-bit weight is dequantized in the forward and again in the backward for the
+input gradient, since only the packed weight is kept) and in the matrix products of both.
 
 Usage: python benchmarks/qlora_memory.py [--hidden 1024] [--intermediate 2816] [--layers 8] [--heads 16]
                                          [--vocab 32000] [--tied] [--dtype float32] [--batch 4] [--seq 128]
-                                         [--steps 3] [--rounds 5] [--rank 16] [--threads 2]
+                                         [--steps 3] [--rounds 10] [--rank 16] [--threads 2]
+                                         [--malloc-default]
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +53,8 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,11 +62,12 @@ import torch
 VARIANTS = ("full", "lora", "qlora", "qlora_adam8")
 LABELS = {
     "full": "full fine-tuning (fused AdamW)",
-    "lora": "LoRA, float32 base",
+    "lora": "LoRA, {dtype} base",
     "qlora": "QLoRA (NF4 + double quant)",
     "qlora_adam8": "QLoRA + 8-bit AdamW",
 }
 MIB = 2**20
+MMAP_THRESHOLD = 2**20  # glibc: blocks from 1 MiB up are mmapped and unmapped when freed (see the docstring)
 
 
 def parse() -> argparse.Namespace:
@@ -70,9 +82,14 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="rows per step")
     parser.add_argument("--seq", type=int, default=128, help="tokens per row")
     parser.add_argument("--steps", type=int, default=3, help="training steps per memory subprocess")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved LoRA/QLoRA step-time rounds")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved LoRA/QLoRA step-time rounds")
     parser.add_argument("--rank", type=int, default=16, help="LoRA r (lora_alpha = 2r)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="keep glibc's adaptive mmap threshold in the memory subprocesses (peaks include retained heap)",
+    )
     parser.add_argument("--only", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant's memory
     parser.add_argument("--folder", help=argparse.SUPPRESS)  # internal: the saved model
     return parser.parse_args()
@@ -242,19 +259,42 @@ def one_variant(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(report))
 
 
-def run_variant(variant: str, folder: str) -> dict[str, Any]:
+def run_variant(args: argparse.Namespace, variant: str, folder: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, *sys.argv[1:], "--only", variant, "--folder", folder]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if not args.malloc_default:
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-4000:]}")
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
-def step_times(args: argparse.Namespace, folder: str) -> tuple[dict[str, list[float]], float]:
-    """Interleaved LoRA and QLoRA steps in this process: ``(seconds per variant, seconds to dequantize every 4-bit
-    weight of the QLoRA model once, median of 3)``."""
-    import bitsandbytes.functional as bnb_functional
+@contextmanager
+def no_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null inside the block (the profiler's native start/stop lines)."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
+
+def profiled_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict) -> tuple[float, dict[str, tuple]]:
+    """One step under ``torch.profiler``: ``(seconds, {op: (self CPU ms, calls)})``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with no_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds = train_step(module, optimizer, batch)
+    return seconds, {e.key: (e.self_cpu_time_total / 1000, e.count) for e in prof.key_averages()}
+
+
+def step_times(args: argparse.Namespace, folder: str) -> tuple[dict[str, list[float]], dict[str, tuple]]:
+    """Interleaved LoRA and QLoRA steps in this process, then one profiled step of each: ``(seconds per variant,
+    {variant: profiled_step(...)})``."""
     batch = make_batch(args)
     modules = {v: build(folder, v, args.rank) for v in ("lora", "qlora")}
     optimizers = {v: m.create_optimizer(list(m.trainable_parameters())) for v, m in modules.items()}
@@ -265,15 +305,7 @@ def step_times(args: argparse.Namespace, folder: str) -> tuple[dict[str, list[fl
     for r in range(args.rounds):
         for v in ("lora", "qlora") if r % 2 == 0 else ("qlora", "lora"):
             times[v].append(train_step(modules[v], optimizers[v], batch))
-    packed = [p for p in modules["qlora"].parameters() if type(p).__name__ == "Params4bit"]
-    dequant = []
-    with torch.no_grad():
-        for _ in range(3):
-            start = time.perf_counter()
-            for p in packed:
-                bnb_functional.dequantize_4bit(p.data, p.quant_state)
-            dequant.append(time.perf_counter() - start)
-    return times, statistics.median(dequant)
+    return times, {v: profiled_step(modules[v], optimizers[v], batch) for v in modules}
 
 
 def main() -> None:
@@ -287,8 +319,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="qlora_memory_") as folder:
         params = save_model(args, folder)
         gc.collect()
-        results = {v: run_variant(v, folder) for v in VARIANTS}
-        times, dequant = step_times(args, folder)
+        results = {v: run_variant(args, v, folder) for v in VARIANTS}
+        times, profiles = step_times(args, folder)
     total = time.perf_counter() - start
 
     print(f"command: python benchmarks/{' '.join(sys.argv)}".replace("benchmarks/benchmarks/", "benchmarks/"))
@@ -298,7 +330,8 @@ def main() -> None:
         f"heads, vocab {args.vocab}, {head}), {params / 1e6:.1f}M parameters, saved in {args.dtype}; batch "
         f"{args.batch} x {args.seq} random tokens, {args.steps} steps per variant, LoRA r={args.rank} on all linear "
         f"layers, {args.threads} thread(s), CPU; baseline RSS (Python + torch + bitsandbytes) "
-        f"{results['full']['baseline_rss'] / MIB:.0f} MiB"
+        f"{results['full']['baseline_rss'] / MIB:.0f} MiB; memory subprocesses with "
+        + ("glibc's default malloc" if args.malloc_default else f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}")
     )
     print()
     print(
@@ -309,7 +342,7 @@ def main() -> None:
     for v in VARIANTS:
         r = results[v]
         print(
-            f"| {LABELS[v]} | {r['trainable'] / 1e6:.2f}M | {r['param_bytes'] / MIB:.1f} | "
+            f"| {LABELS[v].format(dtype=args.dtype)} | {r['trainable'] / 1e6:.2f}M | {r['param_bytes'] / MIB:.1f} | "
             f"{r['optimizer_bytes'] / MIB:.2f} | {r['peak_rss'] / MIB:.0f} | {r['peak_anon'] / MIB:.0f} | "
             f"{r['file_pages'] / MIB:.0f} |"
         )
@@ -327,8 +360,8 @@ def main() -> None:
         f"{values * width / 8 / MIB:.1f} MiB"
     )
     print(
-        f"- not quantized (embeddings, lm_head, norms, in {args.dtype}): {rest / MIB:.1f} MiB; LoRA adapters "
-        f"{qlora['trainable_bytes'] / MIB:.1f} MiB; parameters vs full: LoRA "
+        f"- not quantized (embeddings, lm_head, norms; float32 after the k-bit preparation): {rest / MIB:.1f} MiB; "
+        f"LoRA adapters {qlora['trainable_bytes'] / MIB:.1f} MiB; parameters vs full: LoRA "
         f"x{lora['param_bytes'] / full['param_bytes']:.3f}, QLoRA x{qlora['param_bytes'] / full['param_bytes']:.3f}"
     )
     print(
@@ -345,10 +378,14 @@ def main() -> None:
         f"(median of per-round ratios x{statistics.median(ratios):.2f}; rounds "
         f"{', '.join(f'x{x:.2f}' for x in ratios)})"
     )
+    (lora_s, lora_ops), (qlora_s, qlora_ops) = profiles["lora"], profiles["qlora"]
+    dequant = [qlora_ops.get(f"bitsandbytes::{op}", (0.0, 0)) for op in ("dequantize_4bit", "dequantize_blockwise")]
+    mm = {v: ops.get("aten::mm", (0.0, 0))[0] for v, ops in (("lora", lora_ops), ("qlora", qlora_ops))}
     print(
-        f"- dequantizing all {qlora['quantized_tensors']} 4-bit weights once: {1000 * dequant:.0f} ms; twice per step "
-        f"(forward, and backward for the input gradient) = {2000 * dequant:.0f} ms of the "
-        f"{1000 * (med['qlora'] - med['lora']):.0f} ms QLoRA adds"
+        f"- one profiled step each: LoRA {lora_s:.2f} s, QLoRA {qlora_s:.2f} s (+{1000 * (qlora_s - lora_s):.0f} ms); "
+        f"in QLoRA's: dequantize_4bit {dequant[0][0]:.0f} ms ({dequant[0][1]} calls: forward + backward) + "
+        f"dequantize_blockwise (the nested absmax) {dequant[1][0]:.0f} ms ({dequant[1][1]} calls); matrix products "
+        f"(aten::mm) {mm['qlora']:.0f} ms vs LoRA's {mm['lora']:.0f} ms"
     )
     print(f"- total run time: {total:.0f} s")
 

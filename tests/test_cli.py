@@ -135,7 +135,7 @@ def test_resume_policy_last_picks_newest_complete_and_fresh_never_resumes(tmp_pa
     with pytest.raises(JITCheckpointExit):
         _fit(["--trainer.max_steps", "8"], every=2, extra_callbacks=[ctrl_c])
     ckpts = tmp_path / "runs" / "sft" / "version_0" / "checkpoints"
-    assert (ckpts / "last.ckpt").exists() and (ckpts / "jit-epoch=0-step=4.ckpt").exists()
+    assert (ckpts / "last.ckpt").exists() and (ckpts / "last-jit-epoch=0-step=4.ckpt").exists()
     # a fresh run (no --ckpt_path) starts from step 0 even though checkpoints exist
     fresh = _fit(["--trainer.max_steps", "1"])
     assert fresh.trainer.global_step == 1

@@ -119,7 +119,7 @@ def test_sigterm_checkpoint_is_in_the_run_folder_and_last_resumes_it(tmp_path, m
     assert stopped.value.code == 143
     run = tmp_path / "runs" / "sft" / "version_0"
     saved = Path(stopped.value.checkpoint_path)
-    assert saved.parent.resolve() == (run / "checkpoints").resolve() and saved.name.startswith("jit-")
+    assert saved.parent.resolve() == (run / "checkpoints").resolve() and saved.name.startswith("last-jit-")
     assert not (tmp_path / "checkpoints").exists()
     resumed = _fit("sft", 4, *jit_fast, "--ckpt_path", "last", config="sft.yaml")
     assert Path(resumed.trainer.ckpt_path).resolve() == saved.resolve()

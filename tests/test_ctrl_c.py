@@ -44,7 +44,7 @@ def test_first_ctrl_c_saves_at_the_next_step_exits_130_and_the_resume_is_bit_exa
     assert stopped.value.code == 130
     saved = Path(stopped.value.checkpoint_path)
     # no kill_wait for a Ctrl-C: the recipe's 3 s would have let several more steps run first
-    assert saved.name == "jit-epoch=0-step=2.ckpt" and saved.parent.name == "checkpoints"
+    assert saved.name == "last-jit-epoch=0-step=2.ckpt" and saved.parent.name == "checkpoints"
     resumed = _fit(6, "--ckpt_path", "last")
     assert Path(resumed.trainer.ckpt_path).resolve() == saved.resolve()
     uninterrupted = _fit(6, "--run_name", "reference")
@@ -58,7 +58,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as stopped:  # Lightning's KeyboardInterrupt handling ends with exit status 1
         _fit(6, trainer_defaults={"callbacks": [SignalAt(2, "SIGINT", times=2)]})
     assert stopped.value.code == 1 and not isinstance(stopped.value, JITCheckpointExit)
-    assert not list(tmp_path.rglob("jit-*.ckpt"))
+    assert not list(tmp_path.rglob("last-jit-*.ckpt"))
 
 
 @pytest.mark.slow
@@ -75,7 +75,7 @@ def test_ctrl_c_in_the_console_script_prints_the_command_that_continues_the_run(
     assert command[:2] == ["lit-trainer", "fit"] and command[-2:] == ["--ckpt_path", "last"]
     resumed = run_lit_trainer(*command[1:], cwd=tmp_path, **env)  # the printed command, as a person would paste it
     assert resumed.returncode == 0, output_tail(resumed)
-    assert "resuming from runs/sft/version_0/checkpoints/jit-epoch=0-step=2.ckpt" in resumed.stderr
+    assert "resuming from runs/sft/version_0/checkpoints/last-jit-epoch=0-step=2.ckpt" in resumed.stderr
     (tmp_path / "ref").mkdir()
     uninterrupted = run_lit_trainer(*fit, cwd=tmp_path / "ref")
     assert uninterrupted.returncode == 0, output_tail(uninterrupted)

@@ -76,8 +76,8 @@ def test_sigterm_to_rank_1_alone_during_an_endless_round_stops_both_ranks_and_th
         generated = wait_json(tmp_path / f"generated_rank{rank}.json", procs[rank], tmp_path / "unused.log", 1)
         assert generated["tokens"] < EndlessRoundAt.TOKENS  # both generations were cut short, rank 0's too
     run = tmp_path / "runs/grpo/version_0"
-    assert sorted(os.listdir(run / "checkpoints")) == ["jit-epoch=0-step=2.ckpt"]
-    saved = torch.load(run / "checkpoints/jit-epoch=0-step=2.ckpt", weights_only=False)
+    assert sorted(os.listdir(run / "checkpoints")) == ["last-jit-epoch=0-step=2.ckpt"]
+    saved = torch.load(run / "checkpoints/last-jit-epoch=0-step=2.ckpt", weights_only=False)
     assert saved["global_step"] == 2
     assert [r["rounds"] for r in saved["grpo_rollouts"]["ranks"]] == [2, 2]  # step 2's round was dropped on both
 

@@ -164,7 +164,7 @@ def _signal_at_pause(run: Path, proc: subprocess.Popen, log: Path, signum: int =
 @pytest.mark.ddp
 def test_sigterm_at_several_points_then_resume_is_bit_exact(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    name = {s: f"jit-epoch=0-step={s}.ckpt" for s in (2, 3, 6)}
+    name = {s: f"last-jit-epoch=0-step={s}.ckpt" for s in (2, 3, 6)}
     plan = [
         {"name": "ref", "ckpt_dir": str(tmp_path / "ref_ckpt")},
         # validation after micro-batch 2 = mid-window (step 2 is batches 2+3): the save waits for step 2

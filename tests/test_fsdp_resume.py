@@ -102,13 +102,13 @@ def test_sigterm_to_one_rank_saves_once_and_the_same_command_resumes_bit_exact(t
     assert first.returncode == 143, first.stderr[-3000:]
     jit_dir = tmp_path / "runs" / "sft_fsdp" / "jit"
     saved = sorted(p.name for p in jit_dir.iterdir())
-    assert saved == ["jit-epoch=0-step=3.ckpt"], saved  # one checkpoint, no partial left, no sentinel
+    assert saved == ["last-jit-epoch=0-step=3.ckpt"], saved  # one checkpoint, no partial left, no sentinel
     assert (jit_dir / saved[0]).is_dir() and (jit_dir / saved[0] / "meta.pt").is_file()  # sharded: a directory
     assert not list(tmp_path.glob("final_*"))  # no rank finished
 
     second = _run(tmp_path, command, sigterm_at=3)  # the requeued job: the very same command line
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "jit-epoch=0-step=3.ckpt" in second.stdout + second.stderr  # resumed from the JIT checkpoint
+    assert "last-jit-epoch=0-step=3.ckpt" in second.stdout + second.stderr  # resumed from the JIT checkpoint
     _assert_resumed_equals_uninterrupted(tmp_path, uninterrupted)
 
 
@@ -124,7 +124,7 @@ def test_lora_on_the_sharded_base_resumes_from_its_adapter_only_jit_checkpoint(t
     command = _command(interrupted, lora)
     first = _run(interrupted, command, sigterm_at=3)
     assert first.returncode == 143, first.stderr[-3000:]
-    folder = interrupted / "runs" / "sft_fsdp" / "jit" / "jit-epoch=0-step=3.ckpt"
+    folder = interrupted / "runs" / "sft_fsdp" / "jit" / "last-jit-epoch=0-step=3.ckpt"
     keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     weights = [k for k in keys if k.startswith("state_dict.")]
     assert weights and all(".lora_" in k for k in weights), weights  # adapter shards only, no frozen base
@@ -173,7 +173,7 @@ def test_two_nodes_sigterm_to_one_node_saves_once_and_the_same_commands_resume(t
     saved = sorted(p.name for p in jit_dir.iterdir())
     # one complete checkpoint, written by both nodes at the step they agreed on (the launcher forwards the signal
     # asynchronously, so that may be step 3 or a later one); no partial folder, no sentinel
-    assert len(saved) == 1 and saved[0].startswith("jit-epoch="), (saved, first[0][1][-3000:], first[1][1][-3000:])
+    assert len(saved) == 1 and saved[0].startswith("last-jit-epoch="), (saved, first[0][1][-3000:], first[1][1][-3000:])
     assert (jit_dir / saved[0] / "meta.pt").is_file() and len(list((jit_dir / saved[0]).glob("*.distcp"))) == 2
     for rank in (0, 1):  # each rank left with JITCheckpoint's status, on the node its rank maps to
         assert json.loads((tmp_path / f"exit_rank{rank}.json").read_text()) == {"code": 143, "node": str(rank)}

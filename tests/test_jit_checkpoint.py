@@ -154,7 +154,7 @@ def test_signal_mid_window_saves_after_that_step_and_stops(
             trainer.fit(module, _loader())
         assert stopped.value.code == 143 and isinstance(stopped.value, SystemExit)
         assert stopped.value.checkpoint_path == jit.checkpoint_path
-    final = tmp_path / "ckpt" / "jit-epoch=0-step=2.ckpt"
+    final = tmp_path / "ckpt" / "last-jit-epoch=0-step=2.ckpt"
     assert trainer.global_step == 2 and jit.checkpoint_path == str(final)
     assert sorted(os.listdir(tmp_path / "ckpt")) == [final.name]  # no sentinel, no partial file left
     ckpt = torch.load(final, weights_only=True)
@@ -188,8 +188,8 @@ def test_the_save_waits_for_the_first_step_boundary_after_kill_wait(
     jit = JITCheckpoint(kill_wait=5.0, dirpath=tmp_path / "ckpt", exit_code=None)
     trainer = _trainer(tmp_path, [jit, _SignalSelf(0), _AdvanceClock(clock, at=4, seconds=5.0)])
     trainer.fit(_Net(), _loader())
-    assert trainer.global_step == 3 and jit.checkpoint_path == str(tmp_path / "ckpt" / "jit-epoch=0-step=3.ckpt")
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["jit-epoch=0-step=3.ckpt"]
+    assert trainer.global_step == 3 and jit.checkpoint_path == str(tmp_path / "ckpt" / "last-jit-epoch=0-step=3.ckpt")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["last-jit-epoch=0-step=3.ckpt"]
 
 
 class _FullDisk(TorchCheckpointIO):
@@ -202,7 +202,7 @@ def test_failed_save_keeps_the_sentinel_and_raises(tmp_path: Path, own_sigterm_h
     trainer = _trainer(tmp_path, [jit, _SignalSelf(0)], plugins=[_FullDisk()])
     with pytest.raises(OSError, match="No space left"):
         trainer.fit(_Net(), _loader())
-    assert sentinel_target(tmp_path / "ckpt") == "jit-epoch=0-step=1.ckpt"
+    assert sentinel_target(tmp_path / "ckpt") == "last-jit-epoch=0-step=1.ckpt"
     assert sorted(os.listdir(tmp_path / "ckpt")) == [SENTINEL_NAME]
     assert signal.getsignal(signal.SIGTERM) is own_sigterm_handler
 
@@ -236,7 +236,7 @@ def _stops(out: Path, fit: str) -> list[dict]:
 
 
 def _one_checkpoint(folder: Path, step: int) -> None:
-    assert sorted(os.listdir(folder)) == [f"jit-epoch={(step - 1) // 4}-step={step}.ckpt"]  # 4 steps per epoch
+    assert sorted(os.listdir(folder)) == [f"last-jit-epoch={(step - 1) // 4}-step={step}.ckpt"]  # 4 steps per epoch
     ckpt = torch.load(folder / os.listdir(folder)[0], weights_only=True)
     assert ckpt["global_step"] == step
     rng = ckpt["callbacks"]["ExactResume"]

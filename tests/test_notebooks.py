@@ -116,4 +116,4 @@ def test_callbacks_notebook_runs_and_the_resumed_run_is_exact(tmp_path: Path, mo
         assert math.isfinite(float(_tagged(stdout, key)[None])), stdout
     work = tmp_path / "runs" / "callbacks_in_your_project"
     assert len(list((work / "best").glob("*.ckpt"))) == kept
-    assert [p.name for p in (work / "jit").glob("jit-*.ckpt")], "JITCheckpoint wrote no checkpoint"
+    assert [p.name for p in (work / "jit").glob("last-jit-*.ckpt")], "JITCheckpoint wrote no checkpoint"

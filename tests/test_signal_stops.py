@@ -71,7 +71,7 @@ def test_sigterm_during_a_generation_that_would_take_hours_stops_it_and_exits_14
     stopped = run_lit_trainer(*fit, *_signal(0, at_start=True, delay=1.0), cwd=tmp_path, **script_env())
     assert stopped.returncode == 143, output_tail(stopped)
     assert "JITCheckpoint: SIGTERM received on rank 0" in stopped.stderr, output_tail(stopped)
-    saved = tmp_path / "runs/grpo/version_0/checkpoints/jit-epoch=0-step=0.ckpt"
+    saved = tmp_path / "runs/grpo/version_0/checkpoints/last-jit-epoch=0-step=0.ckpt"
     assert saved.is_file(), output_tail(stopped)
     state = torch.load(saved, weights_only=False)
     assert state["global_step"] == 0 and state["grpo_rollouts"]["ranks"][0]["rounds"] == 0  # the round was dropped
@@ -89,7 +89,7 @@ def test_a_signal_inside_a_grpo_round_drops_it_and_the_resume_is_bit_exact(tmp_p
     with pytest.raises(JITCheckpointExit) as stopped:
         LitTrainerCLI(args=fit, trainer_defaults={"callbacks": [SignalAt(2, at_start=True)]})
     assert stopped.value.code == 143
-    assert Path(stopped.value.checkpoint_path).name == "jit-epoch=0-step=2.ckpt"  # not step 3: the round was cut
+    assert Path(stopped.value.checkpoint_path).name == "last-jit-epoch=0-step=2.ckpt"  # not step 3: the round was cut
     LitTrainerCLI(args=[*fit, "--ckpt_path", "last"])
     reference = LitTrainerCLI(args=[*fit, "--run_name", "reference"])
     run, ref = tmp_path / "runs/grpo/version_0", Path(reference.trainer.log_dir)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.data import regression_data
-from helpers.trackio_store import new_project, rows, runs, steps_of
+from helpers.trackio_store import config, new_project, rows, runs, steps_of
 from lit_trainer.loggers import TrackioLogger
 from lit_trainer.loggers.trackio import RECORD_FILE
 
@@ -178,3 +178,61 @@ def test_the_pytorch_lightning_twin_logs_from_a_pytorch_lightning_trainer(tmp_pa
     trainer.fit(Module(), DataLoader(regression_data(0), batch_size=8))
     (run,) = runs(project)
     assert steps_of(project, run["id"], "train_loss") == [0, 1, 2]
+
+
+HYDRA_PARAMS = {"_target_": "x", "model": {"_target_": "y"}}  # hydra's instantiate keys, top level and nested
+TRACKIO_OWN = {"_Username", "_Created", "_Group"}  # the config entries trackio adds itself
+
+
+def _logged_config(project: str) -> dict:
+    (run,) = runs(project)
+    return config(project, run["id"])
+
+
+def test_reserved_hyperparameter_keys_are_renamed_when_logged_outside_fit(tmp_path):
+    """trackio refuses config keys that start with `_` when a run starts: `log_hyperparams` then `log_metrics`
+    outside a Trainer failed with "Config key '_target_' is reserved"."""
+    project = new_project()
+    logger = TrackioLogger(project=project, save_dir=tmp_path, name="sft", version=0)
+    logger.log_hyperparams(HYDRA_PARAMS)
+    logger.log_metrics({"train_loss": 1.0}, step=0)
+    logger.finalize("success")
+    stored = _logged_config(project)
+    assert stored["target_"] == "x" and stored["model/_target_"] == "y"
+    assert {key for key in stored if key.startswith("_")} == TRACKIO_OWN
+
+
+def test_reserved_hyperparameter_keys_are_renamed_the_same_way_inside_fit(tmp_path):
+    """Inside `fit` the run has started when Lightning logs the hyper-parameters, so trackio did not check them:
+    `_target_` was stored as is (hidden by the dashboard, and next to trackio's own `_` entries)."""
+
+    class HydraModule(LoggingRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters(HYDRA_PARAMS)
+
+    project = new_project()
+    logger = TrackioLogger(project=project, save_dir=tmp_path, name="sft", version=0)
+    L.Trainer(
+        max_steps=2,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(HydraModule(), DataLoader(regression_data(0), batch_size=8))
+    stored = _logged_config(project)
+    assert stored["target_"] == "x" and stored["model/_target_"] == "y"
+    assert {key for key in stored if key.startswith("_")} == TRACKIO_OWN
+
+
+def test_a_renamed_key_never_overwrites_another_key(tmp_path):
+    project = new_project()
+    logger = TrackioLogger(project=project, config={"__seed": 3, "seed": 1}, save_dir=tmp_path, name="sft", version=0)
+    logger.log_hyperparams({"_target_": "renamed", "target_": "kept"})
+    logger.log_hyperparams({"_target_": "again"})  # a second call: the same name as the first time
+    logger.log_metrics({"train_loss": 1.0}, step=0)
+    logger.finalize("success")
+    stored = _logged_config(project)
+    assert (stored["target_"], stored["target_-2"]) == ("kept", "again")
+    assert (stored["seed"], stored["seed-2"]) == (1, 3)

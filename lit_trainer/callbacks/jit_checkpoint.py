@@ -127,11 +127,14 @@ class _JITCheckpoint(PackageBound):
     Args:
         kill_wait: seconds between the signal and the earliest save (the reference's ``kill_wait``, fixed at 3 there).
         signals: names of the signals that request a checkpoint (``SIGKILL``/``SIGSTOP`` cannot be caught).
-        dirpath: folder of the checkpoints; ``None`` is the run's own ``checkpoints`` folder, where a default
-            ``ModelCheckpoint`` writes: ``<save_dir>/<name>/<version>/checkpoints`` of the first logger, or
-            ``<trainer.default_root_dir>/checkpoints`` without a logger (so ``--ckpt_path last`` finds it). Local
-            paths only (the rename must be atomic).
-        filename: name of the checkpoint without ``.ckpt``; ``{epoch}`` and ``{step}`` are filled in.
+        dirpath: folder of the checkpoints; ``None`` is the folder of the trainer's ``ModelCheckpoint`` when it was
+            given one, else the run's own ``checkpoints`` folder, where a default ``ModelCheckpoint`` writes:
+            ``<save_dir>/<name>/<version>/checkpoints`` of the first logger, or ``<trainer.default_root_dir>/
+            checkpoints`` without a logger. Local paths only (the rename must be atomic).
+        filename: name of the checkpoint without ``.ckpt``; ``{epoch}`` and ``{step}`` are filled in. The default
+            starts with ``last``: Lightning's own ``trainer.fit(..., ckpt_path="last")`` loads the newest ``last*``
+            file of the ``ModelCheckpoint`` folders, so a relaunch with ``ckpt_path="last"`` continues from it (as
+            ``lit-trainer``'s ``--ckpt_path last`` does, which reads every checkpoint of the run's folder).
         exit_code: status of :class:`JITCheckpointExit` raised after the save: ``"signal"`` (128 + the signal's
             number: 143 for SIGTERM, 130 for SIGINT), or an int 0-255 for every signal; ``None`` sets
             ``trainer.should_stop`` instead, so ``fit`` returns (Lightning then runs one validation and the
@@ -145,7 +148,8 @@ class _JITCheckpoint(PackageBound):
 
         trainer = Trainer(callbacks=[ExactResume(), JITCheckpoint(kill_wait=3.0)], use_distributed_sampler=False)
         trainer.fit(module, datamodule, ckpt_path=resolve_resume("auto", "runs/x/checkpoints"))
-        # on SIGTERM: runs/x/checkpoints/jit-epoch=E-step=S.ckpt, then the process exits with status 143
+        # on SIGTERM: runs/x/checkpoints/last-jit-epoch=E-step=S.ckpt, then the process exits with status 143;
+        # in a plain Lightning project, the relaunch `trainer.fit(module, ckpt_path="last")` continues from it
     """
 
     def __init__(
@@ -153,7 +157,7 @@ class _JITCheckpoint(PackageBound):
         kill_wait: float = 3.0,
         signals: Sequence[str] = ("SIGTERM",),
         dirpath: str | os.PathLike | None = None,
-        filename: str = "jit-epoch={epoch}-step={step}",
+        filename: str = "last-jit-epoch={epoch}-step={step}",
         exit_code: int | Literal["signal"] | None = "signal",
     ) -> None:
         super().__init__()
@@ -192,6 +196,7 @@ class _JITCheckpoint(PackageBound):
         self._at_boundary = False
         self._done = False
         self._board = StopBoard()  # one process until setup opens the run's
+        self._searched: set[Path] = set()  # the folders Lightning's ckpt_path="last" searches (set in setup)
 
     @property
     def requested(self) -> bool:
@@ -278,7 +283,8 @@ class _JITCheckpoint(PackageBound):
             return
         self._requested_at, self._signal, self._rank = None, None, trainer.global_rank
         self._done, self._at_boundary = False, False
-        self.dirpath = self._dirpath_arg or run_checkpoint_dir(trainer)
+        folder, self._searched = self._checkpoint_folders(trainer)
+        self.dirpath = self._dirpath_arg or folder
         self._board = StopBoard.open(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
             rank_zero_warn(
@@ -344,9 +350,29 @@ class _JITCheckpoint(PackageBound):
             return
         raise JITCheckpointExit(self._exit_status(trainer), path)
 
+    def _checkpoint_folders(self, trainer: pl.Trainer) -> tuple[str, set[Path]]:
+        """``(folder, searched)``: this callback's folder (the first ``ModelCheckpoint`` given a local ``dirpath``,
+        else the run's; see ``dirpath``), and the folders Lightning's ``ckpt_path="last"`` searches for ``last*``
+        files: those of the trainer's ``ModelCheckpoint`` callbacks (one without a ``dirpath`` resolves to the
+        run's)."""
+        run_folder = run_checkpoint_dir(trainer)  # a collective (rank 0 decides): every rank calls it here, once
+        models = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, self._ns.ModelCheckpoint)]
+        given = [str(cb.dirpath) for cb in models if cb.dirpath is not None and is_local_path(cb.dirpath)]
+        searched = {Path(cb.dirpath if cb.dirpath is not None else run_folder).absolute() for cb in models}
+        return (given[0] if given else run_folder), searched
+
     def _save_and_say(self, trainer: pl.Trainer) -> str:
         path = self._save(trainer)
-        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s.")
+        found_by_last = Path(path).name.startswith("last") and Path(path).parent.absolute() in self._searched
+        how = (
+            'fit(..., ckpt_path="last") continues from it'
+            if found_by_last
+            else f'continue with fit(..., ckpt_path={path!r}) (Lightning\'s ckpt_path="last" searches only the '
+            "folders of ModelCheckpoint callbacks for `last*` files)"
+        )
+        rank_zero_info(
+            f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s; {how}."
+        )
         return path
 
     def _exit_status(self, trainer: pl.Trainer) -> int:

@@ -28,10 +28,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
+
+from lit_trainer.checkpoint_load import load_checkpoint
 
 RECORD_KEY = "lit_trainer_run"
 _SHARDED_METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint folder (lightning.fabric's name for it)
@@ -169,14 +170,15 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
 
     A file is memory-mapped, so only the small record is actually read; a sharded checkpoint folder (Lightning's
     ``ModelParallelStrategy`` / FSDP2) keeps it in its ``meta.pt``, the non-tensor part of the checkpoint. Loaded with
-    ``weights_only=True`` (no arbitrary code runs before the user's own ``fit`` loads it); a checkpoint that needs
-    more is reported as having no record here, and :class:`RunIdentity` still checks it when ``fit`` loads it.
+    :func:`lit_trainer.checkpoint_load.load_checkpoint` (no arbitrary code runs before the user's own ``fit`` loads it;
+    hyperparameters ``weights_only`` refuses are left unbuilt); a checkpoint that still cannot be read is reported as
+    having no record here, and :class:`RunIdentity` still checks it when ``fit`` loads it.
     """
     path = os.path.join(checkpoint, _SHARDED_METADATA) if os.path.isdir(checkpoint) else checkpoint
     if not os.path.isfile(path):
         return None
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        state = load_checkpoint(path, mmap=True)
     except (pickle.UnpicklingError, RuntimeError):
         return None
     return state.get(RECORD_KEY)

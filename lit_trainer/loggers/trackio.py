@@ -18,7 +18,7 @@ import json
 import os
 import sqlite3
 from argparse import Namespace
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,6 +76,29 @@ def _scalar(value: Any) -> Any:
     return value
 
 
+def unreserved_key(key: str, taken: Container[str] = ()) -> str:
+    """The config key trackio accepts for ``key``: ``key`` itself, unless it starts with ``_``.
+
+    trackio reserves config keys that start with ``_`` (its own ``_Username``, ``_Created``, ``_Group``):
+    ``trackio.init`` refuses them, and its dashboard hides them. Such a key loses its leading underscores
+    (hydra's ``_target_`` becomes ``target_``); when that name is in ``taken`` (another key of the config), the
+    first free of ``-2``, ``-3``, ... is appended (``target_-2``). A key of underscores only becomes ``param``.
+    Only the first character matters: a flattened nested key (``model/_target_``) is kept.
+
+    Example:
+        >>> unreserved_key("_target_"), unreserved_key("_target_", {"target_"}), unreserved_key("model/_target_")
+        ('target_', 'target_-2', 'model/_target_')
+    """
+    if not key.startswith("_"):
+        return key
+    stem = key.lstrip("_") or "param"
+    candidate, k = stem, 1
+    while candidate in taken:
+        k += 1
+        candidate = f"{stem}-{k}"
+    return candidate
+
+
 class _TrackioLogger:
     """The implementation of :class:`TrackioLogger`, without a Lightning base (one class per Lightning package)."""
 
@@ -96,7 +119,9 @@ class _TrackioLogger:
             raise ValueError(f"TrackioLogger: resume={resume!r}; use 'auto', 'allow', 'never' or 'must'.")
         self._project = project or os.environ.get("TRACKIO_PROJECT") or DEFAULT_PROJECT
         self._run_name = run_name
-        self._config: dict[str, Any] = dict(config or {})
+        self._renamed: dict[str, str] = {}  # reserved config key -> the name it is stored under
+        self._config: dict[str, Any] = {}
+        self._config = self._unreserved(dict(config or {}))
         self._save_dir = None if save_dir is None else os.fspath(save_dir)
         self._name = name
         self._version = version
@@ -252,12 +277,37 @@ class _TrackioLogger:
                 f"(step >= {step}) were removed; the resumed run logs those steps again"
             )
 
+    def _unreserved(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with the keys trackio reserves renamed (:func:`unreserved_key`), the same name for the same
+        key in every call; says once which keys were renamed."""
+        taken = set(self._config) | {key for key in params if not key.startswith("_")}
+        config: dict[str, Any] = {}
+        renamed: list[str] = []
+        for key, value in params.items():
+            if key.startswith("_"):
+                if key not in self._renamed:
+                    self._renamed[key] = unreserved_key(key, taken)
+                    renamed.append(f"{key} -> {self._renamed[key]}")
+                taken.add(self._renamed[key])
+                config[self._renamed[key]] = value
+            else:
+                config[key] = value
+        if renamed:
+            rank_zero_info(
+                "[lit_trainer] Trackio reserves config keys that start with '_'; stored renamed: " + ", ".join(renamed)
+            )
+        return config
+
     @override
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
-        """Add ``params`` (flattened with ``/``) to the run's config."""
+        """Add ``params`` (flattened with ``/``) to the run's config.
+
+        Keys that trackio reserves (they start with ``_``, as hydra's ``_target_``) are renamed by
+        :func:`unreserved_key` (``_target_`` -> ``target_``), inside ``fit`` or not.
+        """
         params = _sanitize_callable_params(_flatten_dict(_convert_params(params)))
-        params = {key: _scalar(value) for key, value in params.items()}
+        params = self._unreserved({key: _scalar(value) for key, value in params.items()})
         self._config.update(params)
         if self._run is not None:
             self._run.config.update(params)
@@ -306,9 +356,10 @@ class _TrackioLogger:
 class TrackioLogger(_TrackioLogger, Logger):
     """Log metrics, hyper-parameters and tables to a local Trackio project (no network, no account).
 
-    Metrics go to the run's rows at Lightning's step; hyper-parameters become the run's config; ``finalize`` (the
-    end of ``fit``, also after an error) finishes the run and flushes it. Only global rank 0 writes (DDP, FSDP2):
-    the other ranks never open the store.
+    Metrics go to the run's rows at Lightning's step; hyper-parameters become the run's config (a key trackio
+    reserves, one that starts with ``_`` like hydra's ``_target_``, is stored without its leading underscores:
+    ``target_``, see :func:`unreserved_key`); ``finalize`` (the end of ``fit``, also after an error) finishes the
+    run and flushes it. Only global rank 0 writes (DDP, FSDP2): the other ranks never open the store.
 
     Which Trackio run: with ``save_dir`` and ``name`` the logger owns the folder ``save_dir/name/version_<n>`` (the
     run folder in ``lit-trainer``), where it records the run's project, name and id (``trackio_run.json``). When
@@ -323,7 +374,8 @@ class TrackioLogger(_TrackioLogger, Logger):
     Args:
         project: the Trackio project; default the ``TRACKIO_PROJECT`` environment variable, else ``"lit_trainer"``.
         run_name: the Trackio run's name (see above for the default).
-        config: extra config entries for the run, next to the hyper-parameters Lightning logs.
+        config: extra config entries for the run, next to the hyper-parameters Lightning logs. Keys that trackio
+            reserves (a leading ``_``) are renamed, as the hyper-parameters' (:func:`unreserved_key`).
         save_dir: the root of the run folders (``trainer.default_root_dir``); ``None``: no run record is kept.
         name: the run name (the folder under ``save_dir``; Lightning's logger ``name``).
         version: the version folder (``3`` or ``"version_3"``); ``None`` means ``save_dir/name`` itself.

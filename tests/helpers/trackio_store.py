@@ -29,3 +29,11 @@ def rows(project: str, run_id: str) -> list[dict[str, Any]]:
 def steps_of(project: str, run_id: str, key: str) -> list[int]:
     """The steps of the rows that hold ``key``, one entry per row (a step logged twice appears twice)."""
     return [row["step"] for row in rows(project, run_id) if key in row]
+
+
+def config(project: str, run_id: str) -> dict[str, Any]:
+    """The run's stored config: the logged hyper-parameters plus trackio's own entries (``_Username``,
+    ``_Created``, ``_Group``)."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    return SQLiteStorage.get_run_config(project, run_id=run_id) or {}

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lit_trainer.callbacks.bema._shards import gather, local_shard_like
+from lit_trainer.checkpoint_load import load_checkpoint
 
 FORMAT = 1
 BUFFERS = ("theta0", "ema", "bema")  # the buffer entries of the state, in this order
@@ -90,11 +91,12 @@ def bema_state_keys(callback_states: dict[str, Any], qualname: str = "BEMA") -> 
 
 def bema_state_from_checkpoint(path: str | os.PathLike, state_key: str | None, qualname: str) -> dict[str, Any]:
     """The (initialized) BEMA state ``state_key`` (or the only one) of a ``.ckpt`` file or distributed checkpoint
-    folder (whose callback states are in its ``meta.pt``), loaded with ``weights_only=True``; ``ValueError`` else."""
+    folder (whose callback states are in its ``meta.pt``), loaded safely (:func:`lit_trainer.checkpoint_load.
+    load_checkpoint`); ``ValueError`` else."""
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
     file = Path(path) / _METADATA_FILENAME if Path(path).is_dir() else path  # a distributed checkpoint folder
-    states = torch.load(file, map_location="cpu", weights_only=True).get("callbacks", {})
+    states = load_checkpoint(file).get("callbacks", {})
     keys = [state_key] if state_key is not None else bema_state_keys(states, qualname)
     if len(keys) != 1 or keys[0] not in states:
         raise ValueError(

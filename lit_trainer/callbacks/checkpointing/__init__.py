@@ -33,7 +33,8 @@ Differences from plain ``ModelCheckpoint``:
 * Under DDP the monitored value of global rank 0 decides (it is broadcast), so all ranks keep identical
   bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
   torchmetrics metric) to make the decision on the global value.
-* Checkpoint and export loads use ``torch.load(weights_only=True)``.
+* Checkpoint and export loads are safe: ``weights_only``'s allowlist, with hyperparameters it refuses (a ``Path``, a
+  class, a ``functools.partial``) left unbuilt rather than failing the load (:mod:`lit_trainer.checkpoint_load`).
 * Under ``ModelParallelStrategy`` (FSDP2) checkpoints are distributed checkpoint folders: ``export_hf`` reads the
   folder on rank 0; ``load_best_at_end`` reads it on every rank (one full CPU copy per rank, briefly) and each rank
   keeps its own shards. Both refuse FSDP1 and DeepSpeed at setup.

@@ -6,15 +6,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from lit_trainer._atomic import is_local_path
 from lit_trainer.callbacks.checkpointing._evaluated_weights import scored_state_dict
+from lit_trainer.checkpoint_load import load_checkpoint
 
 
 def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The weights a Lightning checkpoint was scored with, loaded safely (``weights_only=True``).
+    """The weights a Lightning checkpoint was scored with, loaded safely (:func:`lit_trainer.checkpoint_load.
+    load_checkpoint`: ``weights_only``'s allowlist; hyperparameters it refuses, such as a ``Path``, a class or a
+    ``functools.partial``, are left unbuilt instead of failing the load).
 
     Args:
         path: A ``.ckpt`` file written by ``Trainer.save_checkpoint``, or the directory of a distributed checkpoint
@@ -25,19 +27,16 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         ``BEMA(evaluate_with_bema=True)`` validated in place of the live ones, when the checkpoint holds them.
 
     Raises:
-        RuntimeError: If the file cannot be loaded with ``weights_only=True`` (the message says why).
+        RuntimeError: If the file cannot be read even so (the message says why).
     """
     if Path(path).is_dir():  # a distributed checkpoint (ModelParallelStrategy): every shard, read by this process
         from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
         return scored_state_dict(_load_distributed_checkpoint(Path(path)))
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = load_checkpoint(path, mmap=True)
     except Exception as err:
-        raise RuntimeError(
-            f"BestCheckpoint could not load {str(path)!r} with torch.load(weights_only=True): {err}. Checkpoints "
-            "must hold tensors and primitives only; keep non-primitive objects out of `save_hyperparameters`."
-        ) from err
+        raise RuntimeError(f"BestCheckpoint could not read {str(path)!r}: {err}") from err
     return scored_state_dict(checkpoint)
 
 
