@@ -29,10 +29,11 @@ Columns:
     adaptive threshold (``--malloc-default``) glibc keeps freed activation buffers in its heap: peaks ~400 MiB higher
     and ±150 MiB from run to run, more than the differences between the adapter variants.
 Step time: the ``lora`` and ``qlora`` modules side by side in this process, one step of each per round, alternating
-which goes first, after one warm-up step each (load from another process hits both alike); medians and the median of
-the per-round QLoRA / LoRA ratios. Then one more step of each under ``torch.profiler``: the time QLoRA spends in
-bitsandbytes' dequantization (each 4-bit weight is dequantized in the forward and again in the backward for the
-input gradient, since only the packed weight is kept) and in the matrix products of both.
+which goes first, after one warm-up step each (load from another process hits both alike); medians, the median of
+the per-round QLoRA / LoRA ratios, and the ratio of the fastest steps (the least disturbed by other load). Then one
+more step of each under ``torch.profiler``: the time QLoRA spends in bitsandbytes' dequantization (each 4-bit weight
+is dequantized in the forward and again in the backward for the input gradient, since only the packed weight is
+kept) and in the matrix products of both.
 
 Usage: python benchmarks/qlora_memory.py [--hidden 1024] [--intermediate 2816] [--layers 8] [--heads 16]
                                          [--vocab 32000] [--tied] [--dtype float32] [--batch 4] [--seq 128]
@@ -375,7 +376,8 @@ def main() -> None:
     print(
         f"- step time ({args.rounds} interleaved rounds, median): LoRA {med['lora']:.2f} s, QLoRA {med['qlora']:.2f} "
         f"s: QLoRA / LoRA x{med['qlora'] / med['lora']:.2f} "
-        f"(median of per-round ratios x{statistics.median(ratios):.2f}; rounds "
+        f"(median of per-round ratios x{statistics.median(ratios):.2f}; fastest steps {min(times['lora']):.2f} s and "
+        f"{min(times['qlora']):.2f} s: x{min(times['qlora']) / min(times['lora']):.2f}; rounds "
         f"{', '.join(f'x{x:.2f}' for x in ratios)})"
     )
     (lora_s, lora_ops), (qlora_s, qlora_ops) = profiles["lora"], profiles["qlora"]

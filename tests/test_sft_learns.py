@@ -1,12 +1,14 @@
-"""The default recipe learns for real, at more than one seed: configs/sft.yaml reaches >= 90% greedy exact match on 500
-held-out problems at seeds 1 and 5.
+"""The default recipe learns for real at a seed other than the shipped one: configs/sft.yaml reaches >= 90% greedy exact
+match on 500 held-out problems at seed 5.
 
-Both seeds failed with the former recipe (1,500 steps): seed 1 ended at 0.70 in one measurement, seed 5 at 0.26 in
-another (rounding-level differences move the step at which the model learns the carry by hundreds of steps). With
-3,000 steps every seed of 1-5 ended at >= 99.5% (docs/quickstart.md#at-every-seed); the bound keeps a margin because
-exact match moves by a few points between evaluations. These are the slowest tests of the suite (up to 3,000 steps
-each on one thread; the suite starts them first): they run the shipped config as is, through the CLI, with only the
-seed given, the progress bar turned off, and a callback that ends the run at the first validation at or above 97%."""
+Seed 5 is the one that failed worst with the former recipe (1,500 steps: 0.26 in one measurement; rounding-level
+differences move the step at which the model learns the carry by hundreds of steps). With 3,000 steps every seed of
+1-5 ended at >= 99.5% (docs/quickstart.md#at-every-seed, `python benchmarks/sft_seeds.py --seeds 1 2 3 4 5`); the
+bound keeps a margin because exact match moves by a few points between evaluations. Seed 1 (0.70 at 1,500 steps) ran
+here too until the suite neared its 15-minute budget: each seed costs about 2.5 minutes of one core, and the seed
+benchmark measures all five. This is the slowest test of the suite (up to 3,000 steps on one thread; the suite starts
+it first): it runs the shipped config as is, through the CLI, with only the seed given, the progress bar turned off,
+and a callback that ends the run at the first validation at or above 97%."""
 
 from pathlib import Path
 
@@ -28,7 +30,7 @@ SFT = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 
 class StopOnceLearned(Callback):
     """Ends the run at the first validation at or above 97% exact match: the test's question is whether the recipe
-    gets there within its 3,000 steps; the steps after it (500-1,500 of them at seeds 1 and 5) only cost suite time.
+    gets there within its 3,000 steps; the steps after it (500-1,500 of them at seed 5) only cost suite time.
     The run up to that validation is the shipped recipe's, step for step (a callback that only reads metrics)."""
 
     @override
@@ -37,7 +39,7 @@ class StopOnceLearned(Callback):
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize("seed", [1, 5])
+@pytest.mark.parametrize("seed", [5])
 def test_default_sft_config_reaches_90_percent_exact_match(seed, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", str(SFT), "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false"]
