@@ -161,7 +161,7 @@ def load_quantized(load: Any, source: Any, spec: Any, dtype: torch.dtype | None,
         dtype = source.dtype if not isinstance(source, str) else _checkpoint_dtype(source, kwargs)
     config = as_bnb_config(spec, dtype)
     if isinstance(source, str):
-        return keep_standard_layout(load(source, quantization_config=config, dtype=dtype, **kwargs))
+        return keep_standard_layout(_own_memory(load(source, quantization_config=config, dtype=dtype, **kwargs)))
     with tempfile.TemporaryDirectory(prefix="lit_trainer_quantize_") as folder, _no_progress_bars():
         source.save_pretrained(folder, safe_serialization=True)
         model = load(folder, quantization_config=config, dtype=dtype, **kwargs)
@@ -169,7 +169,23 @@ def load_quantized(load: Any, source: Any, spec: Any, dtype: torch.dtype | None,
         model.generation_config = copy.deepcopy(source.generation_config)
     # not the temporary folder (gone after this): peft records the base's name in every adapter it saves
     model.name_or_path, model.config._name_or_path = source.name_or_path, source.config._name_or_path
-    return keep_standard_layout(model)
+    return keep_standard_layout(_own_memory(model))
+
+
+def _own_memory(model: Any) -> Any:
+    """Copy the weights that were not quantized (embeddings, head, norms) out of the checkpoint file's memory mapping.
+
+    On a CPU transformers loads safetensors memory-mapped, and a weight it does not convert stays a view of the
+    mapping. The quantized weights are new tensors, but these few views keep the whole float32 file mapped, with every
+    page read while quantizing resident: measured on a 168M-parameter Llama (``benchmarks/qlora_memory.py``), 711 MiB
+    of file-backed memory beside a 310 MiB model, enough to make QLoRA's peak higher than LoRA's. Copying them costs
+    their own size once and releases the file.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and tensor.is_floating_point():
+                tensor.data = tensor.data.clone()
+    return model
 
 
 def keep_standard_layout(model: Any) -> Any:
