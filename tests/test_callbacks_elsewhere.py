@@ -116,6 +116,12 @@ def test_the_jit_message_says_how_to_continue(tmp_path: Path, caplog: pytest.Log
             trainer.fit(Regressor(seed=0), *_loaders())
         assert expected in caplog.text, caplog.text[-500:]
         caplog.clear()
+    # under a logger the run's folder is its version folder, which a relaunch does not reuse unless told to
+    jit = lightning_callbacks.JITCheckpoint(kill_wait=0, exit_code=None)
+    logged = {**options, "logger": L.loggers.CSVLogger(tmp_path / "logs")}
+    with caplog.at_level("INFO"):
+        L.Trainer(callbacks=[jit, _sigterm_at(L, 1)], **logged).fit(Regressor(seed=0), *_loaders())
+    assert "only if the relaunch logs to the same logger version" in caplog.text, caplog.text[-500:]
 
 
 class _Hydra:

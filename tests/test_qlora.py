@@ -70,6 +70,8 @@ def test_bad_quantization_is_refused_before_loading(quantization: Any, match: st
 def test_refusals_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"no adapter is given: quantized weights .* Add `peft_config`"):
         CausalLMModule("tiny-64", quantization="nf4")
+    with pytest.raises(ValueError, match=r"no adapter is given: .* or pass the model unquantized"):
+        CausalLMModule(load_model("tiny-64", quantization="nf4"))  # quantized by the caller
     with pytest.raises(ValueError, match=r"applies to a model given by name or path.*quantization_config="):
         CausalLMModule(load_model("tiny-64"), quantization="nf4", peft_config=LORA)
     with pytest.raises(ValueError, match=r"`optim='adamw_9bit'` is not a known optimizer"):

@@ -197,6 +197,7 @@ class _JITCheckpoint(PackageBound):
         self._done = False
         self._board = StopBoard()  # one process until setup opens the run's
         self._searched: set[Path] = set()  # the folders Lightning's ckpt_path="last" searches (set in setup)
+        self._versioned = False  # the checkpoints go to a logger's version folder (set in setup)
 
     @property
     def requested(self) -> bool:
@@ -283,8 +284,10 @@ class _JITCheckpoint(PackageBound):
             return
         self._requested_at, self._signal, self._rank = None, None, trainer.global_rank
         self._done, self._at_boundary = False, False
-        folder, self._searched = self._checkpoint_folders(trainer)
+        folder, self._searched, run_folder = self._checkpoint_folders(trainer)
         self.dirpath = self._dirpath_arg or folder
+        # the run's folder under a logger is <save_dir>/<name>/version_<n>/checkpoints: a relaunch gets a new version
+        self._versioned = bool(trainer.loggers) and Path(self.dirpath).absolute() == Path(run_folder).absolute()
         self._board = StopBoard.open(trainer)
         if self.exit_code is None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
             rank_zero_warn(
@@ -350,26 +353,33 @@ class _JITCheckpoint(PackageBound):
             return
         raise JITCheckpointExit(self._exit_status(trainer), path)
 
-    def _checkpoint_folders(self, trainer: pl.Trainer) -> tuple[str, set[Path]]:
-        """``(folder, searched)``: this callback's folder (the first ``ModelCheckpoint`` given a local ``dirpath``,
-        else the run's; see ``dirpath``), and the folders Lightning's ``ckpt_path="last"`` searches for ``last*``
-        files: those of the trainer's ``ModelCheckpoint`` callbacks (one without a ``dirpath`` resolves to the
-        run's)."""
+    def _checkpoint_folders(self, trainer: pl.Trainer) -> tuple[str, set[Path], str]:
+        """``(folder, searched, run folder)``: this callback's folder (the first ``ModelCheckpoint`` given a local
+        ``dirpath``, else the run's; see ``dirpath``), the folders Lightning's ``ckpt_path="last"`` searches for
+        ``last*`` files (those of the trainer's ``ModelCheckpoint`` callbacks; one without a ``dirpath`` resolves to
+        the run's), and the run's folder."""
         run_folder = run_checkpoint_dir(trainer)  # a collective (rank 0 decides): every rank calls it here, once
         models = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, self._ns.ModelCheckpoint)]
         given = [str(cb.dirpath) for cb in models if cb.dirpath is not None and is_local_path(cb.dirpath)]
         searched = {Path(cb.dirpath if cb.dirpath is not None else run_folder).absolute() for cb in models}
-        return (given[0] if given else run_folder), searched
+        return (given[0] if given else run_folder), searched, run_folder
 
     def _save_and_say(self, trainer: pl.Trainer) -> str:
         path = self._save(trainer)
         found_by_last = Path(path).name.startswith("last") and Path(path).parent.absolute() in self._searched
-        how = (
-            'fit(..., ckpt_path="last") continues from it'
-            if found_by_last
-            else f'continue with fit(..., ckpt_path={path!r}) (Lightning\'s ckpt_path="last" searches only the '
-            "folders of ModelCheckpoint callbacks for `last*` files)"
-        )
+        if not found_by_last:
+            how = (
+                f'continue with fit(..., ckpt_path={path!r}) (Lightning\'s ckpt_path="last" searches only the '
+                "folders of ModelCheckpoint callbacks for `last*` files)"
+            )
+        elif self._versioned:  # the folder is the logger's version folder: a relaunch logs to a new version
+            how = (
+                f'continue with fit(..., ckpt_path={path!r}) (ckpt_path="last" finds it only if the relaunch logs '
+                "to the same logger version; a new version searches its own folder)"
+            )
+        else:
+            how = 'fit(..., ckpt_path="last") continues from it'
+
         rank_zero_info(
             f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s; {how}."
         )

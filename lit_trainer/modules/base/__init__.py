@@ -46,14 +46,15 @@ from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
 from lit_trainer.modules.base._step_logging import StepLoggingMixin
 
 
-def _check_quantized_has_adapter(model: Any, peft_config: Any, adapter_path: str | None) -> None:
+def _check_quantized_has_adapter(model: Any, peft_config: Any, adapter_path: str | None, by_us: bool) -> None:
     if peft_config is None and adapter_path is None:
+        other = "remove `quantization`" if by_us else "pass the model unquantized"
         raise ValueError(
             f"The base model is quantized ({type(model).__name__} with bitsandbytes weights) but no adapter is "
             "given: quantized weights are packed integers that cannot take gradients or optimizer updates, so "
             "full fine-tuning of a quantized model is impossible. Add `peft_config` (e.g. {r: 16, lora_alpha: 32, "
-            "target_modules: all-linear}) to train LoRA adapters on the quantized base (QLoRA), or remove "
-            "`quantization` to fine-tune every weight."
+            f"target_modules: all-linear}}) to train LoRA adapters on the quantized base (QLoRA), or {other} to "
+            "fine-tune every weight."
         )
 
 
@@ -206,7 +207,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         self.model.train()
         if quantized.is_quantized(self.model) and not _peft.is_peft_model(self.model):  # (a PeftModel given as an
             # object already has its adapter and was prepared by whoever wrapped it)
-            _check_quantized_has_adapter(self.model, peft_config, adapter_path)
+            _check_quantized_has_adapter(self.model, peft_config, adapter_path, by_us=quantization is not None)
             self.model = quantized.prepare_for_training(self.model, gradient_checkpointing)
             rank_zero_info(f"[lit_trainer] quantized base: {quantized.describe(self.model)}")
         if gradient_checkpointing:
