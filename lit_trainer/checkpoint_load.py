@@ -61,13 +61,17 @@ def _allowed() -> dict[str, Any]:
 class _PlaceholderUnpickler(pickle.Unpickler):
     """Resolves the globals ``weights_only`` allows; every other one becomes an :class:`Unloaded` subclass."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._allowed = _allowed()  # once per file (the user's additions are read when the file is)
+
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names, as pickle's own find_class maps them (torch saves with protocol 2); none is a Python 3 name
         if (module, name) in _compat_pickle.NAME_MAPPING:
             module, name = _compat_pickle.NAME_MAPPING[(module, name)]
         elif module in _compat_pickle.IMPORT_MAPPING:
             module = _compat_pickle.IMPORT_MAPPING[module]
-        found = _allowed().get(f"{module}.{name}")
+        found = self._allowed.get(f"{module}.{name}")
         return found if found is not None else _placeholder(module, name)
 
 

@@ -223,8 +223,7 @@ def _checkpoint_dtype(source: str, kwargs: dict[str, Any]) -> torch.dtype:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source, trust_remote_code=kwargs.get("trust_remote_code", False))
-    dtype = getattr(config, "dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return _config_dtype(config)
 
 
 def prepare_for_training(model: Any, gradient_checkpointing: bool) -> Any:
@@ -246,7 +245,12 @@ def prepare_for_training(model: Any, gradient_checkpointing: bool) -> Any:
 
 def original_dtype(model: Any) -> torch.dtype:
     """The dtype the base's floating-point weights had before quantization (``config.dtype``; float32 if unset)."""
-    dtype = getattr(_transformers_model(model).config, "dtype", None) or torch.float32
+    return _config_dtype(_transformers_model(model).config)
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """A transformers config's ``dtype`` as a ``torch.dtype`` (configs store a name or a dtype; float32 if unset)."""
+    dtype = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 

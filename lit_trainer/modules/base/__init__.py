@@ -41,7 +41,7 @@ from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
 from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding
 from lit_trainer.modules.base._logits import ChunkedLogits
-from lit_trainer.modules.base._optimization import OptimizationMixin, OptimName, check_optim
+from lit_trainer.modules.base._optimization import TORCH_OPTIMS, OptimizationMixin, OptimName, check_optim
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
 from lit_trainer.modules.base._step_logging import StepLoggingMixin
 
@@ -433,7 +433,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         what = []
         if self.is_quantized:
             what.append("a quantized base (`quantization`)")
-        if self.hparams.get("optim", "adamw_torch_fused") not in ("adamw_torch_fused", "adamw_torch"):
+        if self.hparams.get("optim", "adamw_torch_fused") not in TORCH_OPTIMS:
             what.append(f"a bitsandbytes optimizer (`optim={self.hparams.optim!r}`)")
         if what:
             raise ValueError(
