@@ -61,8 +61,9 @@ def test_explicit_standard_rows_tokenize_and_collate_to_2b_rows(tokenizer):
         [0] * 4 + [1, 1, 0, 0],
         [0] * 5 + [1] * 3,
     ]
-    # PAIRS (not rows), and the chosen completion tokens after the causal shift (the "sft" term's count): 2 + 3
-    assert batch[NUM_ITEMS_KEY].tolist() == [2, 5] and dm.count_items(batch).tolist() == [2, 5]
+    # PAIRS (not rows), the chosen completion tokens after the causal shift (the "sft" term's count): 2 + 3, and the
+    # chosen rows' predicted positions, prompt included (ORPO's NLL count): 6 - 1 + 8 - 1
+    assert batch[NUM_ITEMS_KEY].tolist() == [2, 5, 12] and dm.count_items(batch).tolist() == [2, 5, 12]
     assert "ref_chosen_logps" not in batch
 
 

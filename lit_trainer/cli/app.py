@@ -90,12 +90,14 @@ _LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.logg
 
 
 FIT_DESCRIPTION = (
-    "Train a LightningModule: lit_trainer's CausalLMModule (SFT), DPOModule, GRPOModule or RewardModule, or your "
-    "own. The options listed here are the trainer's and the run's. To list the model's and the data module's options: "
-    "`lit-trainer fit --model.help lit_trainer.CausalLMModule` (or DPOModule, GRPOModule, RewardModule) and "
-    "`lit-trainer fit --data.help lit_trainer.data.SFTDataModule` (or PreferenceDataModule, PromptDataModule). They "
-    "print the short spelling `--model.learning_rate`; the docs and configs write `--model.init_args.learning_rate`: "
-    "both set the same option. Recipes and commands: `lit-trainer --help`."
+    "Train a LightningModule: lit_trainer's CausalLMModule (SFT), DPOModule, GRPOModule, RewardModule, KTOModule, "
+    "ORPOModule, CPOModule (also SimPO), RLOOModule or DistillationModule, or your own. The options listed here are "
+    "the trainer's and the run's. To list the model's and the data module's options: "
+    "`lit-trainer fit --model.help lit_trainer.CausalLMModule` (or any module above) and "
+    "`lit-trainer fit --data.help lit_trainer.data.SFTDataModule` (or PreferenceDataModule, "
+    "UnpairedPreferenceDataModule, PromptDataModule). They print the short spelling `--model.learning_rate`; the docs "
+    "and configs write `--model.init_args.learning_rate`: both set the same option. Recipes and commands: "
+    "`lit-trainer --help`."
 )
 CKPT_PATH_INSTEAD = "--ckpt_path last (the newest complete checkpoint of this run; incomplete ones are skipped)"
 CKPT_PATH_HELP = (

@@ -28,7 +28,17 @@ from typing_extensions import override
 from lit_trainer._atomic import atomic_write
 
 DEFAULT_ROOT = "runs"
-_RECIPE_NAMES = {"CausalLMModule": "sft", "DPOModule": "dpo", "GRPOModule": "grpo", "RewardModule": "reward"}
+_RECIPE_NAMES = {
+    "CausalLMModule": "sft",
+    "DPOModule": "dpo",
+    "GRPOModule": "grpo",
+    "RewardModule": "reward",
+    "KTOModule": "kto",
+    "ORPOModule": "orpo",
+    "CPOModule": "cpo",
+    "RLOOModule": "rloo",
+    "DistillationModule": "distill",
+}
 _VERSION = re.compile(r"^version_(\d+)$")
 # Rank 0 of a fit names the folder it reserved here; the processes Lightning starts for the other ranks inherit the
 # environment, so they log to (and look for checkpoints in) the same folder instead of reserving one of their own.
@@ -37,7 +47,8 @@ _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def default_run_name(module_class_path: str) -> str:
-    """``sft``, ``dpo``, ``grpo`` or ``reward`` for our modules; the class name in lower case for any other module.
+    """The recipe's short name for our modules (``sft``, ``dpo``, ``grpo``, ``reward``, ``kto``, ``orpo``, ``cpo``,
+    ``rloo``, ``distill``); the class name in lower case for any other module.
 
     Example:
         >>> default_run_name("lit_trainer.DPOModule"), default_run_name("my.pkg.MyNet")

@@ -324,11 +324,16 @@ class PreferenceDataModule(BaseDataModule):
 
     @override
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[pairs, chosen completion tokens]`` of the micro-batch: pairs are half its rows (chosen rows first), the
-        tokens are the chosen rows' completion positions after the causal shift (the "sft" term's items)."""
+        """``[pairs, chosen completion tokens, chosen tokens]`` of the micro-batch: pairs are half its rows (chosen rows
+        first); the tokens are the chosen rows' completion positions after the causal shift (the "sft" term's items)
+        and all their predicted positions, prompt included (ORPO's NLL term)."""
         mask = row_completion_mask(batch)
         pairs = mask.size(0) // 2
-        return torch.stack([torch.tensor(pairs), mask[:pairs, 1:].sum()])
+        if "seq_lengths" in batch:  # padding-free: one packed row, the rows' lengths alongside
+            sequence = (batch["seq_lengths"][:pairs] - 1).clamp(min=0).sum()
+        else:
+            sequence = batch["attention_mask"][:pairs, 1:].sum()
+        return torch.stack([torch.tensor(pairs), mask[:pairs, 1:].sum(), sequence])
 
     # ------------------------------------------------------------------------- precomputed reference log-probs
     def split_dataset(self, split: str) -> Dataset | None:

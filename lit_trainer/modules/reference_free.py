@@ -1,0 +1,383 @@
+"""Reference-free preference optimisation: :class:`ORPOModule` (ORPO) and :class:`CPOModule` (CPO, SimPO, AlphaPO),
+with TRL 1.16's experimental ``ORPOTrainer``/``CPOTrainer`` numerics and no reference model at all.
+
+Both train on :class:`~lit_trainer.data.PreferenceDataModule` pairs exactly as
+:class:`~lit_trainer.modules.dpo.DPOModule` does (one forward of the 2B chosen-then-rejected rows, chunked per-token
+log-probs, padding-free batches, LoRA, FSDP2) and share one private base here: the loss is a PAIR term (summed over
+the micro-batch, divided by the optimizer step's pair count) plus a weighted NLL term on the chosen rows (summed,
+divided by the step's count of those tokens), so gradient accumulation and DDP give the full-batch loss of the step.
+The pure losses are in :mod:`lit_trainer.losses.reference_free`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import PreTrainedModel
+from typing_extensions import override
+
+from lit_trainer.data.packing import row_completion_mask
+from lit_trainer.losses.dpo import sequence_logps
+from lit_trainer.losses.logprobs import IGNORE_INDEX
+from lit_trainer.losses.reference_free import (
+    AVERAGED_LOSS_TYPES,
+    CPOLossType,
+    check_cpo_options,
+    cpo_loss,
+    cpo_rewards,
+    orpo_log_odds,
+    orpo_loss,
+)
+from lit_trainer.modules.base import BaseModule
+from lit_trainer.modules.base._logits import next_token_targets
+from lit_trainer.modules.base._packing import check_trainer_packing, masking_kwargs, per_row
+from lit_trainer.modules.dpo import disable_dropout_in_model
+from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
+
+__all__ = ["CPO_METRIC_NAMES", "ORPO_METRIC_NAMES", "CPOModule", "ORPOModule"]
+
+#: TRL's metric names, logged per training window (and with a ``val_`` prefix in validation)
+CPO_METRIC_NAMES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "nll_loss",
+)
+ORPO_METRIC_NAMES = (*CPO_METRIC_NAMES, "log_odds_ratio", "log_odds_chosen")
+
+
+class _Scored(NamedTuple):
+    """One forward of 2B rows: DPO's :class:`~lit_trainer.modules.dpo.Scores` over the NLL term's tokens (``seq`` is
+    the pair term's log-probs), and the shifted completion mask."""
+
+    scores: Scores
+    completion: Tensor
+
+    @property
+    def pairs(self) -> int:
+        return self.scores.seq.numel() // 2
+
+
+class _ReferenceFreeModule(BaseModule):
+    """The shared base: scoring, the two-term loss and its token-exact normalisation, metrics, validation.
+
+    A subclass sets :attr:`averaged`, :attr:`nll_on_prompt` and :attr:`nll_weight` and writes :meth:`pair_terms` and
+    :meth:`pair_metrics`. There is no ``ref_model``: nothing but the policy is loaded or held. The scores are DPO's
+    (:class:`~lit_trainer.modules.dpo.Scores`, the chosen NLL of
+    :meth:`~lit_trainer.modules.dpo._scoring.DPOScoringMixin.chosen_nll`); only the targets differ (ORPO's NLL
+    also scores the prompt tokens) and the pair term may average instead of sum.
+    """
+
+    #: the pair term takes per-token AVERAGED log-probs (else sums)
+    averaged: bool = True
+    #: the NLL term covers the chosen rows' prompt tokens too (ORPO in TRL), else their completion tokens only
+    nll_on_prompt: bool = False
+    #: the weight of the NLL term (0: not computed into the loss)
+    nll_weight: float = 1.0
+    #: no reference model (``BaseModule.networks_to_shard`` and the callbacks duck-type on this attribute)
+    ref_model = None
+    metric_names: tuple[str, ...] = CPO_METRIC_NAMES
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        *,
+        disable_dropout: bool,
+        learning_rate: float,
+        trust_remote_code: bool,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs)
+        if disable_dropout:
+            disable_dropout_in_model(self.model)
+        for name in ("loss", *self.metric_names):
+            self.val_metrics.add(name, MeanMetric())
+
+    # ------------------------------------------------------------------------------------------ subclass API
+    def pair_terms(self, chosen: Tensor, rejected: Tensor) -> Tensor:
+        """``(B,)`` per-pair losses from the pair term's per-sequence log-probs."""
+        raise NotImplementedError
+
+    def pair_metrics(self, chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+        """The reward metrics (TRL's ``rewards/*`` and, for ORPO, the log-odds) of one micro-batch."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> _Scored:
+        """Per-token log-probs of the 2B rows (over the NLL term's tokens), the pair term's per-sequence log-probs
+        (sum or average over the completion tokens) and the completion mask, from one forward."""
+        if self.nll_on_prompt:  # every real token is a target; a packed row's boundaries are dropped by `per_row`
+            keep = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(batch["input_ids"])
+        else:
+            keep = batch["completion_mask"]
+        targets = next_token_targets(batch["input_ids"].masked_fill(keep == 0, IGNORE_INDEX))
+        scored = self.score_tokens(
+            model,
+            targets,
+            with_logits_mean=stats,
+            input_ids=batch["input_ids"],
+            use_cache=False,
+            **masking_kwargs(batch),
+        )
+        token_logps, mask = scored.logps[:, :-1], targets[:, :-1] != IGNORE_INDEX
+        logits_mean = scored.logits_mean[:, :-1] if stats else None
+        token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)
+        completion = row_completion_mask(batch)[:, 1:].bool() & mask
+        seq = sequence_logps(token_logps, completion)
+        if self.averaged:  # TRL's average_log_prob: sum / completion tokens
+            seq = seq / completion.sum(-1).clamp(min=1)
+        return _Scored(Scores(seq, token_logps, mask, logits_mean), completion)
+
+    # ------------------------------------------------------------------------------------------ loss
+    def _pair_losses(self, scored: _Scored) -> Tensor:
+        seq, pairs = scored.scores.seq, scored.pairs
+        return self.pair_terms(seq[:pairs], seq[pairs:])
+
+    def _nll_count(self, counts: Tensor | None, local: Tensor) -> Tensor:
+        if counts is None:
+            return local
+        index = 2 if self.nll_on_prompt else 1
+        counts = counts.reshape(-1)
+        if counts.numel() <= index:
+            what = "pairs, chosen completion tokens" + (", chosen tokens with their prompt" if index == 2 else "")
+            raise ValueError(
+                f"{type(self).__name__} needs {index + 1} counts per micro-batch in `num_items_in_batch` ({what}): "
+                "train with a PreferenceDataModule, or make your loader's `count_items` return them (see "
+                "`PreferenceDataModule.count_items`)."
+            )
+        return counts[index]
+
+    @override
+    def compute_loss(
+        self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``Σ pair terms / step pairs + w · Σ chosen NLL / step NLL tokens`` (step counts over micro-batches and
+        ranks when given; the micro-batch's own counts otherwise, which is TRL's loss)."""
+        scored = self.score(self.model, batch, stats=True)
+        losses = self._pair_losses(scored)
+        pairs = losses.numel() if num_items_in_batch is None else num_items_in_batch.reshape(-1)[0]
+        loss = losses.sum() / pairs
+        nll, tokens = DPOScoringMixin.chosen_nll(scored.scores)
+        if self.nll_weight:
+            loss = loss + self.nll_weight * nll / self._nll_count(num_items_in_batch, tokens).clamp(min=1)
+        return loss, self._metrics_of(scored, nll.detach() / tokens.clamp(min=1))
+
+    def _metrics_of(self, scored: _Scored, nll: Tensor) -> dict[str, Tensor]:
+        pairs, seq = scored.pairs, scored.scores.seq.detach()
+        with torch.no_grad():
+            metrics = self.pair_metrics(seq[:pairs], seq[pairs:])
+            metrics["logps/chosen"], metrics["logps/rejected"] = seq[:pairs].mean(), seq[pairs:].mean()
+            mask = scored.completion.float()
+            weighted = scored.scores.logits_mean * mask
+            metrics["logits/chosen"] = weighted[:pairs].sum() / mask[:pairs].sum().clamp(min=1)
+            metrics["logits/rejected"] = weighted[pairs:].sum() / mask[pairs:].sum().clamp(min=1)
+            metrics["nll_loss"] = nll
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ Lightning hooks
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
+        """Run the policy (logits only; the loss is computed by the module)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        scored = self.score(self.model, batch, stats=True)
+        losses = self._pair_losses(scored)
+        nll, tokens = DPOScoringMixin.chosen_nll(scored.scores)
+        self.val_metrics["loss"].update(losses.mean(), weight=losses.numel())
+        for name, value in self._metrics_of(scored, nll / tokens.clamp(min=1)).items():
+            self.val_metrics[name].update(value, weight=tokens if name == "nll_loss" else losses.numel())
+
+    @override
+    def finalize_val_metrics(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``val_loss`` = the set's mean pair term + ``w`` × its token-mean NLL (``val_nll_loss``, also logged)."""
+        if "val_loss" in values and "val_nll_loss" in values and self.nll_weight:
+            values["val_loss"] = values["val_loss"] + self.nll_weight * values["val_nll_loss"]
+        return values
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            check_trainer_packing(self.trainer, self.model)
+
+
+class ORPOModule(_ReferenceFreeModule):
+    """ORPO: odds-ratio preference optimisation, SFT and preference in one loss, no reference model (TRL 1.16
+    ``experimental.orpo.ORPOTrainer``).
+
+    Per optimizer step: ``NLL + mean_pairs(−β · log σ(L))``, where ``L`` is the log odds ratio of the chosen over the
+    rejected completion (:func:`~lit_trainer.losses.reference_free.orpo_log_odds`) computed from per-token AVERAGED
+    completion log-probs, and ``NLL`` the token-mean negative log-likelihood of the chosen rows. As in TRL the NLL
+    covers the chosen rows' prompt tokens too (``nll_on_prompt=True``; False: completion tokens only). The pair term
+    is divided by the step's pair count, the NLL by the step's count of its tokens (over micro-batches and ranks), so
+    ``accumulate_grad_batches=N`` gives the full-batch gradient; with one micro-batch on one device it is TRL's loss.
+
+    Logged (TRL's names): ``rewards/chosen``/``rewards/rejected`` (``β`` × averaged log-probs), ``rewards/accuracies``,
+    ``rewards/margins``, ``logps/chosen``/``logps/rejected`` (averaged), ``logits/chosen``/``logits/rejected``,
+    ``nll_loss``, ``log_odds_ratio`` (``mean log σ(L)``) and ``log_odds_chosen`` (``mean L``); validation the same with
+    ``val_`` plus ``val_loss``.
+
+    Args:
+        model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
+        beta: ``β``, the paper's ``λ``: the weight of the odds-ratio term (TRL's default 0.1).
+        nll_on_prompt: the NLL term also covers the prompt tokens of the chosen rows (TRL 1.16); its token count is
+            the third count of ``PreferenceDataModule.count_items``.
+        disable_dropout: zero every dropout (TRL's default).
+        learning_rate: peak learning rate (TRL's default 1e-6; the addition recipe uses 3e-4).
+        trust_remote_code: passed to ``from_pretrained``.
+        **kwargs: optimizer, scheduler, LoRA, sharding and chunking options of
+            :class:`~lit_trainer.modules.base.BaseModule`.
+
+    Raises:
+        ValueError: ``beta <= 0``; in training, a loader whose ``num_items_in_batch`` lacks the NLL count.
+
+    Example::
+
+        module = ORPOModule("runs/sft/version_0/hf_model", beta=0.1, learning_rate=3e-4)
+        trainer = lightning.Trainer(max_steps=300)
+        trainer.fit(module, datamodule=PreferenceDataModule("runs/sft/version_0/hf_model", batch_size=64))
+    """
+
+    averaged = True
+    metric_names = ORPO_METRIC_NAMES
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = "tiny",
+        *,
+        beta: float = 0.1,
+        nll_on_prompt: bool = True,
+        disable_dropout: bool = True,
+        learning_rate: float = 1e-6,
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not beta > 0:
+            raise ValueError(f"`ORPOModule(beta={beta})` is invalid: beta (ORPO's lambda) must be > 0, e.g. 0.1.")
+        self.beta, self.nll_on_prompt = float(beta), bool(nll_on_prompt)
+        super().__init__(
+            model,
+            disable_dropout=disable_dropout,
+            learning_rate=learning_rate,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+
+    @override
+    def pair_terms(self, chosen: Tensor, rejected: Tensor) -> Tensor:
+        return orpo_loss(chosen, rejected, beta=self.beta)
+
+    @override
+    def pair_metrics(self, chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+        log_odds = orpo_log_odds(chosen, rejected)
+        return {
+            **_reward_metrics(self.beta * chosen, self.beta * rejected),
+            "log_odds_ratio": F.logsigmoid(log_odds).mean(),
+            "log_odds_chosen": log_odds.mean(),
+        }
+
+
+class CPOModule(_ReferenceFreeModule):
+    """CPO and its reference-free relatives: SimPO and AlphaPO (TRL 1.16 ``experimental.cpo.CPOTrainer``).
+
+    Per optimizer step: ``mean_pairs ℓ + cpo_alpha · NLL``, with ``ℓ`` from
+    :func:`~lit_trainer.losses.reference_free.cpo_loss` (``sigmoid``/``hinge`` on SUMMED completion log-probs,
+    ``ipo``/``simpo``/``alphapo`` on per-token AVERAGED ones) and ``NLL`` the token-mean negative log-likelihood of the
+    chosen completion tokens (the behaviour-cloning term). The pair term is divided by the step's pair count and the
+    NLL by the step's chosen completion tokens (the data module's two counts), so ``accumulate_grad_batches=N`` gives
+    the full-batch gradient; with one micro-batch on one device it is TRL's loss.
+
+    **SimPO** is ``CPOModule(loss_type="simpo", simpo_gamma=..., cpo_alpha=0.0)``, as in TRL (SimPO's paper uses
+    ``β`` of 2 to 10); ``cpo_alpha > 0`` gives CPO-SimPO. **AlphaPO** is ``loss_type="alphapo"``
+    with ``alpha != 0``: SimPO with the reward ``(1 − p^{−α})/α``; like TRL it sets ``cpo_alpha = 0``. ``alpha`` also
+    reshapes the reward of the other loss types.
+
+    Logged (TRL's names): ``rewards/chosen``/``rewards/rejected`` (``β`` × the reward: log-probs, or AlphaPO's),
+    ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``/``logps/rejected`` (summed or averaged as the loss
+    takes them), ``logits/chosen``/``logits/rejected``, ``nll_loss``; validation the same with ``val_`` plus
+    ``val_loss``.
+
+    Args:
+        model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
+        loss_type: ``sigmoid`` (CPO), ``hinge``, ``ipo``, ``simpo`` or ``alphapo``.
+        beta: ``β`` > 0 (TRL's default 0.1).
+        label_smoothing: ``ε`` in [0, 1) for sigmoid, simpo and alphapo (refused for hinge/ipo, which TRL ignores).
+        cpo_alpha: weight of the NLL term (TRL's default 1.0; SimPO: 0; forced to 0 by ``alphapo``).
+        simpo_gamma: ``γ``, SimPO's target reward margin (simpo and alphapo; TRL's default 0.5).
+        alpha: AlphaPO's reward shape (0: the log-probs; needed non-zero by ``alphapo``).
+        disable_dropout: zero every dropout (TRL's default).
+        learning_rate: peak learning rate (TRL's default 1e-6; the addition recipe uses 3e-4).
+        trust_remote_code: passed to ``from_pretrained``.
+        **kwargs: optimizer, scheduler, LoRA, sharding and chunking options of
+            :class:`~lit_trainer.modules.base.BaseModule`.
+
+    Raises:
+        ValueError: an unknown ``loss_type``, ``beta <= 0``, ``label_smoothing`` outside [0, 1) or with hinge/ipo,
+            a negative ``cpo_alpha``, ``alphapo`` with ``alpha == 0``.
+
+    Example::
+
+        simpo = CPOModule("runs/sft/version_0/hf_model", loss_type="simpo", beta=2.0, simpo_gamma=1.0, cpo_alpha=0.0)
+        trainer = lightning.Trainer(max_steps=300)
+        trainer.fit(simpo, datamodule=PreferenceDataModule("runs/sft/version_0/hf_model", batch_size=64))
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = "tiny",
+        *,
+        loss_type: CPOLossType = "sigmoid",
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        cpo_alpha: float = 1.0,
+        simpo_gamma: float = 0.5,
+        alpha: float = 0.0,
+        disable_dropout: bool = True,
+        learning_rate: float = 1e-6,
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        try:
+            check_cpo_options(loss_type, beta, label_smoothing, alpha)
+        except ValueError as err:
+            raise ValueError(f"CPOModule: {err}") from None
+        if cpo_alpha < 0:
+            raise ValueError(f"`CPOModule(cpo_alpha={cpo_alpha})` is invalid: the NLL weight must be >= 0.")
+        self.loss_type, self.averaged = loss_type, loss_type in AVERAGED_LOSS_TYPES
+        self.nll_weight = 0.0 if loss_type == "alphapo" else float(cpo_alpha)  # TRL: alphapo = simpo, cpo_alpha 0
+        self._options = {"beta": beta, "label_smoothing": label_smoothing, "simpo_gamma": simpo_gamma, "alpha": alpha}
+        super().__init__(
+            model,
+            disable_dropout=disable_dropout,
+            learning_rate=learning_rate,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+
+    @override
+    def pair_terms(self, chosen: Tensor, rejected: Tensor) -> Tensor:
+        return cpo_loss(chosen, rejected, loss_type=self.loss_type, **self._options)
+
+    @override
+    def pair_metrics(self, chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+        beta, alpha = self._options["beta"], self._options["alpha"]
+        return _reward_metrics(beta * cpo_rewards(chosen, alpha), beta * cpo_rewards(rejected, alpha))
+
+
+def _reward_metrics(chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+    return {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+    }
