@@ -69,19 +69,42 @@ class GRPORolloutMixin:
         signal, :mod:`lit_trainer._stop_request`) may end its generation early; the ranks then agree, right after
         generating, whether to drop the round and save the last finished step (the callback raises) or go on.
         """
+        rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
+        advantages, metrics = self._score(scoring_batch, completions, decoded)
+        metrics.update(tool_metrics)
+        rows["advantages"] = advantages
+        if self._stores_old_logps():
+            rows["old_logps"] = self._chunked_logps(self.model, rows)
+        if self.ref_model is not None:
+            rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
+        self._buffer_round(rows, metrics)
+
+    def _stores_old_logps(self) -> bool:
+        """Whether a round keeps its generation-time log-probs (used across optimizer steps); read per round, since a
+        ``GradientAccumulationScheduler`` may change ``accumulate_grad_batches`` at an epoch start."""
+        return needs_old_logps(
+            self.trainer.accumulate_grad_batches,
+            self.rollout_geometry.steps_per_generation,
+            self.hparams.num_iterations,
+        )
+
+    def _generate_rows(self, batch: dict[str, Any], can_stop: bool) -> tuple:
+        """Sample this rank's rows of one round, seeded by round and rank: tools, environments and ``rollout_func``,
+        continuous batching, or plain ``generate``. With ``mask_truncated_completions`` truncated completions leave
+        the completion mask here, before any log-prob. Returns ``(rows, completions, the batch the reward functions
+        read, the decoded agentic texts or None, tool metrics)``."""
+        hp = self.hparams
         rank, seed, round_index = self.global_rank, self._seed, self._buffer.next_round_index
         prompt_ids, prompt_mask = self._prompt_inputs(batch)
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        hp = self.hparams
         config = self._sampling_config(eos)
         should_stop = stop_check(self.trainer) if can_stop else None
+        custom = self.agentic or self.rollout_func is not None
         with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
-            if self.agentic or self.rollout_func is not None:
-                agentic = (
-                    self._custom_round(batch, eos, config.pad_token_id)
-                    if self.rollout_func is not None
-                    else self._tool_round(batch, config, eos, should_stop)
-                )
+            if self.rollout_func is not None:
+                agentic = self._custom_round(batch, eos, config.pad_token_id)
+            elif self.agentic:
+                agentic = self._tool_round(batch, config, eos, should_stop)
             elif self.continuous_batching:  # the engine has no stopping criteria: a stop waits for its batch
                 completions = rollout.generate_completions_continuous(
                     self.model, prompt_ids, prompt_mask, config, eos, hp.transformers_continuous_batching_config
@@ -92,36 +115,24 @@ class GRPORolloutMixin:
                 )
         if should_stop is not None:
             stop_in_step(self.trainer)  # raises when the run stops here; the partial round is dropped
-        if self.agentic or self.rollout_func is not None:
+        if custom:
             rows, completions = agentic.rows, agentic.completions
-            decoded = (agentic.texts, agentic.kept, agentic.reward_kwargs)
-            advantages, metrics = self._score(agentic_batch(batch, agentic), completions, decoded)
-            metrics.update(agentic.tool_metrics)
-            rows["advantages"] = advantages
-            if hp.mask_truncated_completions:
-                rows["completion_mask"] = rows["completion_mask"] * (~completions.truncated).unsqueeze(1).long().to(
-                    self.device
-                )
+            scoring = (agentic_batch(batch, agentic), (agentic.texts, agentic.kept, agentic.reward_kwargs))
+            tool_metrics = agentic.tool_metrics
         else:
-            advantages, metrics = self._score(batch, completions)
-            mask = completions.mask
-            if hp.mask_truncated_completions:
-                mask = mask * (~completions.truncated).unsqueeze(1).long()
-            rows = {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "completion_ids": completions.ids,
-                "completion_mask": mask,
-                "advantages": advantages,
-            }
-        # read per round: a GradientAccumulationScheduler may change accumulate_grad_batches at an epoch start
-        if needs_old_logps(
-            self.trainer.accumulate_grad_batches, self.rollout_geometry.steps_per_generation, hp.num_iterations
-        ):
-            rows["old_logps"] = self._chunked_logps(self.model, rows)
-        if self.ref_model is not None:
-            rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
-        shuffler = torch.Generator().manual_seed(rollout.rollout_seed(seed, round_index, rank, stream=1))
+            rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids}
+            rows["completion_mask"] = completions.mask
+            scoring, tool_metrics = (batch, None), {}
+        if hp.mask_truncated_completions:
+            kept = (~completions.truncated).unsqueeze(1).to(rows["completion_mask"])  # its dtype and device
+            rows["completion_mask"] = rows["completion_mask"] * kept
+        return rows, completions, scoring[0], scoring[1], tool_metrics
+
+    def _buffer_round(self, rows: dict[str, Tensor], metrics: dict[str, Tensor]) -> None:
+        """Shuffle the round's rows with a seeded generator, split them into micro-batches and buffer them with each
+        micro-batch's completion-token count summed over ranks."""
+        seed, round_index = self._seed, self._buffer.next_round_index
+        shuffler = torch.Generator().manual_seed(rollout.rollout_seed(seed, round_index, self.global_rank, stream=1))
         slices = self._buffer.shuffle(rows, shuffler)
         tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()
         if self.trainer.world_size > 1:

@@ -1,0 +1,257 @@
+"""RLOOModule: REINFORCE Leave-One-Out (TRL 1.16 ``RLOOTrainer`` semantics) on the GRPO rollout machinery.
+
+Everything about rollouts is :class:`~lit_trainer.modules.grpo.GRPOModule`'s: one batched generation per
+``steps_per_generation`` micro-steps, reward functions and reward models (gathered over ranks), tools, environments
+and ``rollout_func``, the seeded shuffle and buffer, exact resume in the middle of a round, DDP, LoRA, validation.
+What RLOO changes (the math is in :mod:`lit_trainer.losses.rloo`):
+
+* advantages: each completion's reward minus the mean reward of the other completions of its prompt
+  (:func:`~lit_trainer.losses.rloo.rloo_advantages`), optionally whitened over the generation batch;
+* the KL to the reference (``beta``, default 0.05 as the reference) is a reward penalty, summed per sequence from the
+  generation-time log-probs, BEFORE the baseline; so a round computes the policy's and the reference's log-probs
+  first, then the advantages (:meth:`RLOOModule._make_rollouts`);
+* the loss is the sequence-level clipped surrogate averaged over the micro-batch's sequences
+  (:func:`~lit_trainer.losses.rloo.rloo_policy_loss`); micro-batch means are averaged over the optimizer step's
+  micro-batches and the ranks, as the reference's per-micro-batch loss divided by the accumulation steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lit_trainer.data.prompt import PROMPTS
+from lit_trainer.losses.grpo_advantages import grpo_reward_metrics, nanstd
+from lit_trainer.losses.grpo_masks import masked_mean_entropy
+from lit_trainer.losses.rloo import (
+    _check_clip_range,
+    rloo_advantages,
+    rloo_loss_metrics,
+    rloo_policy_loss,
+    rloo_rewards,
+    sequence_logps,
+)
+from lit_trainer.modules.grpo import GRPOModule
+from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.modules.grpo._reward_calls import score_completions
+from lit_trainer.rewards import is_conversational
+
+GRPO_ONLY_OPTIONS = frozenset(
+    {
+        "loss_type", "delta", "use_bias_correction_kl", "importance_sampling_level", "scale_rewards",
+        "multi_objective_aggregation", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef",
+        "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+        "off_policy_mask_threshold",
+    }
+)  # fmt: skip
+"""GRPOModule options with no meaning in RLOO (its loss and advantages are fixed): refused with a message."""
+_LOSS_PATH = "grpo"
+"""The ``loss_type`` RLOOModule hands GRPOModule: its per-micro-batch-mean accumulation path (no token normaliser),
+which is how the reference accumulates RLOO's per-micro-batch mean; the loss itself is :meth:`compute_loss`'s."""
+
+
+def _refuse_grpo_only(kwargs: dict[str, Any]) -> None:
+    """Pop the GRPO-only options from ``kwargs``; one set to anything but GRPOModule's default is an error (the CLI
+    passes every inherited option with its default, so presence alone is not a mistake; ``loss_type="grpo"`` is
+    what RLOOModule itself stores, so a checkpoint's hyperparameters load)."""
+    defaults = inspect.signature(GRPOModule.__init__).parameters
+    for name in sorted(GRPO_ONLY_OPTIONS & kwargs.keys()):
+        value = kwargs.pop(name)
+        if value != defaults[name].default and (name, value) != ("loss_type", _LOSS_PATH):
+            raise ValueError(
+                f"`RLOOModule({name}={value!r})` is a GRPOModule option with no meaning in RLOO (its advantages and "
+                "sequence-level loss are fixed): remove it, or use GRPOModule."
+            )
+
+
+class RLOOModule(GRPOModule):
+    """REINFORCE Leave-One-Out (TRL 1.16 ``RLOOTrainer``) as a LightningModule, on GRPOModule's rollouts.
+
+    Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule` exactly as :class:`GRPOModule`.
+
+    Args:
+        model: preset name, local directory, hub id, or a ``PreTrainedModel``.
+        reward_funcs: as :class:`GRPOModule` (functions, import paths, reward models).
+        reward_weights: one weight per function (default all 1.0).
+        num_generations: completions per prompt ``G`` (>= 2; the reference's default 2).
+        steps_per_generation: micro-steps served by one generation (default: ``accumulate_grad_batches``).
+        generation_batch_size: completions per generation over all ranks (exclusive with the above).
+        num_iterations: passes over each generation batch (> 1 stores the generation-time log-probs).
+        max_completion_length: new-token budget per completion.
+        temperature: sampling temperature (log-probs use logits divided by it, as the reference).
+        mask_truncated_completions: drop completions without EOS from the loss and the KL (their rewards still count
+            in the baselines).
+        epsilon: lower clip of the sequence ratio; also the upper one when ``epsilon_high`` is None.
+        epsilon_high: upper clip.
+        beta: KL coefficient: ``r - beta * sum_t (log pi_old - log pi_ref)`` per completion, before the baseline.
+            != 0 keeps a frozen reference (a copy of the initial policy; with ``peft_config`` the policy with its
+            adapters disabled). The reference's default 0.05.
+        normalize_advantages: whiten the advantages over the whole generation batch (all ranks).
+        reward_clip_range: ``(low, high)`` clip of the weighted reward (before the KL); None = off.
+        learning_rate: peak learning rate (the reference's default 1e-6).
+        **kwargs: the remaining :class:`GRPOModule` options that apply to RLOO (sampling: ``top_p``, ``top_k``,
+            ``min_p``, ``repetition_penalty``, ``generation_kwargs``, ``cache_implementation``; reward models:
+            ``reward_processing_classes``, ``reward_model_batch_size``, ``reward_model_inputs``; ``sync_ref_model`` and
+            its two options; logging: ``log_completions``, ``num_completions_to_print``, ``log_unique_prompts``;
+            ``tools``, ``environment_factory``, ``rollout_func``, ``chat_template_kwargs``, ``eval_do_sample``,
+            ``generation_seed``) and :class:`~lit_trainer.modules.base.BaseModule`'s optimizer options.
+
+    Raises:
+        ValueError: on a GRPO-only option (``loss_type``, ``scale_rewards``, the entropy options, ...), a bad
+            ``reward_clip_range``, or any :class:`GRPOModule` validation error.
+
+    Example::
+
+        module = RLOOModule("tiny", reward_funcs=[arithmetic_reward], num_generations=8, temperature=0.7,
+                            max_completion_length=8, beta=0.0, learning_rate=1e-4)
+        lightning.Trainer(max_steps=200).fit(module, datamodule=PromptDataModule(batch_size=64, max_length=16))
+    """
+
+    def __init__(
+        self,
+        model: Any = "tiny",
+        *,
+        reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 2,
+        steps_per_generation: int | None = None,
+        generation_batch_size: int | None = None,
+        num_iterations: int = 1,
+        max_completion_length: int = 512,
+        temperature: float = 1.0,
+        mask_truncated_completions: bool = False,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.05,
+        normalize_advantages: bool = False,
+        reward_clip_range: tuple[float, float] | None = None,
+        learning_rate: float = 1e-6,
+        **kwargs: Any,
+    ) -> None:
+        _refuse_grpo_only(kwargs)
+        _check_clip_range(reward_clip_range)
+        super().__init__(
+            model,
+            reward_funcs=reward_funcs,
+            reward_weights=reward_weights,
+            num_generations=num_generations,
+            steps_per_generation=steps_per_generation,
+            generation_batch_size=generation_batch_size,
+            num_iterations=num_iterations,
+            max_completion_length=max_completion_length,
+            temperature=temperature,
+            mask_truncated_completions=mask_truncated_completions,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            beta=beta,
+            loss_type=_LOSS_PATH,
+            learning_rate=learning_rate,
+            **kwargs,
+        )
+        for name in GRPO_ONLY_OPTIONS - {"loss_type"}:  # not RLOO's: keep them out of the saved hyperparameters
+            self.hparams.pop(name, None)
+        self.hparams["loss_type"] = _LOSS_PATH  # also under the CLI, whose hyperparameters are the config's
+        self.hparams["normalize_advantages"] = normalize_advantages
+        self.hparams["reward_clip_range"] = None if reward_clip_range is None else tuple(reward_clip_range)
+
+    # ------------------------------------------------------------------------------------------------ rollouts
+    @override
+    @torch.no_grad()
+    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False) -> None:
+        """One round (as GRPOModule's), but the log-probs come before the advantages: RLOO's KL is a reward term.
+
+        Generation-time log-probs are computed when the KL needs them (``beta != 0``) and stored only when the round
+        is used across optimizer steps; the reference's are used for the KL and not stored (the loss has no KL term).
+        """
+        hp = self.hparams
+        rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
+        stored = self._stores_old_logps()
+        old = self._chunked_logps(self.model, rows) if stored or hp.beta != 0 else None
+        kl_tokens = None
+        if hp.beta != 0:
+            kl_tokens = self._chunked_logps(self.ref_model, rows)
+            kl_tokens = old - kl_tokens  # first-order per-token estimate log pi_old - log pi_ref (may be < 0)
+        advantages, metrics = self._score(scoring_batch, completions, decoded, kl_tokens=kl_tokens, rows=rows)
+        metrics.update(tool_metrics)
+        rows["advantages"] = advantages
+        if stored:
+            rows["old_logps"] = old
+        self._buffer_round(rows, metrics)
+
+    @override
+    def _score(
+        self,
+        batch: dict[str, Any],
+        completions: rollout.Completions,
+        decoded: tuple | None = None,
+        *,
+        kl_tokens: Tensor | None = None,
+        rows: dict[str, Tensor] | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rewards of this rank's rows, gathered over ranks with the per-sequence KL -> (this rank's leave-one-out
+        advantages, the round's metrics: GRPO's reward and length metrics, ``frac_reward_zero_std`` of the clipped,
+        KL-penalised reward, and ``kl``, the token mean of ``log pi_old - log pi_ref`` over all ranks)."""
+        hp = self.hparams
+        if decoded is None:
+            texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
+            extra = None
+        else:
+            texts, kept, extra = decoded
+        rewards, logged = score_completions(self, batch, texts, kept, extra)
+        lengths = completions.mask.sum(1, keepdim=True).float().to(self.device)
+        truncated = completions.truncated.float().unsqueeze(1).to(self.device)
+        columns = [rewards.to(self.device), lengths, truncated]
+        if kl_tokens is not None:
+            mask = rows["completion_mask"]
+            columns += [sequence_logps(kl_tokens, mask).unsqueeze(1), mask.sum(1, keepdim=True).to(kl_tokens)]
+        table = self._gather_rows(torch.cat(columns, dim=1))
+        functions = rewards.shape[1]
+        all_rewards, all_lengths = table[:, :functions], table[:, functions]
+        all_truncated = table[:, functions + 1].bool()
+        kl = table[:, functions + 2] if kl_tokens is not None else None
+        if torch.isnan(all_rewards).all(dim=1).any():
+            rank_zero_warn(
+                "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
+            )
+        options = {"reward_weights": self.reward_weights, "reward_clip_range": hp.reward_clip_range}
+        options.update(kl=kl, beta=hp.beta)
+        advantages = rloo_advantages(
+            all_rewards, hp.num_generations, normalize_advantages=hp.normalize_advantages, **options
+        )
+        metrics = grpo_reward_metrics(
+            all_rewards, hp.num_generations, reward_weights=self.reward_weights, reward_names=self.reward_names
+        )
+        penalised = rloo_rewards(all_rewards, **options).reshape(-1, hp.num_generations)
+        std = nanstd(penalised, dim=1)
+        metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).to(std.dtype).mean()
+        if kl is not None:
+            metrics["kl"] = kl.sum() / table[:, functions + 3].sum().clamp(min=1.0)
+        metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
+        metrics.update(logged)
+        if hp.log_completions:
+            self._record_completions(batch[PROMPTS], texts, all_rewards, advantages)
+        local = rewards.shape[0]
+        return advantages[self.global_rank * local : (self.global_rank + 1) * local], metrics
+
+    # ---------------------------------------------------------------------------------------------------- loss
+    @override
+    def compute_loss(
+        self, batch: dict[str, Any], num_items_in_batch: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Sequence-level clipped loss of one buffered micro-batch (mean over its rows), its clip metrics and the
+        mean token entropy. ``num_items_in_batch`` is always None (a per-micro-batch mean, as the reference)."""
+        hp = self.hparams
+        logps, entropy = self.completion_logps(self.model, batch, with_entropy=True)
+        mask, old, advantages = batch["completion_mask"], batch.get("old_logps"), batch["advantages"]
+        clip = {"epsilon": hp.epsilon, "epsilon_high": hp.epsilon_high}
+        loss = rloo_policy_loss(logps, old, advantages, mask, **clip)
+        metrics = rloo_loss_metrics(logps, old, advantages, mask, **clip)
+        metrics["entropy"] = masked_mean_entropy(entropy.detach(), mask)
+        return loss, metrics
