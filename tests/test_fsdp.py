@@ -1,8 +1,8 @@
 """Sharded training (FSDP2 under ``ModelParallelStrategy``) on 2 CPU ranks (gloo), against one process.
 
-One launch of ``tests/scripts/fsdp_train.py`` runs the SFT, DPO and GRPO fits (see its docstring); the single-process
-references run here, with the same global batch (per-device batch 4 on one device = 2 per rank x 2 ranks) and
-accumulation, from the same initial weights, in float32.
+One launch of ``tests/scripts/fsdp_train.py`` runs the SFT, DPO, ORPO, KTO, GRPO and RLOO fits (see its docstring); the
+single-process references run here, with the same global batch (per-device batch 4 on one device = 2 per rank x 2
+ranks) and accumulation, from the same initial weights, in float32.
 
 Tolerances: the sharded float32 weights differ from the one-process float32 ones by the rounding of other reduction
 orders, amplified by Adam over the steps, by an amount that depends on the machine. Each comparison is calibrated on
@@ -159,6 +159,36 @@ def test_dpo_sharded_ends_with_the_single_process_weights(run: Path):
     ref = Rounding.of(single32["ref"], single64["ref"], what="DPO reference")
     ref.check(sharded["ref"], single32["ref"], mistake=step)
     assert any(not torch.equal(sharded["ref"][k], initial[k]) for k in sharded["ref"])  # it was refreshed
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("method", ["orpo", "kto"])
+def test_orpo_and_kto_sharded_end_with_the_single_process_weights(run: Path, method: str):
+    sharded = torch.load(run / f"{method}.pt", weights_only=False)
+    if method == "kto":
+        assert sharded["ref_types"] == {"DTensor"}  # the reference is sharded like the policy
+    build, data = getattr(common, f"{method}_module"), getattr(common, f"{method}_datamodule", common.dpo_datamodule)
+    tokenizer = ByT5Tokenizer()
+    single = {}
+    for precision in ("32-true", "64-true"):  # float32, and float64: the calibration
+        module = build(tokenizer)
+        common.trainer("auto", 1, common.DPO_STEPS, [], precision=precision).fit(module, datamodule=data(tokenizer, 4))
+        single[precision] = common.full_weights(module)
+    initial = dict(build(tokenizer).model.named_parameters())
+    step = _step_change(single["32-true"], initial, common.DPO_STEPS)
+    Rounding.of(single["32-true"], single["64-true"], what=f"{method} weights").check(
+        sharded["weights"], single["32-true"], mistake=step
+    )
+
+
+@pytest.mark.ddp
+def test_rloo_sharded_matches_ddp(run: Path):
+    for r in (0, 1):
+        rank = torch.load(run / f"rloo_rank{r}.pt", weights_only=False)
+        assert rank["sharded"]["longest"] == rank["ddp"]["longest"] == rank["ddp64"]["longest"]  # same completions
+        ddp = rank["ddp"]["weights"]
+        rounding = Rounding.of(ddp, rank["ddp64"]["weights"], what="RLOO weights")  # as GRPO's, calibrated in float64
+        rounding.check(rank["sharded"]["weights"], ddp, mistake=_step_change(ddp, rank["ddp"]["initial"], 4))
 
 
 @pytest.mark.ddp

@@ -97,6 +97,39 @@ class ClipRecorder(pl.Callback):
         self.pre.append(float(pl_module._grad_norm))
 
 
+def kto_datamodule(tokenizer: Any, batch_size: int) -> Any:
+    """16 thumbs-up/down rows: 8 addition problems, each with its correct sum and a near miss."""
+    from lit_trainer.data import builtin
+    from lit_trainer.data.unpaired import UnpairedPreferenceDataModule, unpair_rows
+
+    rows = unpair_rows(builtin.preference_rows("train").select(range(8))).shuffle(seed=0)
+    return UnpairedPreferenceDataModule(
+        tokenizer=tokenizer, dataset=rows, val_size=0, batch_size=batch_size, max_length=32, sampling="sequential"
+    )
+
+
+def kto_module(tokenizer: Any) -> Any:
+    """KTO with ``apo_zero_unpaired``: no KL estimate, whose mismatched partners are chunked by the per-rank batch size
+    (so a one-process run with the same global batch pairs other rows); the sharded policy and reference are what is
+    compared here (the KL estimate over ranks is tested under DDP)."""
+    from lit_trainer.modules.kto import KTOModule
+
+    return KTOModule(
+        tiny_llama(seed=2, layers=2),
+        tokenizer=tokenizer,
+        loss_type="apo_zero_unpaired",
+        learning_rate=1e-3,
+        beta=0.5,
+        max_grad_norm=1.0,
+    )
+
+
+def orpo_module(tokenizer: Any) -> Any:
+    from lit_trainer.modules.reference_free import ORPOModule
+
+    return ORPOModule(tiny_llama(seed=2, layers=2), tokenizer=tokenizer, learning_rate=1e-3, max_grad_norm=1.0)
+
+
 def dpo_module(tokenizer: Any) -> Any:
     from lit_trainer.modules.dpo import DPOModule
 
@@ -111,26 +144,33 @@ def dpo_module(tokenizer: Any) -> Any:
 
 
 def grpo_run(
-    strategy: Any, precision: str = "32-true", steps: int = 4, accumulate: int = ACCUMULATE, **module_kwargs: Any
+    strategy: Any,
+    precision: str = "32-true",
+    steps: int = 4,
+    accumulate: int = ACCUMULATE,
+    module_class: str = "GRPOModule",
+    **module_kwargs: Any,
 ) -> tuple[Any, list[int], ClipRecorder, dict[str, torch.Tensor]]:
     """GRPO, 2 ranks, ``steps`` optimizer steps; steps_per_generation 3 with accumulate 2 (a step spans two rounds,
     so the step's token count is only known at its end: the gradient-rescale path), by default with ``sync_ref_model``
     and ``top_entropy_quantile`` (the synced sharded reference and the entropy pool gathered over ranks). Returns the
     module and, per round, the longest completion this rank kept (they differ between ranks), the clipping record and
     the initial trainable weights. ``precision="64-true"``: the same run in float64, the calibration of the float32
-    comparisons (``tests/helpers/rounding.py``). ``accumulate``: micro-batches per optimizer step. ``module_kwargs``
-    go to ``GRPOModule`` (e.g. ``peft_config``)."""
+    comparisons (``tests/helpers/rounding.py``). ``accumulate``: micro-batches per optimizer step. ``module_class``:
+    ``"GRPOModule"`` or ``"RLOOModule"`` (the same rollouts, RLOO's advantages and loss; it has no entropy pool).
+    ``module_kwargs`` go to the module (e.g. ``peft_config``)."""
     import transformers
     from ddp_grpo import build_model, length_reward, prompt_texts
 
+    import lit_trainer
     from lit_trainer.data.prompt import PromptDataModule
-    from lit_trainer.modules.grpo import GRPOModule
 
     tokenizer = transformers.ByT5Tokenizer()
     model = build_model()
     with torch.no_grad():
         model.lm_head.bias[1] = 7.0  # EOS likely: each rank's longest completion varies round by round
-    module = GRPOModule(
+    grpo = module_class == "GRPOModule"
+    module = getattr(lit_trainer, module_class)(
         model,
         tokenizer=tokenizer,
         reward_funcs=[length_reward],
@@ -145,7 +185,7 @@ def grpo_run(
         **{
             "sync_ref_model": "peft_config" not in module_kwargs,  # TR-DPO on the sharded reference (not under LoRA:
             "ref_model_sync_steps": 2,  # its reference is the base); mixed after step 2, used by round 3's KL
-            "top_entropy_quantile": 0.5,  # the entropy pool is gathered over ranks (a collective under sharding)
+            "top_entropy_quantile": 0.5 if grpo else 1.0,  # GRPO's entropy pool is gathered over ranks
             **module_kwargs,
         },
     )
@@ -153,9 +193,9 @@ def grpo_run(
     longest: list[int] = []
     inner = module._score
 
-    def score(batch: dict, completions: Any) -> Any:
+    def score(batch: dict, completions: Any, *args: Any, **kwargs: Any) -> Any:
         longest.append(int(completions.mask.sum(1).max()))
-        return inner(batch, completions)
+        return inner(batch, completions, *args, **kwargs)
 
     module._score = score
     dm = PromptDataModule(

@@ -91,8 +91,8 @@ if __name__ == "__main__":
             rounds.append({"completion_ids": out[:, ids.shape[1] :].clone()})
             return out
 
-        def score(batch: dict, completions: Any) -> Any:
-            advantages, metrics = inner_score(batch, completions)
+        def score(batch: dict, completions: Any, *args: Any) -> Any:
+            advantages, metrics = inner_score(batch, completions, *args)
             rounds[-1].update(
                 advantages=advantages.clone(),
                 ids=completions.ids.clone(),

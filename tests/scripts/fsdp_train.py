@@ -1,4 +1,4 @@
-"""SFT, DPO and GRPO fits under ``ModelParallelStrategy`` (FSDP2) on 2 CPU ranks (gloo), in ONE launch.
+"""SFT, DPO, ORPO, KTO, GRPO and RLOO fits under ``ModelParallelStrategy`` (FSDP2) on 2 CPU ranks (gloo), in ONE launch.
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
@@ -7,8 +7,10 @@ checkpoint, with NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (
 BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
 BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded and under DDP, and under DDP in float64, the calibration of the
-comparison: weights, longest completion per round, clipping).
-Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO) and the DDP run (GRPO).
+comparison: weights, longest completion per round, clipping); ``orpo.pt`` (ORPO, reference-free: the sharded policy
+alone), ``kto.pt`` (KTO, policy and reference sharded); from each rank ``rloo_rank{r}.pt`` (RLOO on GRPO's rollouts,
+sharded, DDP and DDP in float64).
+Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO, ORPO, KTO) and the DDP runs (GRPO, RLOO).
 """
 
 import os
@@ -100,6 +102,23 @@ if __name__ == "__main__":
     if trainer.is_global_zero:
         torch.save(dpo_facts, os.path.join(out, "dpo.pt"))
 
+    orpo = common.orpo_module(tokenizer)  # reference-free: only the policy is sharded
+    trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
+    trainer.fit(orpo, datamodule=common.dpo_datamodule(tokenizer, 2))
+    orpo_weights = common.full_weights(orpo)
+    if trainer.is_global_zero:
+        torch.save({"weights": orpo_weights}, os.path.join(out, "orpo.pt"))
+
+    kto = common.kto_module(tokenizer)  # the policy and the frozen reference both sharded
+    trainer = common.trainer(common.model_parallel(), 2, common.DPO_STEPS, [])
+    trainer.fit(kto, datamodule=common.kto_datamodule(tokenizer, 2))
+    kto_facts = {
+        "weights": common.full_weights(kto),
+        "ref_types": {type(p).__name__ for p in kto.ref_model.parameters()},
+    }
+    if trainer.is_global_zero:
+        torch.save(kto_facts, os.path.join(out, "kto.pt"))
+
     bema_best = common.bema_best_run(common.model_parallel, 2, 2, out)
     if trainer.is_global_zero:
         torch.save(bema_best, os.path.join(out, "bema_best.pt"))
@@ -113,3 +132,10 @@ if __name__ == "__main__":
         grpo[name]["ref"] = common.full_weights(module, "ref_model")
         grpo[name]["post64"] = clip.post64
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))
+
+    rloo = {}  # RLOO on the same rollouts: its KL-in-the-reward needs the sharded reference's log-probs
+    runs = (("sharded", common.model_parallel(), "32-true"), ("ddp", "ddp", "32-true"), ("ddp64", "ddp", "64-true"))
+    for name, strategy, precision in runs:  # a fresh strategy: one that has run a fit is not reused
+        module, longest, _, initial = common.grpo_run(strategy, precision, module_class="RLOOModule")
+        rloo[name] = {"weights": common.full_weights(module), "initial": initial, "longest": longest}
+    torch.save(rloo, os.path.join(out, f"rloo_rank{module.global_rank}.pt"))

@@ -48,8 +48,8 @@ if __name__ == "__main__":
         metrics: list[dict[str, float]] = []
         inner = module._score
 
-        def score(batch: dict, completions: Any) -> Any:
-            advantages, round_metrics = inner(batch, completions)
+        def score(batch: dict, completions: Any, *args: Any) -> Any:
+            advantages, round_metrics = inner(batch, completions, *args)
             metrics.append({k: float(v) for k, v in round_metrics.items() if k.startswith(("reward", "rewards/"))})
             return advantages, round_metrics
 
