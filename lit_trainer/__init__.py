@@ -12,10 +12,30 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CausalLMModule", "DPOModule", "GRPOModule", "RewardModule"]
+__all__ = [
+    "CPOModule",
+    "CausalLMModule",
+    "DPOModule",
+    "DistillationModule",
+    "GRPOModule",
+    "KTOModule",
+    "ORPOModule",
+    "RLOOModule",
+    "RewardModule",
+]
 
 if TYPE_CHECKING:
-    from lit_trainer.modules import CausalLMModule, DPOModule, GRPOModule, RewardModule
+    from lit_trainer.modules import (
+        CausalLMModule,
+        CPOModule,
+        DistillationModule,
+        DPOModule,
+        GRPOModule,
+        KTOModule,
+        ORPOModule,
+        RewardModule,
+        RLOOModule,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -21,11 +21,24 @@ from typing import Any
 import lightning as L
 import pytest
 
-from lit_trainer import CausalLMModule, DPOModule, GRPOModule, RewardModule
+from lit_trainer import (
+    CausalLMModule,
+    CPOModule,
+    DistillationModule,
+    DPOModule,
+    GRPOModule,
+    KTOModule,
+    ORPOModule,
+    RewardModule,
+    RLOOModule,
+)
 from lit_trainer.cli.app import DEFAULT_SEED
-from lit_trainer.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+from lit_trainer.data import PreferenceDataModule, PromptDataModule, SFTDataModule, UnpairedPreferenceDataModule
 
 trl = pytest.importorskip("trl")
+from trl.experimental.cpo import CPOConfig  # noqa: E402
+from trl.experimental.gkd import GKDConfig  # noqa: E402
+from trl.experimental.orpo import ORPOConfig  # noqa: E402
 from trl.trainer.base_config import _BaseConfig  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trl_differences.md"
@@ -39,6 +52,15 @@ PAIRS = [
     (GRPOModule, trl.GRPOConfig),
     (PromptDataModule, trl.GRPOConfig),
     (RewardModule, trl.RewardConfig),
+    (KTOModule, trl.KTOConfig),
+    (UnpairedPreferenceDataModule, trl.KTOConfig),
+    (ORPOModule, ORPOConfig),
+    (CPOModule, CPOConfig),
+    (PreferenceDataModule, ORPOConfig),
+    (RLOOModule, trl.RLOOConfig),
+    (PromptDataModule, trl.RLOOConfig),
+    (DistillationModule, GKDConfig),
+    (SFTDataModule, GKDConfig),
 ]
 #: our option -> TRL/TrainingArguments fields of the same meaning under another name (the first one present is used)
 ALIASES = {

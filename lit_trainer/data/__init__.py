@@ -5,6 +5,7 @@ from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.data.samplers import BatchRebalanceSampler, LengthGroupedSampler, RepeatSampler
 from lit_trainer.data.sft import SFTDataModule
+from lit_trainer.data.unpaired import UnpairedPreferenceDataModule
 
 __all__ = [
     "BaseDataModule",
@@ -14,4 +15,5 @@ __all__ = [
     "PromptDataModule",
     "RepeatSampler",
     "SFTDataModule",
+    "UnpairedPreferenceDataModule",
 ]
