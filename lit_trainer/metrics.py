@@ -117,3 +117,35 @@ def greedy_exact_match(generated: Tensor, targets: Tensor, eos_token_id: int | N
         gen = gen[:stop]
         results.append(gen == tgt)
     return torch.tensor(results, dtype=torch.bool)
+
+
+@torch.no_grad()
+def greedy_batch_matches(
+    model: Any,
+    batch: dict[str, Tensor],
+    *,
+    max_new_tokens: int,
+    pad_token_id: int | None,
+    eos_token_id: int | list[int] | None,
+    synced_gpus: bool = False,
+) -> Tensor:
+    """Greedy exact match of a validation batch's rows that have a prompt: ``model.generate`` from the left-padded
+    ``prompt_input_ids``/``prompt_attention_mask``, compared with ``completion_ids`` (:func:`greedy_exact_match`; the
+    first EOS id ends a completion). ``synced_gpus``: the model is sharded, so ranks keep stepping until all are done.
+
+    Returns:
+        ``(R,)`` bool, one per row with a prompt.
+    """
+    prompts, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+    has_prompt = mask.sum(-1) > 0
+    generated = model.generate(
+        input_ids=prompts[has_prompt],
+        attention_mask=mask[has_prompt],
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        synced_gpus=synced_gpus,
+    )[:, prompts.size(1) :]
+    eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)

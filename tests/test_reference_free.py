@@ -25,7 +25,6 @@ import yaml
 from datasets import Dataset
 
 from helpers.accumulation import GradCapture, calibrated
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.cli import LitTrainerCLI
@@ -344,26 +343,3 @@ def test_logged_rewards_are_beta_times_the_reward():
     orpo = ORPOModule(tiny_llama(0), beta=0.2).pair_metrics(c, r)
     assert float(orpo["log_odds_ratio"]) == pytest.approx(float(F.logsigmoid(orpo_log_odds(c, r)).mean()))
     assert float(orpo["rewards/chosen"]) == pytest.approx(-0.3)
-
-
-@pytest.mark.slow
-@pytest.mark.ddp
-def test_ddp_two_ranks_give_the_full_batch_gradient(tokenizer, tmp_path):
-    """ORPO, 2 ranks x 2 micro-batches x 2 pairs = the 8 uneven pairs in one step: the all-reduced gradient is the
-    full batch's (pair mean over 8 pairs, NLL mean over all chosen tokens with their prompts, across ranks)."""
-    (tmp_path / "rows.json").write_text(json.dumps(UNEVEN))
-    proc = run_script("ddp_reference_free.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert all(r["world"] == 2 and len(r["seen"]) == 2 and len(r["grads"]) == 1 for r in ranks)
-    rows = [tuple(row[row != 0].tolist()) for r in ranks for batch in r["seen"] for row in batch]
-    assert len(rows) == 8 and len(set(rows)) == 8  # every pair once, over both ranks
-    _, batch = _batch(tokenizer, UNEVEN)
-    full = calibrated(
-        _full_batch_gradient(CASES["orpo"], batch, 8),
-        tiny_llama(0),
-        mistake=_full_batch_gradient(CASES["orpo"], batch, 7),
-        what="ORPO 2-rank step",
-    )
-    for r in ranks:
-        full.check(r["grads"][0])

@@ -28,11 +28,9 @@ of a row and of its partner can be precomputed once (``ref_logps`` / ``ref_KL_lo
 from __future__ import annotations
 
 import functools
-import hashlib
 import warnings
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from datasets import Dataset
 from typing_extensions import override
@@ -44,6 +42,7 @@ from lit_trainer.data.collate import common_prefix_len, pad_right
 from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.preference import end_with_eos, extract_prompt
 from lit_trainer.data.preference._checks import RowProblem, check_row, value_problem
+from lit_trainer.data.reference_columns import ReferenceColumns
 from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
 __all__ = [
@@ -181,7 +180,7 @@ class UnpairedCollator:
         return self._rows(prompts * 2, [row["completion_ids"] for row in rows] + partners, "")
 
 
-class UnpairedPreferenceDataModule(BaseDataModule):
+class UnpairedPreferenceDataModule(ReferenceColumns, BaseDataModule):
     """Unpaired preference rows (prompt, completion, bool label) for :class:`~lit_trainer.modules.kto.KTOModule`,
     with TRL 1.16's preprocessing; paired data is unpaired (see the module docstring).
 
@@ -206,6 +205,9 @@ class UnpairedPreferenceDataModule(BaseDataModule):
         trainer.fit(KTOModule("tiny"), datamodule=dm)
     """
 
+    REFERENCE_COLUMNS = (REF_KEY, REF_KL_KEY)  # per row: the row's reference log-prob and its KL partner's
+    TOKEN_COLUMNS = TOKEN_COLUMNS
+    FINGERPRINT_TAG = "kto|"
     builtin: ClassVar[BuiltinSources] = {"builtin:addition": addition_unpaired_rows}
 
     def __init__(
@@ -215,8 +217,6 @@ class UnpairedPreferenceDataModule(BaseDataModule):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of={pad_to_multiple_of}` is invalid: use an integer >= 1 or None.")
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
-        self._fingerprints: dict[str, str] = {}
-        self._reference_keys: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------------ preprocessing
     @staticmethod
@@ -335,32 +335,7 @@ class UnpairedPreferenceDataModule(BaseDataModule):
         return torch.tensor(batch["label"].numel())
 
     # ------------------------------------------------------------------------- precomputed reference log-probs
-    # the interface of lit_trainer.modules.dpo._ref_logps.PrecomputedReference (as PreferenceDataModule's), per row:
-    # "chosen" = the row's reference log-prob, "rejected" = its KL partner's
-    def split_dataset(self, split: str) -> Dataset | None:
-        """The preprocessed ``"train"`` or ``"validation"`` dataset (None when there is no validation data)."""
-        if self.train_dataset is None:
-            self.setup("fit")
-        datasets = {"train": self.train_dataset, "validation": self.val_dataset}
-        if split not in datasets:
-            raise ValueError(f"Unknown split {split!r}: use 'train' or 'validation'.")
-        return datasets[split]
-
-    def fingerprint(self, split: str) -> str:
-        """A content hash of the split's tokens (prompt, completion, KL partner) and ``max_length``: the data key of
-        the precomputed reference log-probs."""
-        if split not in self._fingerprints:
-            digest = hashlib.sha256(f"kto|{self.hparams.max_length}".encode())
-            arrow = self.split_dataset(split).with_format("arrow")
-            for start in range(0, len(arrow), 8192):
-                table = arrow[start : start + 8192]
-                for name in TOKEN_COLUMNS:
-                    column = table.column(name).combine_chunks()
-                    digest.update(np.asarray(column.value_lengths(), dtype=np.int64).tobytes())
-                    digest.update(np.asarray(column.flatten(), dtype=np.int64).tobytes())
-            self._fingerprints[split] = digest.hexdigest()
-        return self._fingerprints[split]
-
+    # with ReferenceColumns, what lit_trainer.modules.dpo._ref_logps.PrecomputedReference asks of the data
     def reference_loader(
         self, split: str, batch_size: int | None = None, *, num_replicas: int = 1, rank: int = 0
     ) -> EvalLoader:
@@ -371,29 +346,3 @@ class UnpairedPreferenceDataModule(BaseDataModule):
         size = batch_size or hp.eval_batch_size or hp.batch_size
         dataset = self.split_dataset(split)
         return EvalLoader(dataset, size, collator.reference_rows, num_replicas=num_replicas, rank=rank)
-
-    def reference_logps_key(self, split: str) -> str | None:
-        """The key given with the split's current reference log-probs (None when it has none)."""
-        return self._reference_keys.get(split)
-
-    def set_reference_logps(self, split: str, rows: torch.Tensor, partners: torch.Tensor, key: str) -> None:
-        """Store per-row reference log-probs as the split's ``ref_logps`` (the row) / ``ref_KL_logps`` (its KL
-        partner) columns.
-
-        Raises:
-            ValueError: when the tensors do not hold one value per row.
-        """
-        dataset = self.split_dataset(split)
-        if rows.shape != (len(dataset),) or partners.shape != (len(dataset),):
-            raise ValueError(
-                f"Reference log-probs of shape {tuple(rows.shape)}/{tuple(partners.shape)} do not match the "
-                f"{len(dataset)} rows of the {split} data."
-            )
-        dataset = dataset.remove_columns([c for c in (REF_KEY, REF_KL_KEY) if c in dataset.column_names])
-        dataset = dataset.add_column(REF_KEY, rows.float().tolist())
-        dataset = dataset.add_column(REF_KL_KEY, partners.float().tolist())
-        if split == "train":
-            self.train_dataset = dataset
-        else:
-            self.val_dataset = dataset
-        self._reference_keys[split] = key

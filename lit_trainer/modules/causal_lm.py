@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.metrics import greedy_exact_match, token_loss_and_accuracy
+from lit_trainer.metrics import greedy_batch_matches, token_loss_and_accuracy
 from lit_trainer.modules.base import BaseModule, _logits, _sharding
 from lit_trainer.modules.base._packing import check_trainer_packing
 
@@ -174,23 +174,12 @@ class CausalLMModule(BaseModule):
             if matches.numel():
                 self.val_metrics["exact_match"].update(matches.float())
 
-    @torch.no_grad()
     def _greedy_matches(self, batch: dict[str, Any]) -> Tensor:
-        prompts, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
-        has_prompt = mask.sum(-1) > 0
-        pad_id = self.model.generation_config.pad_token_id
-        eos_id = self.model.generation_config.eos_token_id
-        generated = self.model.generate(
-            input_ids=prompts[has_prompt],
-            attention_mask=mask[has_prompt],
-            do_sample=False,
-            max_new_tokens=self.hparams.eval_max_new_tokens,
-            pad_token_id=pad_id,
-            eos_token_id=eos_id,
-            synced_gpus=_sharding.is_sharded(self.model),  # sharded: ranks stop together
-        )[:, prompts.size(1) :]
-        eos = eos_id[0] if isinstance(eos_id, list) else eos_id
-        return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)
+        config = self.model.generation_config
+        return greedy_batch_matches(
+            self.model, batch, max_new_tokens=self.hparams.eval_max_new_tokens, pad_token_id=config.pad_token_id,
+            eos_token_id=config.eos_token_id, synced_gpus=_sharding.is_sharded(self.model),  # sharded: stop together
+        )  # fmt: skip
 
     @override
     def finalize_val_metrics(self, values: dict[str, Tensor]) -> dict[str, Tensor]:

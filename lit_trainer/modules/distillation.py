@@ -30,7 +30,7 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.losses.causal_lm import count_target_tokens
 from lit_trainer.losses.distillation import chunked_token_divergence, generalized_jsd_loss
 from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.metrics import greedy_exact_match
+from lit_trainer.metrics import greedy_batch_matches
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules.base import BaseModule, _logits, _sharding
 from lit_trainer.modules.dpo import disable_dropout_in_model
@@ -429,18 +429,9 @@ class DistillationModule(BaseModule):
             if matches.numel():
                 self.val_metrics["exact_match"].update(matches.float())
 
-    @torch.no_grad()
     def _greedy_matches(self, batch: dict[str, Any]) -> Tensor:
-        prompts, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
-        has_prompt = mask.sum(-1) > 0
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        generated = self.model.generate(
-            input_ids=prompts[has_prompt],
-            attention_mask=mask[has_prompt],
-            do_sample=False,
-            max_new_tokens=self.hparams.eval_max_new_tokens,
-            pad_token_id=self._pad_token_id(eos),
-            eos_token_id=eos,
-            synced_gpus=_sharding.is_sharded(self.model),
-        )[:, prompts.size(1) :]
-        return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos[0])
+        return greedy_batch_matches(
+            self.model, batch, max_new_tokens=self.hparams.eval_max_new_tokens, pad_token_id=self._pad_token_id(eos),
+            eos_token_id=eos, synced_gpus=_sharding.is_sharded(self.model),
+        )  # fmt: skip

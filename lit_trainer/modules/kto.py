@@ -29,8 +29,7 @@ from lit_trainer.losses.kto import (
 )  # fmt: skip
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base._logits import next_token_targets
-from lit_trainer.modules.base._ref_sync import check_ref_sync_options
-from lit_trainer.modules.dpo import DPOModule, _ref_logps, disable_dropout_in_model
+from lit_trainer.modules.dpo import DPOModule, _ref_logps, check_precompute_options
 
 __all__ = ["KTO_METRIC_NAMES", "KTOModule"]
 
@@ -54,18 +53,6 @@ class _Scored(NamedTuple):
     seq: Tensor
     mask: Tensor
     logits_mean: Tensor | None
-
-
-class _PrecomputedRows(_ref_logps.PrecomputedReference):
-    """DPO's precompute pass, cache, DDP gathering and checkpointing, per KTO ROW: its two values are the row's
-    reference log-prob and its KL partner's (the data module's ``ref_logps`` / ``ref_KL_logps`` columns)."""
-
-    @override
-    def _load_or_compute(self, module: Any, datamodule: Any, split: str, key: str) -> tuple[Tensor, Tensor]:
-        if datamodule.reference_logps_key(split) == key:  # another module already gave this data these values
-            dataset = datamodule.split_dataset(split)
-            return torch.tensor(dataset[REF_KEY]), torch.tensor(dataset[REF_KL_KEY])
-        return super()._load_or_compute(module, datamodule, split, key)
 
 
 class KTOModule(DPOModule):
@@ -146,13 +133,7 @@ class KTOModule(DPOModule):
         **kwargs: Any,
     ) -> None:
         check_kto_options(loss_type, beta, desirable_weight, undesirable_weight)
-        if sync_ref_model and precompute_ref_log_probs:
-            raise ValueError(
-                "`KTOModule(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference that keeps "
-                "changing cannot be precomputed. Turn one of them off."
-            )
-        if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
-            raise ValueError(f"`precompute_ref_batch_size={precompute_ref_batch_size}` is invalid: use >= 1 or None.")
+        check_precompute_options("KTOModule", sync_ref_model, precompute_ref_log_probs, precompute_ref_batch_size)
         # keep a model object out of the hyperparameters (Lightning would deep-copy it), as DPOModule does
         reference, ref_model = ref_model, ref_model if ref_model is None or isinstance(ref_model, str) else None
         # DPOModule's __init__ validates DPO's options: skip to the base's, then set up the reference as DPO does
@@ -165,22 +146,11 @@ class KTOModule(DPOModule):
             "desirable_weight": desirable_weight,
             "undesirable_weight": undesirable_weight,
         }
-        check_ref_sync_options(
-            "KTOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
-        )
-        if reference is self.model:
-            raise ValueError(
-                "`KTOModule(ref_model=...)` is the policy object itself: pass a separate model, or None for a frozen "
-                "copy."
-            )
-        if disable_dropout:
-            disable_dropout_in_model(self.model)
-        self.ref_model = self._build_reference(reference, precompute_ref_log_probs, trust_remote_code)
-        if isinstance(self.ref_model, torch.nn.Module) and disable_dropout:
-            disable_dropout_in_model(self.ref_model)
+        sync = (sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps)
+        self._set_up_reference(reference, sync, precompute_ref_log_probs, disable_dropout, trust_remote_code)
         for name in ("loss", *KTO_METRIC_NAMES):
             self.val_metrics.add(name, MeanMetric())
-        self._precomputed = _PrecomputedRows(None, precompute_ref_batch_size, ref_logps_cache_dir)
+        self._precomputed = _ref_logps.PrecomputedReference(None, precompute_ref_batch_size, ref_logps_cache_dir)
 
     @property
     def uses_kl(self) -> bool:

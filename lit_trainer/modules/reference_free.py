@@ -35,23 +35,14 @@ from lit_trainer.losses.reference_free import (
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._logits import next_token_targets
 from lit_trainer.modules.base._packing import check_trainer_packing, masking_kwargs, per_row
+from lit_trainer.modules.dpo import METRIC_NAMES as DPO_METRIC_NAMES
 from lit_trainer.modules.dpo import disable_dropout_in_model
 from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
 
 __all__ = ["CPO_METRIC_NAMES", "ORPO_METRIC_NAMES", "CPOModule", "ORPOModule"]
 
 #: TRL's metric names, logged per training window (and with a ``val_`` prefix in validation)
-CPO_METRIC_NAMES = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "logits/chosen",
-    "logits/rejected",
-    "nll_loss",
-)
+CPO_METRIC_NAMES = (*DPO_METRIC_NAMES, "nll_loss")  # DPO's names, computed from the policy alone
 ORPO_METRIC_NAMES = (*CPO_METRIC_NAMES, "log_odds_ratio", "log_odds_chosen")
 
 

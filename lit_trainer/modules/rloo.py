@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -39,8 +38,6 @@ from lit_trainer.losses.rloo import (
 )
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo import _completions as rollout
-from lit_trainer.modules.grpo._reward_calls import score_completions
-from lit_trainer.rewards import is_conversational
 
 GRPO_ONLY_OPTIONS = frozenset(
     {
@@ -199,27 +196,14 @@ class RLOOModule(GRPOModule):
         advantages, the round's metrics: GRPO's reward and length metrics, ``frac_reward_zero_std`` of the clipped,
         KL-penalised reward, and ``kl``, the token mean of ``log pi_old - log pi_ref`` over all ranks)."""
         hp = self.hparams
-        if decoded is None:
-            texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
-            extra = None
-        else:
-            texts, kept, extra = decoded
-        rewards, logged = score_completions(self, batch, texts, kept, extra)
-        lengths = completions.mask.sum(1, keepdim=True).float().to(self.device)
-        truncated = completions.truncated.float().unsqueeze(1).to(self.device)
-        columns = [rewards.to(self.device), lengths, truncated]
+        extra = []
         if kl_tokens is not None:
             mask = rows["completion_mask"]
-            columns += [sequence_logps(kl_tokens, mask).unsqueeze(1), mask.sum(1, keepdim=True).to(kl_tokens)]
-        table = self._gather_rows(torch.cat(columns, dim=1))
-        functions = rewards.shape[1]
+            extra = [sequence_logps(kl_tokens, mask).unsqueeze(1), mask.sum(1, keepdim=True).to(kl_tokens)]
+        table, functions, texts, logged = self._gathered_scores(batch, completions, decoded, extra)
         all_rewards, all_lengths = table[:, :functions], table[:, functions]
         all_truncated = table[:, functions + 1].bool()
         kl = table[:, functions + 2] if kl_tokens is not None else None
-        if torch.isnan(all_rewards).all(dim=1).any():
-            rank_zero_warn(
-                "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
-            )
         options = {"reward_weights": self.reward_weights, "reward_clip_range": hp.reward_clip_range}
         options.update(kl=kl, beta=hp.beta)
         advantages = rloo_advantages(
@@ -237,7 +221,7 @@ class RLOOModule(GRPOModule):
         metrics.update(logged)
         if hp.log_completions:
             self._record_completions(batch[PROMPTS], texts, all_rewards, advantages)
-        local = rewards.shape[0]
+        local = len(texts)
         return advantages[self.global_rank * local : (self.global_rank + 1) * local], metrics
 
     # ---------------------------------------------------------------------------------------------------- loss

@@ -18,12 +18,10 @@ file in the package.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import warnings
 from typing import Any, ClassVar, Literal, get_args
 
-import numpy as np
 import torch
 from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
@@ -44,6 +42,7 @@ from lit_trainer.data.preference.collate import (
     TruncationMode,
     same_model_inputs,
 )
+from lit_trainer.data.reference_columns import ReferenceColumns
 from lit_trainer.data.sources import Locator, describe_columns, locate_problem
 
 PreferencePacking = Literal["none", "padding_free"]  # packing values that apply to pairs ("bfd" is for SFT rows)
@@ -95,7 +94,7 @@ def _check_margins(margins: list[Any], split: str) -> None:
             )
 
 
-class PreferenceDataModule(BaseDataModule):
+class PreferenceDataModule(ReferenceColumns, BaseDataModule):
     """Preference pairs for :class:`~lit_trainer.modules.dpo.DPOModule` and
     :class:`~lit_trainer.modules.reward.RewardModule` (TRL 1.16 preprocessing and collation).
 
@@ -145,6 +144,9 @@ class PreferenceDataModule(BaseDataModule):
             trainer.fit(DPOModule("tiny", loss_type=["sigmoid", "sft"]), datamodule=dm)
     """
 
+    REFERENCE_COLUMNS = (REF_CHOSEN_KEY, REF_REJECTED_KEY)
+    TOKEN_COLUMNS = TOKEN_COLUMNS
+    FINGERPRINT_OPTIONS = ("max_length", "truncation_mode")
     builtin: ClassVar[BuiltinSources] = {
         "builtin:addition": builtin.preference_rows,
         "builtin:subtraction": builtin.subtraction_preference_rows,
@@ -173,8 +175,6 @@ class PreferenceDataModule(BaseDataModule):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of={pad_to_multiple_of}` is invalid: use an integer >= 1 or None.")
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
-        self._fingerprints: dict[str, str] = {}
-        self._reference_keys: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------------ preprocessing
     @staticmethod
@@ -336,33 +336,6 @@ class PreferenceDataModule(BaseDataModule):
         return torch.stack([torch.tensor(pairs), mask[:pairs, 1:].sum(), sequence])
 
     # ------------------------------------------------------------------------- precomputed reference log-probs
-    def split_dataset(self, split: str) -> Dataset | None:
-        """The preprocessed ``"train"`` or ``"validation"`` dataset (None when there is no validation data)."""
-        if self.train_dataset is None:
-            self.setup("fit")
-        datasets = {"train": self.train_dataset, "validation": self.val_dataset}
-        if split not in datasets:
-            raise ValueError(f"Unknown split {split!r}: use 'train' or 'validation'.")
-        return datasets[split]
-
-    def fingerprint(self, split: str) -> str:
-        """A content hash of the split's token columns and truncation settings (the reference log-probs' data key).
-
-        Computed from the tokens themselves, so it is stable across processes and runs (unlike a ``datasets``
-        fingerprint after a ``map`` with a closure) and unaffected by the reference log-prob columns.
-        """
-        if split not in self._fingerprints:
-            digest = hashlib.sha256(f"{self.hparams.max_length}|{self.hparams.truncation_mode}".encode())
-            arrow = self.split_dataset(split).with_format("arrow")
-            for start in range(0, len(arrow), 8192):
-                table = arrow[start : start + 8192]
-                for name in TOKEN_COLUMNS:
-                    column = table.column(name).combine_chunks()
-                    digest.update(np.asarray(column.value_lengths(), dtype=np.int64).tobytes())
-                    digest.update(np.asarray(column.flatten(), dtype=np.int64).tobytes())
-            self._fingerprints[split] = digest.hexdigest()
-        return self._fingerprints[split]
-
     def reference_loader(
         self, split: str, batch_size: int | None = None, *, num_replicas: int = 1, rank: int = 0
     ) -> EvalLoader:
@@ -370,28 +343,3 @@ class PreferenceDataModule(BaseDataModule):
         dataset = self.split_dataset(split)
         size = batch_size or self.hparams.eval_batch_size or self.hparams.batch_size
         return EvalLoader(dataset, size, lambda rows: self._collate(rows, False), num_replicas=num_replicas, rank=rank)
-
-    def reference_logps_key(self, split: str) -> str | None:
-        """The key given with the split's current reference log-probs (None when it has none)."""
-        return self._reference_keys.get(split)
-
-    def set_reference_logps(self, split: str, chosen: torch.Tensor, rejected: torch.Tensor, key: str) -> None:
-        """Store per-pair reference log-probs as the split's ``ref_chosen_logps``/``ref_rejected_logps`` columns.
-
-        Raises:
-            ValueError: when the tensors do not hold one value per row.
-        """
-        dataset = self.split_dataset(split)
-        if chosen.shape != (len(dataset),) or rejected.shape != (len(dataset),):
-            raise ValueError(
-                f"Reference log-probs of shape {tuple(chosen.shape)}/{tuple(rejected.shape)} do not "
-                f"match the {len(dataset)} rows of the {split} data."
-            )
-        dataset = dataset.remove_columns([c for c in (REF_CHOSEN_KEY, REF_REJECTED_KEY) if c in dataset.column_names])
-        dataset = dataset.add_column(REF_CHOSEN_KEY, chosen.float().tolist())
-        dataset = dataset.add_column(REF_REJECTED_KEY, rejected.float().tolist())
-        if split == "train":
-            self.train_dataset = dataset
-        else:
-            self.val_dataset = dataset
-        self._reference_keys[split] = key

@@ -65,6 +65,17 @@ def disable_dropout_in_model(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def check_precompute_options(name: str, sync_ref_model: bool, precompute: bool, batch_size: int | None) -> None:
+    """Refuse a precomputed reference that keeps changing, and a precompute batch size below 1 (DPO and KTO)."""
+    if sync_ref_model and precompute:
+        raise ValueError(
+            f"`{name}(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference that keeps changing "
+            "cannot be precomputed. Turn one of them off."
+        )
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"`precompute_ref_batch_size={batch_size}` is invalid: use >= 1 or None.")
+
+
 def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: dict[str, Any]) -> tuple[list, list]:
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     unknown = [t for t in types if t not in LOSS_NAMES]
@@ -202,29 +213,30 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
         self.sft_weight = sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
         if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
             raise ValueError(f"`DPOModule(ld_alpha={ld_alpha})` is invalid: use a weight in [0, 1] or None.")
-        if sync_ref_model and precompute_ref_log_probs:
-            raise ValueError(
-                "`DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference "
-                "that keeps changing cannot be precomputed. Turn one of them off."
-            )
-        if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
-            raise ValueError(f"`precompute_ref_batch_size={precompute_ref_batch_size}` is invalid: use >= 1 or None.")
-        check_ref_sync_options(
-            "DPOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
-        )
-        if reference is self.model:
-            raise ValueError(
-                "`DPOModule(ref_model=...)` is the policy object itself: pass a separate model, or None "
-                "for a frozen copy."
-            )
-        if disable_dropout:
-            disable_dropout_in_model(self.model)
-        self.ref_model = self._build_reference(reference, precompute_ref_log_probs, trust_remote_code)
-        if isinstance(self.ref_model, torch.nn.Module) and disable_dropout:
-            disable_dropout_in_model(self.ref_model)
+        check_precompute_options("DPOModule", sync_ref_model, precompute_ref_log_probs, precompute_ref_batch_size)
+        sync = (sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps)
+        self._set_up_reference(reference, sync, precompute_ref_log_probs, disable_dropout, trust_remote_code)
         for name in ("loss", *METRIC_NAMES, _SFT_NLL):
             self.val_metrics.add(name, MeanMetric())
         self._precomputed = _ref_logps.PrecomputedReference(ld_alpha, precompute_ref_batch_size, ref_logps_cache_dir)
+
+    def _set_up_reference(
+        self, reference: Any, sync: tuple[bool, float, int], precompute: bool, disable_dropout: bool, remote: bool
+    ) -> None:
+        """``self.ref_model`` as the options ask (``sync``: ``sync_ref_model``, its mixup alpha and steps), dropout
+        off in both models when asked; shared with :class:`~lit_trainer.modules.kto.KTOModule`."""
+        name = type(self).__name__
+        check_ref_sync_options(name, *sync, is_peft=self.is_peft)
+        if reference is self.model:
+            raise ValueError(
+                f"`{name}(ref_model=...)` is the policy object itself: pass a separate model, or None for a frozen "
+                "copy."
+            )
+        if disable_dropout:
+            disable_dropout_in_model(self.model)
+        self.ref_model = self._build_reference(reference, precompute, remote)
+        if isinstance(self.ref_model, torch.nn.Module) and disable_dropout:
+            disable_dropout_in_model(self.ref_model)
 
     def _build_reference(self, reference: Any, precompute: bool, trust_remote_code: bool) -> torch.nn.Module | None:
         if reference is None:  # under peft: the adapter-disabled policy (no copy), kept for precomputing new data
@@ -338,7 +350,9 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            rank_zero_info("[lit_trainer] DPO: reference log-probs precomputed; the reference model was freed.")
+            rank_zero_info(
+                f"[lit_trainer] {type(self).__name__}: reference log-probs precomputed; the reference model was freed."
+            )
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override

@@ -35,7 +35,6 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lit_trainer._atomic import atomic_write
-from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
 
 CKPT_KEY = "dpo_reference_logps"
 _FORWARD_KEYS = ("input_ids", "attention_mask", "completion_mask")
@@ -212,11 +211,14 @@ class PrecomputedReference:
     def _load_or_compute(self, module: Any, datamodule: Any, split: str, key: str) -> tuple[Tensor, Tensor]:
         dataset, trainer = datamodule.split_dataset(split), module.trainer
         if datamodule.reference_logps_key(split) == key:  # another module already gave this data these values
-            return torch.tensor(dataset[REF_CHOSEN_KEY]), torch.tensor(dataset[REF_REJECTED_KEY])
+            return datamodule.reference_logps(split)
         directory = self._directory(datamodule, split)
         cached = trainer.strategy.broadcast(load_cached(directory, key) if trainer.is_global_zero else None)
         if cached is not None:
-            rank_zero_info(f"[lit_trainer] DPO: reference log-probs of the {split} data loaded from {directory}.")
+            rank_zero_info(
+                f"[lit_trainer] {type(module).__name__}: reference log-probs of the {split} data loaded from "
+                f"{directory}."
+            )
             return cached
         model = self._source(module)
         loader = datamodule.reference_loader(
@@ -230,7 +232,10 @@ class PrecomputedReference:
         full = gather_strided(local, len(dataset), trainer.world_size, trainer.strategy.all_gather).cpu()
         if directory is not None and trainer.is_global_zero:
             save_cached(directory, key, full[:, 0], full[:, 1])
-        rank_zero_info(f"[lit_trainer] DPO: precomputed reference log-probs of {len(dataset)} {split} pairs.")
+        rank_zero_info(
+            f"[lit_trainer] {type(module).__name__}: precomputed reference log-probs of the {len(dataset)} {split} "
+            "rows."
+        )
         return full[:, 0].clone(), full[:, 1].clone()
 
     def state_dict(self) -> dict[str, dict[str, Any]]:

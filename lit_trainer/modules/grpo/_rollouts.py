@@ -139,6 +139,31 @@ class GRPORolloutMixin:
             tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
         self._buffer.fill(slices, tokens, metrics)
 
+    def _gathered_scores(
+        self, batch: dict[str, Any], completions: rollout.Completions, decoded: tuple | None, extra: Sequence = ()
+    ) -> tuple[Tensor, int, list[Any], dict[str, Tensor]]:
+        """Score this rank's rows and gather them over ranks: ``(table, number of reward functions, this rank's
+        texts, the reward calls' logged metrics)``. The table's columns are the rewards (NaN = unscored), the
+        completion length (``completions.mask``, the model's tokens), truncated (0/1), then ``extra`` ((rows, k)
+        tensors of this rank), rank order.
+
+        ``decoded``: ``(texts, kept ids, extra reward keywords)`` of an agentic round (else decoded here)."""
+        if decoded is None:
+            texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
+            keywords = None
+        else:
+            texts, kept, keywords = decoded
+        rewards, logged = score_completions(self, batch, texts, kept, keywords)
+        lengths = completions.mask.sum(1, keepdim=True).float().to(self.device)
+        truncated = completions.truncated.float().unsqueeze(1).to(self.device)
+        table = self._gather_rows(torch.cat([rewards.to(self.device), lengths, truncated, *extra], dim=1))
+        functions = rewards.shape[1]
+        if torch.isnan(table[:, :functions]).all(dim=1).any():
+            rank_zero_warn(
+                "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
+            )
+        return table, functions, texts, logged
+
     def _score(
         self, batch: dict[str, Any], completions: rollout.Completions, decoded: tuple | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -147,26 +172,14 @@ class GRPORolloutMixin:
         ``decoded``: ``(texts, kept ids, extra reward keywords)`` of an agentic round (else decoded here); the length
         metrics count ``completions.mask``, the model's tokens."""
         hp = self.hparams
-        if decoded is None:
-            texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
-            extra = None
-        else:
-            texts, kept, extra = decoded
-        rewards, logged = score_completions(self, batch, texts, kept, extra)
-        lengths = completions.mask.sum(1, keepdim=True).float().to(self.device)
-        truncated = completions.truncated.float().unsqueeze(1).to(self.device)
-        local = torch.cat([rewards.to(self.device), lengths, truncated], dim=1)
-        table = self._gather_rows(local)
-        all_rewards, all_lengths, all_truncated = table[:, :-2], table[:, -2], table[:, -1].bool()
-        if torch.isnan(all_rewards).all(dim=1).any():
-            rank_zero_warn(
-                "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
-            )
+        table, functions, texts, logged = self._gathered_scores(batch, completions, decoded)
+        all_rewards, all_lengths = table[:, :functions], table[:, functions]
+        all_truncated = table[:, functions + 1].bool()
         scoring = {"reward_weights": self.reward_weights, "scale_rewards": hp.scale_rewards}  # shared by both calls
         advantages = grpo_advantages(
             all_rewards, hp.num_generations, aggregation=hp.multi_objective_aggregation, **scoring
         )
-        rows = rewards.shape[0]
+        rows = len(texts)
         metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_names=self.reward_names, **scoring)
         metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
         metrics.update(logged)
