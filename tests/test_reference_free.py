@@ -343,3 +343,53 @@ def test_logged_rewards_are_beta_times_the_reward():
     orpo = ORPOModule(tiny_llama(0), beta=0.2).pair_metrics(c, r)
     assert float(orpo["log_odds_ratio"]) == pytest.approx(float(F.logsigmoid(orpo_log_odds(c, r)).mean()))
     assert float(orpo["rewards/chosen"]) == pytest.approx(-0.3)
+
+
+# ------------------------------------------------------------------------------- chunked logits, LoRA, resume
+@pytest.mark.parametrize("case", ["orpo", "cpo_simpo"])
+def test_chunked_logits_give_the_full_logits_gradient(case, tokenizer):
+    """The per-token log-probabilities a chunk of 5 positions at a time (``chunked_logits="on"``) give the gradient
+    of the full logits, within the float32 rounding of another summation order (calibrated in float64)."""
+    _, batch = _batch(tokenizer, UNEVEN)
+
+    def gradient(chunked: str, pairs: int = 8):
+        keep = list(range(pairs)) + list(range(8, 8 + pairs))
+        part = {k: v[keep] for k, v in batch.items()}
+
+        def of(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+            module = _module(policy, {**CASES[case], "chunked_logits": chunked, "logits_chunk_size": 5})
+            module.compute_loss(part, None)[0].backward()
+            return {n: p.grad.clone() for n, p in module.model.named_parameters()}
+
+        return of
+
+    full = calibrated(gradient("off"), tiny_llama(0), mistake=gradient("off", pairs=7), what=f"{case} full logits")
+    full.check(gradient("on")(tiny_llama(0)))
+
+
+def test_lora_orpo_trains_only_the_adapters_and_resumes_exactly(tokenizer, tmp_path):
+    """ORPO on a LoRA policy: 4 steps change only the adapters; resumed from the step-2 checkpoint (adapter-only, as
+    every module's LoRA checkpoint) the run ends with the uninterrupted run's adapters, bit for bit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_trainer.callbacks import ExactResume
+
+    def fit(folder: Path, ckpt_path: str | None = None) -> ORPOModule:
+        dm, _ = _batch(tokenizer, UNEVEN, batch_size=2, sampling="random", seed=3)
+        options = {"beta": 0.25, "learning_rate": 3e-3, "peft_config": {"r": 4, "target_modules": "all-linear"}}
+        module = ORPOModule(tiny_llama(0), **options)
+        saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        trainer = _trainer(4, [saver, ExactResume()], enable_checkpointing=True, default_root_dir=folder)
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        return module
+
+    straight = fit(tmp_path / "a")
+    start = tiny_llama(0).state_dict()
+    for name, value in straight.model.named_parameters():
+        if "lora_" not in name:  # the base never moves
+            assert torch.equal(value, start[name.replace("base_model.model.", "").replace(".base_layer", "")]), name
+    adapters = {n: p for n, p in straight.model.named_parameters() if "lora_" in n}
+    assert adapters and any(float(p.abs().sum()) > 0 for n, p in adapters.items() if "lora_B" in n)
+    resumed = fit(tmp_path / "b", ckpt_path=str(tmp_path / "a" / "step=2.ckpt"))
+    for name, value in resumed.model.named_parameters():
+        assert torch.equal(value, dict(straight.model.named_parameters())[name]), name

@@ -487,3 +487,33 @@ def test_ddp_step_gathers_groups_and_kl_across_ranks(tmp_path):
 
     reference = calibrated(gradient, policy, mistake=lambda m: gradient(m, True), what="2-rank RLOO gradient")
     reference.check(ranks[0]["grads"])
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+def test_resume_in_the_middle_of_a_round_is_exact(tmp_path):
+    """RLOO with its KL in the reward (a frozen reference) and rounds of 4 optimizer steps: resumed from the
+    checkpoint of step 2, inside the first round, the buffered round comes back (no regeneration: only the second
+    round is generated again) and the run ends with the uninterrupted run's weights, bit for bit."""
+    import lightning.pytorch as pl
+    import transformers
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_grpo_module import QUIET, GenerateSpy, data, length_reward, tiny_model
+
+    def fit(ckpt_path: str | None, callbacks: list) -> tuple[RLOOModule, GenerateSpy]:
+        module = RLOOModule(
+            tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward], num_generations=4,
+            max_completion_length=4, learning_rate=1e-2, scheduler="constant", max_grad_norm=0.0, generation_seed=0,
+            beta=0.1, steps_per_generation=4,
+        )  # fmt: skip
+        spy = GenerateSpy(module)
+        options = {**QUIET, "enable_checkpointing": bool(callbacks)}
+        pl.Trainer(max_steps=6, callbacks=callbacks, default_root_dir=tmp_path, **options).fit(
+            module, datamodule=data(20), ckpt_path=ckpt_path
+        )
+        return module, spy
+
+    full, full_spy = fit(None, [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)])
+    resumed, resumed_spy = fit(str(tmp_path / "epoch=0-step=2.ckpt"), [])
+    assert len(full_spy.calls) == 2 and resumed_spy.calls == full_spy.calls[1:]
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
