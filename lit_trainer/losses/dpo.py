@@ -308,13 +308,22 @@ def dpo_rewards_metrics(
         reward_c = beta * (chosen_logps - ref_chosen_logps).detach()
         reward_r = beta * (rejected_logps - ref_rejected_logps).detach()
         return {
-            "rewards/chosen": reward_c.mean(),
-            "rewards/rejected": reward_r.mean(),
-            "rewards/accuracies": (reward_c > reward_r).float().mean(),
-            "rewards/margins": (reward_c - reward_r).mean(),
+            **pair_reward_metrics(reward_c, reward_r),
             "logps/chosen": chosen_logps.detach().mean(),
             "logps/rejected": rejected_logps.detach().mean(),
         }
+
+
+def pair_reward_metrics(reward_c: torch.Tensor, reward_r: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies`` (strict ``>``) and ``rewards/margins`` of the
+    pairs' ``(B,)`` rewards, detached 0-d tensors (DPO's, and the reference-free losses' from the policy alone)."""
+    reward_c, reward_r = reward_c.detach(), reward_r.detach()
+    return {
+        "rewards/chosen": reward_c.mean(),
+        "rewards/rejected": reward_r.mean(),
+        "rewards/accuracies": (reward_c > reward_r).float().mean(),
+        "rewards/margins": (reward_c - reward_r).mean(),
+    }
 
 
 def sequence_logps(per_token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None = None) -> torch.Tensor:

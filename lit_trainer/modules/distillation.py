@@ -242,11 +242,9 @@ class DistillationModule(BaseModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Put the live teacher's weights back into the state dict Lightning loads strictly."""
+        """Restore the generation seed and the window in progress (the teacher's weights, which checkpoints leave out,
+        come from the live teacher in :meth:`load_state_dict`)."""
         super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("state_dict")
-        if state is not None:
-            state.update({f"teacher_model.{k}": v for k, v in self.teacher_model.state_dict().items()})
         saved = checkpoint.get(_STATE_KEY)
         if saved is not None and saved.get("seed") is not None:
             self._seed = int(saved["seed"])

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer.data.packing import row_completion_mask
-from lit_trainer.losses.dpo import sequence_logps
+from lit_trainer.losses.dpo import pair_reward_metrics, sequence_logps
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.losses.reference_free import (
     AVERAGED_LOSS_TYPES,
@@ -272,7 +272,7 @@ class ORPOModule(_ReferenceFreeModule):
     def pair_metrics(self, chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
         log_odds = orpo_log_odds(chosen, rejected)
         return {
-            **_reward_metrics(self.beta * chosen, self.beta * rejected),
+            **pair_reward_metrics(self.beta * chosen, self.beta * rejected),
             "log_odds_ratio": F.logsigmoid(log_odds).mean(),
             "log_odds_chosen": log_odds.mean(),
         }
@@ -362,13 +362,4 @@ class CPOModule(_ReferenceFreeModule):
     @override
     def pair_metrics(self, chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
         beta, alpha = self._options["beta"], self._options["alpha"]
-        return _reward_metrics(beta * cpo_rewards(chosen, alpha), beta * cpo_rewards(rejected, alpha))
-
-
-def _reward_metrics(chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
-    return {
-        "rewards/chosen": chosen.mean(),
-        "rewards/rejected": rejected.mean(),
-        "rewards/accuracies": (chosen > rejected).float().mean(),
-        "rewards/margins": (chosen - rejected).mean(),
-    }
+        return pair_reward_metrics(beta * cpo_rewards(chosen, alpha), beta * cpo_rewards(rejected, alpha))
