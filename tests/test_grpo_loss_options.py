@@ -33,7 +33,8 @@ def test_module_defaults_are_the_loss_defaults() -> None:
     parameters = inspect.signature(GRPOModule.__init__).parameters
     shared = set(parameters) & set(GRPO_LOSS_DEFAULTS)
     # every option of the loss but the per-batch tensors (and masks) is a GRPOModule argument, with the loss default
-    assert shared == set(GRPO_LOSS_DEFAULTS) - {"ref_logps", "num_items_in_batch", "policy_mask"}
+    per_batch = {"ref_logps", "num_items_in_batch", "policy_mask", "importance_sampling_ratio"}
+    assert shared == set(GRPO_LOSS_DEFAULTS) - per_batch
     for name in shared - {"max_completion_length"}:  # the module's budget must be >= 1, the loss's is optional
         assert parameters[name].default == GRPO_LOSS_DEFAULTS[name], name
 

@@ -41,6 +41,7 @@ class GRPOLossOptions(TypedDict, total=False):
     vespo_k_neg: float
     vespo_lambda_neg: float
     policy_mask: Tensor | None
+    importance_sampling_ratio: Tensor | None
 
 
 GRPO_LOSS_DEFAULTS: GRPOLossOptions = {
@@ -48,6 +49,7 @@ GRPO_LOSS_DEFAULTS: GRPOLossOptions = {
     "use_bias_correction_kl": True, "importance_sampling_level": "token", "max_completion_length": None,
     "num_items_in_batch": None, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05,
     "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "policy_mask": None,
+    "importance_sampling_ratio": None,
 }  # fmt: skip
 """The default of every :class:`GRPOLossOptions` key (the reference's defaults; ``GRPOModule`` uses the same)."""
 
@@ -79,8 +81,8 @@ def check_loss_inputs(c: GRPOLossOptions, logps: Tensor, old: Tensor | None, adv
 
     Raises:
         ValueError: on an unknown choice, a shape mismatch, ``beta != 0`` without ``ref_logps``, dr_grpo without
-            ``max_completion_length``, a negative epsilon or beta, ``delta <= 1``, a non-positive SAPO temperature or
-            vespo with sequence-level importance sampling.
+            ``max_completion_length``, a negative epsilon or beta, ``delta <= 1``, a non-positive SAPO temperature,
+            vespo with sequence-level importance sampling or with a ``(B, 1)`` ``importance_sampling_ratio``.
     """
     _check_choice("loss_type", c["loss_type"], LossType)
     _check_choice("importance_sampling_level", c["importance_sampling_level"], ImportanceSamplingLevel)
@@ -94,6 +96,18 @@ def check_loss_inputs(c: GRPOLossOptions, logps: Tensor, old: Tensor | None, adv
     if policy_mask is not None and policy_mask.shape not in (logps.shape, (logps.shape[0], 1)):
         raise ValueError(
             f"`policy_mask` has shape {tuple(policy_mask.shape)}: give (B, T) = {tuple(logps.shape)} or (B, 1)."
+        )
+    is_ratio = c["importance_sampling_ratio"]
+    if is_ratio is not None and is_ratio.shape not in (logps.shape, (logps.shape[0], 1)):
+        raise ValueError(
+            f"`importance_sampling_ratio` has shape {tuple(is_ratio.shape)}: give (B, T) = {tuple(logps.shape)} "
+            "(a token_* mode) or (B, 1) (a sequence_* mode)."
+        )
+    if is_ratio is not None and c["loss_type"] == "vespo" and is_ratio.shape != logps.shape:
+        raise ValueError(
+            f"`loss_type='vespo'` needs a per-token `importance_sampling_ratio` of shape {tuple(logps.shape)}, got "
+            f"{tuple(is_ratio.shape)}: use rollout_importance_sampling_mode='token_truncate' or 'token_mask' "
+            "(VESPO folds the log of each token's ratio into its sequence weight)."
         )
     if adv.numel() != logps.shape[0]:
         raise ValueError(f"`advantages` has {adv.numel()} values for {logps.shape[0]} rows: give one per row.")
