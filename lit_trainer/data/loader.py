@@ -127,6 +127,16 @@ class TrainLoader:
                 yield batch
             replay = 0
 
+    def peek(self, epoch: int, index: int) -> dict[str, Any] | None:
+        """The micro-batch this loader yields at position ``index`` of ``epoch``, collated in this process without
+        moving the loader; None past the epoch's end or when the batch sampler cannot tell (it needs a
+        ``batch_indices(epoch, index)`` method, as the GRPO prompt sampler has)."""
+        locate = getattr(self.batch_sampler, "batch_indices", None)
+        indices = locate(epoch, index) if locate is not None else None
+        if indices is None:
+            return None
+        return self._inner.collate_fn([self.dataset[i] for i in indices])
+
     def _start(self) -> tuple[int, int]:
         """``(epoch, first micro-batch)`` of the iteration that begins: the sampler's loaded position after
         :meth:`load_state_dict` (unless another epoch was selected since, which the sampler drops), else 0."""

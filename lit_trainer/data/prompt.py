@@ -16,6 +16,7 @@ in the reference's ``GRPOConfig``): :meth:`PromptDataModule.train_dataloader` re
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal, NamedTuple, get_args
 
@@ -72,6 +73,15 @@ class GenerationBatchSampler(EpochPosition):
 
     def __len__(self) -> int:
         return len(self.sampler) // self.rows
+
+    def batch_indices(self, epoch: int, index: int) -> list[int] | None:
+        """The dataset indices of micro-batch ``index`` of ``epoch`` (None past the epoch's end), without moving this
+        sampler: what an asynchronous rollout worker reads ahead."""
+        if index >= len(self):
+            return None
+        sampler = copy.copy(self.sampler)
+        sampler.set_epoch(epoch)
+        return sampler.indices()[index * self.rows : (index + 1) * self.rows]
 
 
 def _prompt_problem(prompt: Any) -> str | None:

@@ -62,7 +62,7 @@ from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
-from lit_trainer.losses.grpo_masks import high_entropy_mask, masked_mean_entropy, off_policy_mask
+from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base import BaseModule, _sharding
@@ -71,7 +71,9 @@ from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin, agentic_batch, resolve_rollout_func
 from lit_trainer.modules.grpo._agentic._environments import Environments, describe_factories
 from lit_trainer.modules.grpo._agentic._tools import resolve_tools, tool_name
+from lit_trainer.modules.grpo._async import AsyncRolloutMixin
 from lit_trainer.modules.grpo._completion_table import write_completion_table
+from lit_trainer.modules.grpo._engines import ContinuousBatchingEngine, GenerateEngine, RolloutEngine, make_engine
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
@@ -85,7 +87,10 @@ _ENTROPY_KEY = "grpo_entropy_control"
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 
 
-class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, BaseModule):
+__all__ = ["ContinuousBatchingEngine", "GRPOModule", "GenerateEngine", "RolloutEngine"]
+
+
+class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
@@ -189,6 +194,26 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             :mod:`lit_trainer.modules.grpo._agentic`).
         chat_template_kwargs: extra ``apply_chat_template`` keywords (template variables) for conversational
             prompts, tool messages and the reward models' texts, as TRL 1.16's ``GRPOConfig.chat_template_kwargs``.
+        max_staleness: asynchronous rollouts: a worker process per rank (its own copy of the policy) samples the next
+            rounds while this one trains, round ``q`` with the weights of round ``q - max_staleness`` (the worker
+            waits for them: no round is ever staler, none is dropped). 0 runs the synchronous computation in the
+            worker, bit-exact; 1 overlaps each round's generation with the previous round's training. None (default)
+            samples in the training process. See :mod:`lit_trainer.modules.grpo._async` and docs/grpo.md.
+        rollout_worker_device: the worker's device (``"cpu"``, ``"cuda:1"``); None = this rank's device.
+        rollout_worker_threads: the worker's CPU threads (``torch.set_num_threads``); None = the trainer's count.
+        rollout_engine: import path of a :class:`~lit_trainer.modules.grpo._engines.RolloutEngine` subclass the
+            worker samples with (None: ``generate``, or continuous batching when asked).
+        rollout_importance_sampling_correction: correct stale rounds (and every round of an engine with other
+            numerics) by the ratio ``exp(old - behaviour)`` of the trainer's log-probs at the round's start to the
+            worker's, truncated or masked as ``rollout_importance_sampling_mode`` says (TRL's
+            ``vllm_importance_sampling_correction``).
+        rollout_importance_sampling_mode: "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask"
+            (TRL's ``vllm_importance_sampling_mode``, default "sequence_mask").
+        rollout_importance_sampling_clip_max: upper bound of the ratio (TRL's ``..._clip_max``, formerly ``_cap``).
+        rollout_importance_sampling_clip_min: lower bound of the ratio (None = unbounded below).
+        sampler_check_threshold: every round, the worker's log-probs are compared with the trainer's for the same
+            weights version (``sampler_check/logp_gap_mean`` and ``_max``); a mean absolute gap above this warns once
+            (a weight sync that did not reach the worker). None skips the check and its forward pass.
         generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
             torch initial seed when fitting starts (the CLI's ``seed_everything``).
         learning_rate: peak learning rate (TRL's ``GRPOConfig`` default 1e-6).
@@ -270,6 +295,15 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         max_tool_calling_iterations: int | None = None,
         rollout_func: str | Callable[..., Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        max_staleness: int | None = None,
+        rollout_worker_device: str | None = None,
+        rollout_worker_threads: int | None = None,
+        rollout_engine: str | None = None,
+        rollout_importance_sampling_correction: bool = True,
+        rollout_importance_sampling_mode: SamplingISMode = "sequence_mask",
+        rollout_importance_sampling_clip_max: float | None = 3.0,
+        rollout_importance_sampling_clip_min: float | None = None,
+        sampler_check_threshold: float | None = 0.05,
         generation_seed: int | None = None,
         learning_rate: float = 1e-6,
         **kwargs: Any,
@@ -288,6 +322,9 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             "GRPOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
         )
         self.continuous_batching = use_transformers_continuous_batching or use_transformers_paged
+        self.engine: RolloutEngine = make_engine(
+            self.continuous_batching, transformers_continuous_batching_config, rollout_engine
+        )
         self._entropy = EntropyControl(
             entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
         )
@@ -371,6 +408,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
         self._check_geometry(spg)
+        self._check_async()
 
     @override
     def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
@@ -429,6 +467,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         if self._seed is None:
             self._seed = torch.initial_seed()
         self.reset_reference_sync()
+        self._start_worker()
 
     @override
     def train(self, mode: bool = True) -> Self:
@@ -479,7 +518,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
         new_window = self._enter_window(batch_idx)
         start, stop = self.step_window(batch_idx)
         if self._buffer.needs_refill:  # a round that starts an optimizer step may be stopped by a signal
-            self._make_rollouts(batch, can_stop=batch_idx == start)
+            self._make_rollouts(batch, can_stop=batch_idx == start, position=(self.trainer.current_epoch, batch_idx))
         micro, slice_index = self._buffer.next()
         num_items = self._num_items(slice_index, stop - batch_idx, new_window, batch_idx - start)
         loss, metrics = self.compute_loss(micro, num_items)
@@ -556,6 +595,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, ReferenceSyncMixin, Base
             ref_logps=ref,
             num_items_in_batch=num_items_in_batch,
             policy_mask=policy_mask,
+            importance_sampling_ratio=batch.get("importance_sampling_ratio"),
             **options,
         )
         metrics = grpo_loss_metrics(logps, old, advantages, mask, ref_logps=ref, **options)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
+from lit_trainer.losses.grpo_masks import SamplingISMode
 from lit_trainer.losses.grpo_options import ImportanceSamplingLevel, LossType
 from lit_trainer.rewards import RewardModelInputs
 
@@ -42,6 +43,18 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "it must be a finite number (e.g. 0.5), or None to disable the mask",
     ),
     "num_completions_to_print": (lambda v: v is None or v >= 1, "use >= 1, or None to print every completion"),
+    "max_staleness": (
+        lambda v: v is None or (isinstance(v, int) and v >= 0),
+        "use an int >= 0 (rounds the sampling weights may lag; 1 overlaps generation with training), or None for "
+        "synchronous rollouts",
+    ),
+    "rollout_worker_threads": (lambda v: v is None or v >= 1, "use >= 1 CPU threads, or None (the trainer's count)"),
+    "rollout_importance_sampling_clip_max": (lambda v: v is None or v > 0, "it must be > 0 (e.g. 3.0), or None"),
+    "rollout_importance_sampling_clip_min": (lambda v: v is None or v >= 0, "it must be >= 0, or None"),
+    "sampler_check_threshold": (
+        lambda v: v is None or v > 0,
+        "it must be > 0 (a mean |delta log p| per token, e.g. 0.05), or None to skip the check",
+    ),
 }
 _CHOICES = {
     "loss_type": LossType,
@@ -49,6 +62,7 @@ _CHOICES = {
     "scale_rewards": ScaleRewards,
     "multi_objective_aggregation": Aggregation,
     "reward_model_inputs": RewardModelInputs,
+    "rollout_importance_sampling_mode": SamplingISMode,
 }
 CacheImplementation = Literal[
     "static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
@@ -57,7 +71,7 @@ CacheImplementation = Literal[
 """transformers' KV-cache implementations (``GenerationConfig.cache_implementation``)."""
 _FLAGS = (
     "sync_ref_model", "use_adaptive_entropy", "log_completions", "use_transformers_continuous_batching",
-    "use_transformers_paged", "cache_implementation",
+    "use_transformers_paged", "cache_implementation", "rollout_importance_sampling_correction",
 )  # fmt: skip
 OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES) | frozenset(_FLAGS)
 """The ``GRPOModule`` arguments :func:`check_grpo_options` expects."""
@@ -106,6 +120,24 @@ def _check_option_pairs(options: dict[str, Any]) -> None:
         raise ValueError(
             f"`GRPOModule(entropy_coef_min={options['entropy_coef_min']}, entropy_coef_max="
             f"{options['entropy_coef_max']})` is invalid: the minimum must not exceed the maximum."
+        )
+    low, high = options["rollout_importance_sampling_clip_min"], options["rollout_importance_sampling_clip_max"]
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"`GRPOModule(rollout_importance_sampling_clip_min={low}, rollout_importance_sampling_clip_max={high})` "
+            "is invalid: the minimum must be below the maximum."
+        )
+    mode = options["rollout_importance_sampling_mode"]
+    if options["rollout_importance_sampling_correction"] and mode.endswith("truncate") and low is None and high is None:
+        raise ValueError(
+            f"`GRPOModule(rollout_importance_sampling_mode={mode!r})` clips the ratio, but both bounds are None: set "
+            "rollout_importance_sampling_clip_max (e.g. 3.0) or rollout_importance_sampling_clip_min."
+        )
+    corrects = options["max_staleness"] is not None and options["rollout_importance_sampling_correction"]
+    if options["loss_type"] == "vespo" and corrects and mode.startswith("sequence"):
+        raise ValueError(
+            f"`GRPOModule(loss_type='vespo', rollout_importance_sampling_mode={mode!r})`: VESPO folds a per-token "
+            "ratio into its weights (as TRL); use 'token_truncate' or 'token_mask'."
         )
     continuous = options["use_transformers_continuous_batching"] or options["use_transformers_paged"]
     if continuous and cache is not None:

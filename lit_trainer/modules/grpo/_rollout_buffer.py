@@ -16,7 +16,8 @@ from torch import Tensor
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 ATTENTION = "completion_attention_mask"  # multi-turn rows: every completion token (completion_mask: the model's)
-COMPLETION_KEYS = ("completion_ids", "completion_mask", ATTENTION, "old_logps", "ref_logps")
+IS_RATIO = "importance_sampling_ratio"  # (B, T), or (B, 1) for a sequence-level ratio
+COMPLETION_KEYS = ("completion_ids", "completion_mask", ATTENTION, "old_logps", "ref_logps", IS_RATIO)
 
 
 def trim_padding(rows: dict[str, Tensor]) -> dict[str, Tensor]:

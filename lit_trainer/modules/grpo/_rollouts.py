@@ -62,18 +62,28 @@ class GRPORolloutMixin:
         return rows["prompt_ids"], rows["prompt_mask"]
 
     @torch.no_grad()
-    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False) -> None:
+    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False, position: tuple[int, int] = (0, 0)) -> None:
         """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring).
 
         ``can_stop``: the round starts an optimizer step (nothing of the step is applied yet), so a stop request (a
         signal, :mod:`lit_trainer._stop_request`) may end its generation early; the ranks then agree, right after
         generating, whether to drop the round and save the last finished step (the callback raises) or go on.
+        ``position``: ``(epoch, batch index)`` of the round's first micro-step (where the rollout worker of an
+        asynchronous run reads the next rounds' prompts from, :mod:`lit_trainer.modules.grpo._async`).
         """
-        rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
+        if self._worker is not None:
+            rows, completions, scoring_batch, decoded, tool_metrics, behaviour, staleness = self._async_rows(
+                batch, can_stop, position
+            )
+        else:
+            rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
+            behaviour = None
         advantages, metrics = self._score(scoring_batch, completions, decoded)
         metrics.update(tool_metrics)
         rows["advantages"] = advantages
-        if self._stores_old_logps():
+        if behaviour is not None:
+            self._off_policy_terms(rows, behaviour, staleness, metrics)
+        elif self._stores_old_logps():
             rows["old_logps"] = self._chunked_logps(self.model, rows)
         if self.ref_model is not None:
             rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
@@ -89,32 +99,38 @@ class GRPORolloutMixin:
         )
 
     def _generate_rows(self, batch: dict[str, Any], can_stop: bool) -> tuple:
-        """Sample this rank's rows of one round, seeded by round and rank: tools, environments and ``rollout_func``,
-        continuous batching, or plain ``generate``. With ``mask_truncated_completions`` truncated completions leave
+        """Sample this rank's rows of one round in this process (:meth:`_sample_round`), seeded by round and rank;
+        ``can_stop``: a stop request may cut the generation short, and the run then stops here."""
+        seed = rollout.rollout_seed(self._seed, self._buffer.next_round_index, self.global_rank)
+        should_stop = stop_check(self.trainer) if can_stop else None
+        sampled = self._sample_round(batch, seed, should_stop)
+        if should_stop is not None:
+            stop_in_step(self.trainer)  # raises when the run stops here; the partial round is dropped
+        return sampled
+
+    def _sample_round(self, batch: dict[str, Any], seed: int, should_stop: Any = None) -> tuple:
+        """Sample one round's rows on the RNG seeded with ``seed``: tools, environments and ``rollout_func``, or the
+        engine (``generate`` or continuous batching). With ``mask_truncated_completions`` truncated completions leave
         the completion mask here, before any log-prob. Returns ``(rows, completions, the batch the reward functions
-        read, the decoded agentic texts or None, tool metrics)``."""
+        read, the decoded agentic texts or None, tool metrics)``.
+
+        The rollout worker process runs this same method on its copy of the policy
+        (:mod:`lit_trainer.modules.grpo._async`), so a round is the same computation in either process."""
         hp = self.hparams
-        rank, seed, round_index = self.global_rank, self._seed, self._buffer.next_round_index
         prompt_ids, prompt_mask = self._prompt_inputs(batch)
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         config = self._sampling_config(eos)
-        should_stop = stop_check(self.trainer) if can_stop else None
         custom = self.agentic or self.rollout_func is not None
-        with rollout.seeded_rng(rollout.rollout_seed(seed, round_index, rank), self.device):
+        with rollout.seeded_rng(seed, self.device):
             if self.rollout_func is not None:
                 agentic = self._custom_round(batch, eos, config.pad_token_id)
             elif self.agentic:
                 agentic = self._tool_round(batch, config, eos, should_stop)
-            elif self.continuous_batching:  # the engine has no stopping criteria: a stop waits for its batch
-                completions = rollout.generate_completions_continuous(
-                    self.model, prompt_ids, prompt_mask, config, eos, hp.transformers_continuous_batching_config
-                )
             else:
-                completions = rollout.generate_completions(
-                    self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop
-                )
-        if should_stop is not None:
-            stop_in_step(self.trainer)  # raises when the run stops here; the partial round is dropped
+                completions = self.engine.generate(
+                    self.model, prompt_ids, prompt_mask, config, eos,
+                    synced=_sharding.is_sharded(self.model), should_stop=should_stop,
+                )  # fmt: skip
         if custom:
             rows, completions = agentic.rows, agentic.completions
             scoring = (agentic_batch(batch, agentic), (agentic.texts, agentic.kept, agentic.reward_kwargs))

@@ -81,13 +81,8 @@ class AgenticRolloutMixin:
             mask = pad_left([[1] * len(row) for row in inputs], 0).to(self.device)
             step = copy.deepcopy(config)
             step.max_new_tokens = budget
-            if self.continuous_batching:
-                out = rollout.generate_completions_continuous(
-                    self.model, ids, mask, step, eos, self.hparams.transformers_continuous_batching_config
-                )
-            else:
-                sharded = _sharding.is_sharded(self.model)
-                out = rollout.generate_completions(self.model, ids, mask, step, eos, sharded, should_stop)
+            sharded = _sharding.is_sharded(self.model)
+            out = self.engine.generate(self.model, ids, mask, step, eos, synced=sharded, should_stop=should_stop)
             return [row[m.bool()].tolist() for row, m in zip(out.ids.cpu(), out.mask.cpu())]
 
         return generate

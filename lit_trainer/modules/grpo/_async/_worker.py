@@ -1,0 +1,208 @@
+"""The rollout worker process: its copy of the policy, the shared-memory weight slots, and its loop.
+
+Everything here runs in the worker (a ``spawn``-ed child of the training process) except :class:`SharedWeights`,
+which both sides hold. The worker samples a round with :class:`RolloutSampler`, a stand-in for the module that carries
+what :meth:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin._sample_round` reads (the model, tokenizer, tools,
+environments, engine and hyperparameters), so the worker runs the module's own sampling code.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import traceback
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: how long the worker waits on its request queue before checking that the training process is still alive
+POLL_SECONDS = 0.5
+
+
+class SharedWeights:
+    """``slots`` copies of the trainable weights in shared CPU memory, each tagged with the version it holds.
+
+    Version ``v`` lives in slot ``v % slots``. With ``slots = max_staleness + 1`` a slot is overwritten only once no
+    round can still need its version (module docstring of :mod:`lit_trainer.modules.grpo._async`), so neither side
+    ever waits for the other to copy.
+
+    Args:
+        weights: the trainable parameters by name (their shapes and dtypes; LoRA: the adapters only).
+        slots: how many versions are held at once.
+    """
+
+    def __init__(self, weights: dict[str, Tensor], slots: int) -> None:
+        self.names = list(weights)
+        self.slots = [
+            {name: torch.empty(t.shape, dtype=t.dtype).share_memory_() for name, t in weights.items()}
+            for _ in range(slots)
+        ]
+        self.versions = torch.full((slots,), -1, dtype=torch.long).share_memory_()
+
+    @torch.no_grad()
+    def publish(self, version: int, weights: dict[str, Tensor]) -> None:
+        """Copy ``weights`` into the slot of ``version`` (GPU tensors are copied down)."""
+        slot = version % len(self.slots)
+        self.versions[slot] = -1  # mid-copy: readers refuse the slot
+        for name in self.names:
+            self.slots[slot][name].copy_(weights[name].detach())
+        self.versions[slot] = version
+
+    def read(self, version: int) -> dict[str, Tensor]:
+        """The tensors of ``version`` (shared memory, do not modify).
+
+        Raises:
+            RuntimeError: the slot holds another version (overwritten, or never published).
+        """
+        slot = version % len(self.slots)
+        held = int(self.versions[slot])
+        if held != version:
+            raise RuntimeError(f"weights version {version} is not in shared memory (its slot holds {held}).")
+        return self.slots[slot]
+
+
+@dataclass
+class WorkerSpec:
+    """What the worker builds its sampler from (pickled to the child; tensors travel through shared memory)."""
+
+    model: Any
+    tokenizer: Any
+    hparams: dict[str, Any]
+    tools: list[Any]
+    environments: Any
+    continuous_batching: bool
+    engine: str | None
+    steps_per_generation: int
+    device: str
+    threads: int
+
+
+class RolloutSampler:
+    """The module's sampling and scoring-forward code on the worker's own model (built from a :class:`WorkerSpec`).
+
+    It borrows the module's methods (:class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`,
+    :class:`~lit_trainer.modules.grpo._agentic.AgenticRolloutMixin`, ``completion_logps`` and ``score_tokens``): the
+    worker runs the same code as a synchronous round, one process on its own (``trainer.world_size == 1``).
+    """
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from lightning.fabric.utilities.data import AttributeDict
+
+        from lit_trainer.data.prompt import RolloutGeometry
+        from lit_trainer.modules.grpo._engines import make_engine
+
+        self.device = torch.device(spec.device)
+        self.model = spec.model.to(self.device)
+        self.model.requires_grad_(False)
+        self.tokenizer = spec.tokenizer
+        self.hparams = AttributeDict(spec.hparams)
+        self.tools = spec.tools
+        self.environments = spec.environments
+        self.agentic = bool(self.tools) or self.environments is not None
+        self.rollout_func = None
+        self.continuous_batching = spec.continuous_batching
+        options = self.hparams.get("transformers_continuous_batching_config")
+        self.engine = make_engine(spec.continuous_batching, options, spec.engine)
+        self.rollout_geometry = RolloutGeometry(1, spec.steps_per_generation, 1, 1)
+        self.trainer = SimpleNamespace(world_size=1)
+        self.global_rank = 0
+
+
+def _bind_module_methods() -> None:
+    """Give :class:`RolloutSampler` the module's methods (imported late: the worker imports the module package)."""
+    from lit_trainer.modules.base import BaseModule
+    from lit_trainer.modules.grpo import GRPOModule
+    from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin
+    from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
+
+    for owner in (GRPORolloutMixin, AgenticRolloutMixin):
+        for name, value in vars(owner).items():
+            if callable(value) and not name.startswith("__"):
+                setattr(RolloutSampler, name, value)
+    RolloutSampler.completion_logps = GRPOModule.completion_logps
+    RolloutSampler.score_tokens = BaseModule.score_tokens
+
+
+@dataclass
+class RoundRequest:
+    """One round to generate: its index, the weights version to use, the prompt batch, the sampling seed and the
+    policy's train/eval mode (dropout, as the synchronous round samples in the module's mode)."""
+
+    round_index: int
+    version: int
+    batch: dict[str, Any]
+    seed: int
+    training: bool = True
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    if hasattr(value, "_fields"):  # a NamedTuple (Completions)
+        return type(value)(*(_to_cpu(v) for v in value))
+    return value
+
+
+def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int, request: RoundRequest) -> tuple:
+    """Load the request's weights version (if not loaded), sample the round, and score its tokens with the same
+    chunked forward the trainer uses (the behaviour log-probs). Returns ``(loaded version, result)``."""
+    if request.version != loaded:
+        sampler.engine.load_weights(sampler.model, weights.read(request.version).items())
+        loaded = request.version
+    sampler.model.train(request.training)
+    batch = {k: v.to(sampler.device) if isinstance(v, Tensor) else v for k, v in request.batch.items()}
+    with torch.no_grad():
+        rows, completions, scoring_batch, decoded, tool_metrics = sampler._sample_round(batch, request.seed)
+        behaviour = sampler._chunked_logps(sampler.model, rows)
+    result = {
+        "rows": rows,
+        "completions": completions,
+        "batch": scoring_batch,
+        "decoded": decoded,
+        "tool_metrics": tool_metrics,
+        "sampling_logps": behaviour,
+        "version": request.version,
+    }
+    return loaded, _to_cpu(result)
+
+
+def worker_main(spec: WorkerSpec, requests: Any, results: Any, weights: SharedWeights) -> None:
+    """The worker loop: take a request, sample it, put ``(round, "ok", result)`` or ``(round, "error", text)``.
+
+    Ctrl-C is left to the training process (which stops the worker); the worker exits on a ``None`` request, or by
+    itself within :data:`POLL_SECONDS` once the training process is gone (killed), so it is never orphaned.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+    parent = multiprocessing.parent_process()
+    results.put((-1, "started", os.getpid()))
+    try:
+        _bind_module_methods()
+        sampler = RolloutSampler(spec)
+    except BaseException:  # the trainer raises it with the worker's traceback
+        results.put((-1, "error", traceback.format_exc()))
+        return
+    loaded = -1
+    while True:
+        try:
+            request = requests.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return
+            continue
+        if request is None:
+            return
+        try:
+            loaded, result = sample_request(sampler, weights, loaded, request)
+            results.put((request.round_index, "ok", result))
+        except BaseException:  # the trainer raises it with the worker's traceback
+            results.put((request.round_index, "error", traceback.format_exc()))
