@@ -1,9 +1,9 @@
 """Asynchronous GRPO rollouts: a worker process generates the next rounds while the trainer trains on this one.
 
-With ``GRPOModule(max_staleness=k)`` each rank starts one rollout worker (a ``spawn``-ed process with its own copy of
-the policy, on ``rollout_worker_device``) when fitting starts. Rounds keep the synchronous module's meaning (round
-``q`` samples the prompts the loader gives at its first micro-step, with the seed of ``(generation_seed, q, rank)``);
-only the weights that sample it change:
+With ``GRPOModule(max_staleness=k)`` each rank starts one rollout worker (a process forked from a ``forkserver``,
+:func:`worker_context`, with its own copy of the policy, on ``rollout_worker_device``) when fitting starts. Rounds
+keep the synchronous module's meaning (round ``q`` samples the prompts the loader gives at its first micro-step, with
+the seed of ``(generation_seed, q, rank)``); only the weights that sample it change:
 
 * **Versions.** The weights at the start of round ``r`` are version ``r``. Round ``q`` is sampled by version
   ``max(q - k, first)`` (``first``: the first round of this fit), so no round is ever more than ``k`` rounds stale and
@@ -61,6 +61,19 @@ _WORKER_HPARAMS = (
 )  # fmt: skip
 
 
+def worker_context() -> Any:
+    """The ``forkserver`` multiprocessing context, its server preloading the worker's imports.
+
+    A worker is forked from a server process that has imported torch, transformers and the sampling code once (and
+    never touched CUDA or started threads), so only the first worker of a training process pays the imports (about
+    10 s on a small CPU machine); ``spawn`` would pay them for every fit. As with ``spawn``, the script that starts
+    training is imported again by the child: keep its top-level code under ``if __name__ == "__main__":``.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["lit_trainer.modules.grpo._async._worker", "lit_trainer.modules.grpo"])
+    return context
+
+
 class RolloutWorker:
     """The training process's handle on one rollout worker process.
 
@@ -70,7 +83,7 @@ class RolloutWorker:
     """
 
     def __init__(self, spec: WorkerSpec, weights: SharedWeights) -> None:
-        context = mp.get_context("spawn")
+        context = worker_context()
         self.weights = weights
         self.requests = context.Queue()
         self.results = context.Queue()

@@ -1,6 +1,6 @@
 """The rollout worker process: its copy of the policy, the shared-memory weight slots, and its loop.
 
-Everything here runs in the worker (a ``spawn``-ed child of the training process) except :class:`SharedWeights`,
+Everything here runs in the worker (a child of the training process) except :class:`SharedWeights`,
 which both sides hold. The worker samples a round with :class:`RolloutSampler`, a stand-in for the module that carries
 what :meth:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin._sample_round` reads (the model, tokenizer, tools,
 environments, engine and hyperparameters), so the worker runs the module's own sampling code.
