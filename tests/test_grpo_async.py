@@ -1,0 +1,168 @@
+"""Asynchronous GRPO rollouts (``max_staleness``): a worker process samples the rounds.
+
+What is pinned here: ``max_staleness=0`` is the synchronous run bit for bit (the worker computes the same thing), a
+resume is exact at 0 and regenerates the rounds in flight with the resumed weights otherwise, stale rounds carry the
+importance-sampling correction and their staleness, the sampler check is exactly 0 when the worker has the trainer's
+weights and warns when a sync is broken on purpose; plus the pieces without a process (shared weight slots, the
+loader's read-ahead, option checks). Shutdown on signals, LoRA, tools and DDP: tests/test_grpo_async_shutdown.py and
+tests/test_grpo_async_paths.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pandas as pd
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from test_grpo_module import QUIET, data, grpo
+
+from lit_trainer.data.prompt import RolloutGeometry
+from lit_trainer.modules.grpo import GRPOModule
+from lit_trainer.modules.grpo._async._worker import SharedWeights
+from lit_trainer.modules.grpo._engines import make_engine
+
+WARNING = "rollout worker's log-probs differ"
+
+
+def fit(steps: int, root: Path | None = None, ckpt_path: str | None = None, every: int = 0, **options: Any):
+    """A tiny GRPO fit (16 prompts, 8 completions per micro-step) and the module; a CSV log under ``root``."""
+    L.seed_everything(0)
+    module = grpo(**options)
+    trainer_options = {**QUIET, "enable_checkpointing": bool(every)}
+    if root is not None:
+        trainer_options["logger"] = CSVLogger(root, name="log")
+    callbacks = [ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)] if every else []
+    L.Trainer(max_steps=steps, callbacks=callbacks, log_every_n_steps=1, default_root_dir=root, **trainer_options).fit(
+        module, datamodule=data(n=16, batch_size=8), ckpt_path=ckpt_path
+    )
+    return module
+
+
+def same_weights(a: GRPOModule, b: GRPOModule) -> None:
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def logged(root: Path) -> pd.DataFrame:
+    versions = sorted((root / "log").iterdir())
+    return pd.read_csv(versions[-1] / "metrics.csv")
+
+
+# ------------------------------------------------------------------------------------------------ with a worker
+@pytest.mark.slow
+def test_max_staleness_zero_is_the_synchronous_run_bit_for_bit(tmp_path):
+    """Two optimizer steps per round (steps_per_generation=2), so the rounds' old log-probs are stored too; the
+    worker is stopped when fitting ends."""
+    synchronous = fit(4, steps_per_generation=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker = fit(4, tmp_path, steps_per_generation=2, max_staleness=0)
+    same_weights(synchronous, worker)
+    assert worker._worker is None
+    log = logged(tmp_path)
+    assert (log["async/staleness"].dropna() == 0).all()
+    gaps = log["sampler_check/logp_gap_max"].dropna()
+    assert len(gaps) > 0 and (gaps == 0).all()  # the worker scores with the trainer's code and weights
+    assert not any(WARNING in str(w.message) for w in caught)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_at_max_staleness_zero_and_regenerates_rounds_in_flight(tmp_path):
+    uninterrupted = fit(4)
+    fit(4, tmp_path / "first", every=2, max_staleness=0)
+    checkpoint = str(tmp_path / "first" / "epoch=0-step=2.ckpt")
+    resumed = fit(4, ckpt_path=checkpoint, max_staleness=0)
+    same_weights(uninterrupted, resumed)
+    # max_staleness=1 from the same checkpoint: the first round after the resume has no older weights to use
+    fit(4, tmp_path / "stale", ckpt_path=checkpoint, max_staleness=1)
+    assert logged(tmp_path / "stale")["async/staleness"].dropna().tolist() == [0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_stale_rounds_are_corrected_and_a_broken_weight_sync_warns(tmp_path):
+    """max_staleness=1: from the second round on, rounds are one round stale, carry TRL's sampling metrics and the
+    importance-sampling ratio; the sampler check (the trainer loads the weights version the worker used) is exactly 0.
+    With an engine that never loads the published weights, the check warns once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = fit(4, tmp_path / "ok", max_staleness=1, rollout_importance_sampling_mode="token_truncate")
+    assert not any(WARNING in str(w.message) for w in caught)
+    log = logged(tmp_path / "ok")
+    assert log["async/staleness"].dropna().tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert (log["sampler_check/logp_gap_max"].dropna() == 0).all()
+    ratio = log["sampling/importance_sampling_ratio/mean"].dropna()
+    assert len(ratio) == 3 and (ratio != 1.0).all()  # weights moved between sampling and training
+    assert (log["sampling/importance_sampling_ratio/max"].dropna() <= 3.0).all()  # truncated at clip_max
+    assert "importance_sampling_ratio" in module._buffer.slices[0]
+
+    with pytest.warns(UserWarning, match=WARNING) as caught:
+        fit(4, tmp_path / "broken", max_staleness=1, rollout_engine="helpers.engines.NoWeightSync")
+    assert sum(WARNING in str(w.message) for w in caught) == 1  # once
+    assert logged(tmp_path / "broken")["sampler_check/logp_gap_mean"].dropna().max() > 0.05
+
+
+# --------------------------------------------------------------------------------------------- without a worker
+def test_shared_weight_slots_hold_one_version_each():
+    weights = SharedWeights({"w": torch.zeros(2)}, slots=2)
+    for version in range(3):
+        weights.publish(version, {"w": torch.full((2,), float(version))})
+    assert torch.equal(weights.read(2)["w"], torch.tensor([2.0, 2.0]))
+    assert torch.equal(weights.read(1)["w"], torch.tensor([1.0, 1.0]))
+    with pytest.raises(RuntimeError, match="version 0 is not in shared memory"):
+        weights.read(0)  # overwritten by version 2
+
+
+def test_the_loader_read_ahead_is_what_the_loader_yields():
+    """``TrainLoader.peek`` (where the worker's future prompts come from) equals the micro-batches of two epochs of
+    the shuffled loader, and says None past an epoch's end."""
+    datamodule = data(n=16, batch_size=4, sampling="random")
+    loader = datamodule.generation_loader(RolloutGeometry(4, 2, 8, 1))
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        assert len(batches) == 16  # 8 chunks of 2 prompts, each served twice (steps_per_generation=2)
+        for index, batch in enumerate(batches):
+            ahead = loader.peek(epoch, index)
+            assert torch.equal(ahead["prompt_input_ids"], batch["prompt_input_ids"])
+            assert ahead["prompts"] == batch["prompts"]
+    assert loader.peek(0, 16) is None
+    assert loader.peek(0, 0)["prompts"] != loader.peek(1, 0)["prompts"]  # another epoch, another order
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_staleness": -1}, "max_staleness=-1"),
+        ({"rollout_worker_threads": 0}, "rollout_worker_threads=0"),
+        ({"sampler_check_threshold": 0.0}, "sampler_check_threshold=0.0"),
+        ({"rollout_importance_sampling_mode": "token"}, "rollout_importance_sampling_mode='token'"),
+        ({"rollout_importance_sampling_clip_min": 2.0, "rollout_importance_sampling_clip_max": 1.0}, "minimum"),
+        (
+            {"rollout_importance_sampling_mode": "token_truncate", "rollout_importance_sampling_clip_max": None},
+            "both bounds are None",
+        ),
+        ({"loss_type": "vespo", "max_staleness": 1}, "VESPO folds a per-token"),
+    ],
+)
+def test_async_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        grpo(**options)
+
+
+def test_a_rollout_func_cannot_run_in_the_worker():
+    module = grpo(max_staleness=1, rollout_func=lambda prompts, module: {})
+    with pytest.raises(ValueError, match="rollout_func runs in the training process"):
+        L.Trainer(max_steps=1, **QUIET).fit(module, datamodule=data(n=16, batch_size=8))
+    assert module._worker is None
+
+
+def test_a_rollout_engine_must_be_a_rollout_engine():
+    with pytest.raises(ValueError, match="not a RolloutEngine subclass"):
+        make_engine(False, None, "collections.OrderedDict")
+    assert type(make_engine(False, None, "helpers.engines.NoWeightSync")).__name__ == "NoWeightSync"
