@@ -39,13 +39,20 @@ from lit_trainer.losses.rloo import (
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo import _completions as rollout
 
+ASYNC_OPTIONS = (
+    "max_staleness", "rollout_worker_device", "rollout_worker_threads", "rollout_engine",
+    "rollout_importance_sampling_correction", "rollout_importance_sampling_mode",
+    "rollout_importance_sampling_clip_max", "rollout_importance_sampling_clip_min", "sampler_check_threshold",
+)  # fmt: skip
+"""GRPOModule's asynchronous-rollout options: RLOO samples in the training process (TRL 1.16's RLOO has no
+off-policy correction for a stale sampler)."""
 GRPO_ONLY_OPTIONS = frozenset(
     {
         "loss_type", "delta", "use_bias_correction_kl", "importance_sampling_level", "scale_rewards",
         "multi_objective_aggregation", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
         "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef",
         "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
-        "off_policy_mask_threshold",
+        "off_policy_mask_threshold", *ASYNC_OPTIONS,
     }
 )  # fmt: skip
 """GRPOModule options with no meaning in RLOO (its loss and advantages are fixed): refused with a message."""
@@ -61,6 +68,11 @@ def _refuse_grpo_only(kwargs: dict[str, Any]) -> None:
     defaults = inspect.signature(GRPOModule.__init__).parameters
     for name in sorted(GRPO_ONLY_OPTIONS & kwargs.keys()):
         value = kwargs.pop(name)
+        if value != defaults[name].default and name in ASYNC_OPTIONS:
+            raise ValueError(
+                f"`RLOOModule({name}={value!r})`: asynchronous rollouts are GRPOModule's (TRL 1.16's RLOO loss has no "
+                "correction for rounds sampled by older weights): remove it, or use GRPOModule."
+            )
         if value != defaults[name].default and (name, value) != ("loss_type", _LOSS_PATH):
             raise ValueError(
                 f"`RLOOModule({name}={value!r})` is a GRPOModule option with no meaning in RLOO (its advantages and "
@@ -161,8 +173,9 @@ class RLOOModule(GRPOModule):
     # ------------------------------------------------------------------------------------------------ rollouts
     @override
     @torch.no_grad()
-    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False) -> None:
+    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False, position: tuple[int, int] = (0, 0)) -> None:
         """One round (as GRPOModule's), but the log-probs come before the advantages: RLOO's KL is a reward term.
+        Always sampled in this process (``position`` is for the asynchronous worker, which RLOO does not use).
 
         Generation-time log-probs are computed when the KL needs them (``beta != 0``) and stored only when the round
         is used across optimizer steps; the reference's are used for the KL and not stored (the loss has no KL term).

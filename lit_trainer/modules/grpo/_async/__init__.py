@@ -186,18 +186,26 @@ class AsyncRolloutMixin:
         why = None
         if self.rollout_func is not None:
             why = "a rollout_func runs in the training process (it receives the module)"
-        elif _sharding.is_sharded(self.model):
-            why = f"the policy is sharded ({type(self.trainer.strategy).__name__}) and each worker needs a whole copy"
         elif self.is_quantized:
             why = "the policy is quantized and the worker cannot copy it"
         if why:
             raise ValueError(
                 f"GRPOModule(max_staleness={self.hparams.max_staleness}): {why}. Use max_staleness=None "
-                "(synchronous rollouts), or strategy 'ddp' with an unquantized policy."
+                "(synchronous rollouts), or an unquantized policy without rollout_func."
             )
 
     def _trainable(self) -> dict[str, Tensor]:
+        """The parameters the worker is sent every round (FSDP2 shards stay ``DTensor``: gathered one at a time)."""
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    _worker_model: tuple[torch.nn.Module, ...] = ()  # in a tuple: an attribute holding a Module would register it
+
+    def configure_model(self) -> None:
+        """Before FSDP2 shards the policy, keep a hook-free CPU copy of it for this rank's worker (a sharded model
+        cannot be copied whole); the first published version brings it up to date after a checkpoint restore."""
+        if self.is_async and self.device_mesh is not None and not _sharding.is_sharded(self.model):
+            self._worker_model = (strip_hooks(copy.deepcopy(self.model)).to("cpu"),)
+        super().configure_model()
 
     def _start_worker(self) -> None:
         """Start this rank's worker with a hook-free CPU copy of the policy (called when fitting starts)."""
@@ -207,7 +215,8 @@ class AsyncRolloutMixin:
         device = hp.rollout_worker_device or str(self.device)
         if device == "cuda" and self.device.type == "cuda":
             device = str(self.device)
-        model = strip_hooks(copy.deepcopy(self.model)).to("cpu")
+        copies, self._worker_model = self._worker_model, ()
+        model = copies[0] if copies else strip_hooks(copy.deepcopy(self.model)).to("cpu")
         model.requires_grad_(False)
         spec = WorkerSpec(
             model=model,
@@ -223,6 +232,7 @@ class AsyncRolloutMixin:
         )
         trainable = self._trainable()
         weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=hp.max_staleness + 1)
+        # (a DTensor's shape and dtype are the full parameter's)
         self._worker = RolloutWorker(spec, weights)
         self._async_first = None
 
@@ -376,7 +386,7 @@ class AsyncRolloutMixin:
         saved = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(published[name])
+                p.copy_(_sharding.shard_like(published[name], p))
             try:
                 yield
             finally:

@@ -46,11 +46,15 @@ class SharedWeights:
 
     @torch.no_grad()
     def publish(self, version: int, weights: dict[str, Tensor]) -> None:
-        """Copy ``weights`` into the slot of ``version`` (GPU tensors are copied down)."""
+        """Copy ``weights`` into the slot of ``version`` (GPU tensors are copied down). FSDP2 shards are gathered
+        one parameter at a time (a collective: every rank publishes), so no rank holds a whole extra copy on its
+        device."""
+        from lit_trainer.modules.base._sharding import full
+
         slot = version % len(self.slots)
         self.versions[slot] = -1  # mid-copy: readers refuse the slot
         for name in self.names:
-            self.slots[slot][name].copy_(weights[name].detach())
+            self.slots[slot][name].copy_(full(weights[name].detach()))
         self.versions[slot] = version
 
     def read(self, version: int) -> dict[str, Tensor]:
