@@ -107,6 +107,18 @@ def test_stale_rounds_are_corrected_and_a_broken_weight_sync_warns(tmp_path):
     assert logged(tmp_path / "broken")["sampler_check/logp_gap_mean"].dropna().max() > 0.05
 
 
+@pytest.mark.slow
+def test_continuous_batching_in_the_worker_is_the_synchronous_run():
+    """The worker samples through the same engine interface: transformers' continuous batching there equals it here
+    (a small paged cache, so one round takes well under a second)."""
+    options = {
+        "use_transformers_continuous_batching": True,
+        "transformers_continuous_batching_config": {"num_blocks": 64, "max_batch_tokens": 1024},
+        "steps_per_generation": 1,
+    }
+    same_weights(fit(2, **options), fit(2, max_staleness=0, **options))
+
+
 # --------------------------------------------------------------------------------------------- without a worker
 def test_shared_weight_slots_hold_one_version_each():
     weights = SharedWeights({"w": torch.zeros(2)}, slots=2)
