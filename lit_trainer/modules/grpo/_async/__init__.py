@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import queue
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -114,7 +115,7 @@ class RolloutWorker:
                 return None
             try:
                 index, status, payload = self.results.get(timeout=0.2)
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(
                         f"The GRPO rollout worker (pid {self.pid}) died with exit code {self.process.exitcode} "
