@@ -202,12 +202,15 @@ def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
         ddp = rank["ddp"]["weights"]
         rounding = Rounding.of(ddp, rank["ddp64"]["weights"], what="GRPO weights")
         rounding.check(rank["sharded"]["weights"], ddp, mistake=_step_change(ddp, rank["ddp"]["initial"], 4))
-        # asynchronous rollouts at max_staleness=0 (each rank's worker sampling from the gathered weights) are the
-        # synchronous sharded run bit for bit, and the workers were stopped
-        asynchronous = rank["sharded_async"]
-        assert asynchronous["longest"] == rank["sharded"]["longest"] and asynchronous["worker"] is None
-        for name, value in rank["sharded"]["weights"].items():
-            assert torch.equal(asynchronous["weights"][name], value), name
+        # asynchronous rollouts at max_staleness=0 (each rank's own worker sampling, from the gathered weights when
+        # sharded) are the synchronous run bit for bit, sharded and under DDP; max_staleness=1 runs to the end; every
+        # worker was stopped
+        for asynchronous, synchronous in (("sharded_async", "sharded"), ("ddp_async", "ddp")):
+            assert rank[asynchronous]["longest"] == rank[synchronous]["longest"]
+            for name, value in rank[synchronous]["weights"].items():
+                assert torch.equal(rank[asynchronous]["weights"][name], value), (asynchronous, name)
+        assert rank["sharded_async1"]["steps"] == 4
+        assert all(rank[run]["worker"] is None for run in ("sharded_async", "ddp_async", "sharded_async1"))
         # the reference synced at step 2 (sync_ref_model) on the shards equals the DDP one, and moved off the start
         ref = rank["ddp"]["ref"]
         assert any(not torch.equal(ref[n], rank["ddp"]["initial"][n]) for n in ref)

@@ -27,7 +27,8 @@ the seed of ``(generation_seed, q, rank)``); only the weights that sample it cha
   weights (with ``k = 0`` that is exactly the uninterrupted run; with ``k > 0`` the first ``k`` rounds after a resume
   are fresher than they would have been).
 * **Shutdown.** The worker is stopped when fitting ends or fails (``on_exception``, Ctrl-C, a signal); it ignores
-  Ctrl-C itself and exits on its own within half a second when the training process dies.
+  Ctrl-C and SIGTERM itself (a scheduler that signals every process of a job must reach the trainer's
+  ``JITCheckpoint`` first) and exits on its own within half a second when the training process dies.
 """
 
 from __future__ import annotations
@@ -71,7 +72,13 @@ def worker_context() -> Any:
     training is imported again by the child: keep its top-level code under ``if __name__ == "__main__":``.
     """
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["lit_trainer.modules.grpo._async._worker", "lit_trainer.modules.grpo"])
+    context.set_forkserver_preload(
+        [
+            "lit_trainer.modules.grpo._async._server_signals",  # first: the server ignores SIGTERM from here on
+            "lit_trainer.modules.grpo._async._worker",
+            "lit_trainer.modules.grpo",
+        ]
+    )
     return context
 
 
@@ -135,7 +142,7 @@ class RolloutWorker:
                 self.requests.put(None)
             self.process.join(CLOSE_SECONDS)
             if self.process.is_alive():
-                self.process.terminate()
+                self.process.kill()  # the worker ignores SIGTERM (_server_signals)
                 self.process.join(CLOSE_SECONDS)
         for q in (self.requests, self.results):
             q.cancel_join_thread()

@@ -182,10 +182,12 @@ def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int,
 def worker_main(spec: WorkerSpec, requests: Any, results: Any, weights: SharedWeights) -> None:
     """The worker loop: take a request, sample it, put ``(round, "ok", result)`` or ``(round, "error", text)``.
 
-    Ctrl-C is left to the training process (which stops the worker); the worker exits on a ``None`` request, or by
-    itself within :data:`POLL_SECONDS` once the training process is gone (killed), so it is never orphaned.
+    Ctrl-C and SIGTERM are left to the training process (which stops the worker after saving); the worker exits on a
+    ``None`` request, or by itself within :data:`POLL_SECONDS` once the training process is gone (killed), so it is
+    never orphaned.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer's to handle (it stops the worker after saving)
     torch.set_num_threads(spec.threads)
     parent = multiprocessing.parent_process()
     results.put((-1, "started", os.getpid()))
