@@ -99,7 +99,7 @@ def test_stale_rounds_are_corrected_and_a_broken_weight_sync_warns(tmp_path):
     ratio = log["sampling/importance_sampling_ratio/mean"].dropna()
     assert len(ratio) == 3 and (ratio != 1.0).all()  # weights moved between sampling and training
     assert (log["sampling/importance_sampling_ratio/max"].dropna() <= 3.0).all()  # truncated at clip_max
-    assert "importance_sampling_ratio" in module._buffer.slices[0]
+    assert "sampling_logps" in module._buffer.slices[0]  # the ratio is taken in the loss, from the step's log-probs
 
     with pytest.warns(UserWarning, match=WARNING) as caught:
         fit(4, tmp_path / "broken", max_staleness=1, rollout_engine="helpers.engines.NoWeightSync")

@@ -587,6 +587,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         options = {k: hp[k] for k in GRPO_LOSS_DEFAULTS.keys() & hp.keys()}  # the loss options GRPOModule takes
         old, advantages, ref = batch.get("old_logps"), batch["advantages"], batch.get("ref_logps")
         entropy_mask, policy_mask = self._policy_masks(logps, entropy.detach(), old, advantages, mask)
+        ratio, sampling = self._importance_ratio(batch, logps, old)  # stale rounds of asynchronous rollouts only
         loss = grpo_policy_loss(
             logps,
             old,
@@ -595,10 +596,13 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             ref_logps=ref,
             num_items_in_batch=num_items_in_batch,
             policy_mask=policy_mask,
-            importance_sampling_ratio=batch.get("importance_sampling_ratio"),
+            importance_sampling_ratio=ratio,
             **options,
         )
-        metrics = grpo_loss_metrics(logps, old, advantages, mask, ref_logps=ref, **options)
+        metrics = grpo_loss_metrics(
+            logps, old, advantages, mask, ref_logps=ref, importance_sampling_ratio=ratio, **options
+        )
+        metrics.update(sampling)
         metrics["entropy"] = masked_mean_entropy(entropy.detach(), mask)
         if bonus:  # the bonus acts on the tokens the policy term trains on (all, or the high-entropy ones)
             self._entropy.observe(entropy, mask if entropy_mask is None else mask * entropy_mask)

@@ -16,8 +16,8 @@ from torch import Tensor
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 ATTENTION = "completion_attention_mask"  # multi-turn rows: every completion token (completion_mask: the model's)
-IS_RATIO = "importance_sampling_ratio"  # (B, T), or (B, 1) for a sequence-level ratio
-COMPLETION_KEYS = ("completion_ids", "completion_mask", ATTENTION, "old_logps", "ref_logps", IS_RATIO)
+SAMPLING_LOGPS = "sampling_logps"  # the rollout worker's log-probs of a round the trainer corrects for (async GRPO)
+COMPLETION_KEYS = ("completion_ids", "completion_mask", ATTENTION, "old_logps", "ref_logps", SAMPLING_LOGPS)
 
 
 def trim_padding(rows: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -223,7 +223,7 @@ class GRPORolloutMixin:
 
     def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
-        size = rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation
+        size = max(1, rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation)
         keys = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", ATTENTION) if k in rows]
         chunks = [
             self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]

@@ -52,6 +52,7 @@ from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_me
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._async._worker import RoundRequest, SharedWeights, WorkerSpec, worker_main
+from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
 CLOSE_SECONDS = 5.0
@@ -59,7 +60,7 @@ CLOSE_SECONDS = 5.0
 _WORKER_HPARAMS = (
     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
     "cache_implementation", "mask_truncated_completions", "chat_template_kwargs", "max_tool_calling_iterations",
-    "transformers_continuous_batching_config", "chunked_logits", "logits_chunk_size", "num_iterations",
+    "transformers_continuous_batching_config", "chunked_logits", "logits_chunk_size", "num_generations",
 )  # fmt: skip
 
 
@@ -329,42 +330,55 @@ class AsyncRolloutMixin:
         """Old log-probs, the importance-sampling correction and the sampler check of a worker round (in place).
 
         * ``old_logps`` (the trainer's log-probs at the start of the round) are stored when the synchronous rule
-          needs them, or when the correction applies;
+          needs them (the round spans optimizer steps); otherwise every micro-step of the round runs on the round's
+          starting weights, so its own log-probs (detached) are the old ones, as in a synchronous round;
         * the correction (``rollout_importance_sampling_*``, TRL's ``vllm_importance_sampling_*`` computation) applies
-          to a stale round, or to every round of an engine whose numerics are not the trainer's: the ratio
-          ``exp(old - behaviour)`` is truncated or masked and multiplies the policy loss;
-        * the sampler check compares the worker's log-probs with the trainer's for the SAME weights version (the
-          first micro-batch of the round; for a stale round the trainer loads that version's weights for the forward)
-          and warns once when the mean absolute difference exceeds ``sampler_check_threshold``.
+          to a stale round, or to every round of an engine whose numerics are not the trainer's: the round keeps the
+          behaviour log-probs (``sampling_logps``) and :meth:`compute_loss` multiplies the policy loss by the
+          truncated or masked ratio ``exp(old - behaviour)``. Computed there, it needs no extra forward pass;
+        * the sampler check (:meth:`_sampler_check`).
         """
         hp = self.hparams
-        mask = rows["completion_mask"]
         correct = hp.rollout_importance_sampling_correction and (staleness > 0 or not self.engine.same_numerics)
-        current = None
-        if correct or self._stores_old_logps():
-            current = self._chunked_logps(self.model, rows)
-            rows["old_logps"] = current
+        if self._stores_old_logps():
+            rows["old_logps"] = self._chunked_logps(self.model, rows)
         if correct:
-            ratio = sampling_importance_ratio(
-                current, behaviour, mask, mode=hp.rollout_importance_sampling_mode,
-                clip_min=hp.rollout_importance_sampling_clip_min, clip_max=hp.rollout_importance_sampling_clip_max,
-            )  # fmt: skip
-            rows["importance_sampling_ratio"] = ratio
-            metrics.update(sampling_metrics(current, behaviour, mask, ratio, hp.rollout_importance_sampling_mode))
+            rows[SAMPLING_LOGPS] = behaviour
         if hp.sampler_check_threshold is not None:
-            metrics.update(self._sampler_check(rows, behaviour, staleness, current))
+            metrics.update(self._sampler_check(rows, behaviour, staleness))
 
-    def _sampler_check(
-        self, rows: dict[str, Tensor], behaviour: Tensor, staleness: int, current: Tensor | None
-    ) -> dict[str, Tensor]:
-        size = rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation
+    def _importance_ratio(
+        self, batch: dict[str, Tensor], logps: Tensor, old: Tensor | None
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """The correction of one buffered micro-batch of a corrected round (None for other rounds) and TRL's
+        ``sampling/...`` metrics: the ratio of the round's starting log-probs (``old``, else this step's own, detached:
+        the same weights) to the worker's."""
+        behaviour = batch.get(SAMPLING_LOGPS)
+        if behaviour is None:
+            return None, {}
+        hp, mask = self.hparams, batch["completion_mask"]
+        start = logps.detach() if old is None else old
+        mode = hp.rollout_importance_sampling_mode
+        ratio = sampling_importance_ratio(
+            start, behaviour, mask, mode=mode,
+            clip_min=hp.rollout_importance_sampling_clip_min, clip_max=hp.rollout_importance_sampling_clip_max,
+        )  # fmt: skip
+        return ratio, sampling_metrics(start, behaviour, mask, ratio, mode)
+
+    def _sampler_check(self, rows: dict[str, Tensor], behaviour: Tensor, staleness: int) -> dict[str, Tensor]:
+        """Compare the worker's log-probs with the trainer's for the weights version that sampled the round, on its
+        first ``num_generations`` rows (the worker's first chunk, the same shapes: on the same weights the gap is
+        exactly 0): a failed sync shows on any rows, and a few keep the extra forward pass small. For a stale round
+        the trainer loads that version's weights for the pass. Logs ``sampler_check/logp_gap_mean|max`` and warns once
+        above ``sampler_check_threshold``."""
+        size = self.hparams.num_generations
         first = {k: v[:size] for k, v in rows.items() if isinstance(v, Tensor) and v.dim() >= 1}
-        if staleness == 0 and current is not None:
-            mine = current[:size]
+        if staleness == 0:
+            mine = self.completion_logps(self.model, first)[0]
         else:
             version = self._buffer.next_round_index - staleness
             with self._weights_of(version):
-                mine = self._chunked_logps(self.model, first)
+                mine = self.completion_logps(self.model, first)[0]
         mask = first["completion_mask"].bool()
         gap = (mine - behaviour[:size]).abs()[mask]
         stats = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), device=gap.device)])

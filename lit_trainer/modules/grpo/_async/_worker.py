@@ -166,7 +166,14 @@ def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int,
     batch = {k: v.to(sampler.device) if isinstance(v, Tensor) else v for k, v in request.batch.items()}
     with torch.no_grad():
         rows, completions, scoring_batch, decoded, tool_metrics = sampler._sample_round(batch, request.seed)
-        behaviour = sampler._chunked_logps(sampler.model, rows)
+        # the first prompt group alone (the trainer's sampler check scores it with the same shapes), then the rest in
+        # chunks of one micro-batch
+        group = sampler.hparams.num_generations
+        head = {k: v[:group] for k, v in rows.items()}
+        behaviour = sampler.completion_logps(sampler.model, head)[0]
+        if rows["prompt_ids"].shape[0] > group:
+            tail = sampler._chunked_logps(sampler.model, {k: v[group:] for k, v in rows.items()})
+            behaviour = torch.cat([behaviour, tail])  # the rows are not trimmed: every chunk has the full width
     result = {
         "rows": rows,
         "completions": completions,
