@@ -79,9 +79,12 @@ class GenerationBatchSampler(EpochPosition):
         sampler: what an asynchronous rollout worker reads ahead."""
         if index >= len(self):
             return None
-        sampler = copy.copy(self.sampler)
-        sampler.set_epoch(epoch)
-        return sampler.indices()[index * self.rows : (index + 1) * self.rows]
+        cached = getattr(self, "_ahead", None)
+        if cached is None or cached[0] != epoch:  # one epoch's order, drawn once (a permutation of the dataset)
+            sampler = copy.copy(self.sampler)
+            sampler.set_epoch(epoch)
+            self._ahead = cached = (epoch, sampler.indices())
+        return cached[1][index * self.rows : (index + 1) * self.rows]
 
 
 def _prompt_problem(prompt: Any) -> str | None:
