@@ -203,14 +203,12 @@ def test_grpo_sharded_generation_with_uneven_lengths_matches_ddp(run: Path):
         rounding = Rounding.of(ddp, rank["ddp64"]["weights"], what="GRPO weights")
         rounding.check(rank["sharded"]["weights"], ddp, mistake=_step_change(ddp, rank["ddp"]["initial"], 4))
         # asynchronous rollouts at max_staleness=0 (each rank's own worker sampling, from the gathered weights when
-        # sharded) are the synchronous run bit for bit, sharded and under DDP; max_staleness=1 runs to the end; every
-        # worker was stopped
+        # sharded) are the synchronous run bit for bit, sharded and under DDP; every worker was stopped
         for asynchronous, synchronous in (("sharded_async", "sharded"), ("ddp_async", "ddp")):
             assert rank[asynchronous]["longest"] == rank[synchronous]["longest"]
             for name, value in rank[synchronous]["weights"].items():
                 assert torch.equal(rank[asynchronous]["weights"][name], value), (asynchronous, name)
-        assert rank["sharded_async1"]["steps"] == 4
-        assert all(rank[run]["worker"] is None for run in ("sharded_async", "ddp_async", "sharded_async1"))
+        assert rank["sharded_async"]["worker"] is None and rank["ddp_async"]["worker"] is None
         # the reference synced at step 2 (sync_ref_model) on the shards equals the DDP one, and moved off the start
         ref = rank["ddp"]["ref"]
         assert any(not torch.equal(ref[n], rank["ddp"]["initial"][n]) for n in ref)

@@ -116,7 +116,7 @@ def test_continuous_batching_in_the_worker_is_the_synchronous_run():
         "transformers_continuous_batching_config": {"num_blocks": 64, "max_batch_tokens": 1024},
         "steps_per_generation": 1,
     }
-    same_weights(fit(2, **options), fit(2, max_staleness=0, **options))
+    same_weights(fit(1, **options), fit(1, max_staleness=0, **options))
 
 
 # --------------------------------------------------------------------------------------------- without a worker

@@ -1,6 +1,10 @@
 """Asynchronous GRPO leaves no orphan process: a training process stopped by SIGTERM (a scheduler), Ctrl-C
 (SIGINT) or SIGKILL (the OOM killer) takes its rollout worker with it.
 
+SIGKILL leaves the trainer no chance to act: the worker must notice by itself that its parent is gone. That loop is
+tested on a worker started from a forked copy of this test process (nothing to import, so it costs a second, not the
+~20 s of CPU a real trainer and its forkserver take to start), which is then killed.
+
 Each case runs ``tests/scripts/grpo_async_fit.py`` (an async fit of hours, with the recipes' ``JITCheckpoint``) in its
 own process group, waits until the worker has delivered a round, checks that the worker runs below that trainer, sends
 the signal (to the trainer alone, or to the whole group as a terminal's Ctrl-C or Slurm's time limit does: the worker,
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,7 +88,6 @@ def _launch(out: Path, log: Path, *args: str) -> subprocess.Popen:
         # Kubernetes or `kill PID` send it, takes the same path in the trainer)
         pytest.param(signal.SIGTERM, True, 143, id="sigterm-to-group"),
         pytest.param(signal.SIGINT, True, 130, id="ctrl-c"),  # a terminal: the whole foreground process group
-        pytest.param(signal.SIGKILL, False, -signal.SIGKILL, id="sigkill"),  # the OOM killer: the trainer alone
     ],
 )
 def test_a_stopped_trainer_leaves_no_rollout_worker(tmp_path: Path, signum: signal.Signals, to_group: bool, code: int):
@@ -117,7 +121,49 @@ def test_a_stopped_trainer_leaves_no_rollout_worker(tmp_path: Path, signum: sign
                 os.kill(pid, signal.SIGKILL)
     folder = tmp_path / "checkpoints"
     saved = sorted(p.name for p in folder.glob("*.ckpt")) if folder.exists() else []
-    if signum == signal.SIGKILL:
-        assert saved == []
-    else:  # the just-in-time checkpoint of the step after the signal
-        assert len(saved) == 1 and saved[0].startswith("last-jit-epoch="), saved
+    assert len(saved) == 1 and saved[0].startswith("last-jit-epoch="), saved  # the step after the signal
+
+
+def _start_worker_then_sleep(spec: Any, requests: Any, results: Any, weights: Any) -> None:
+    """The forked stand-in for a training process: start a worker (as a trainer does), then wait to be killed."""
+    import multiprocessing
+
+    from lit_trainer.modules.grpo._async._worker import worker_main
+
+    multiprocessing.get_context("fork").Process(target=worker_main, args=(spec, requests, results, weights)).start()
+    time.sleep(600)
+
+
+def test_a_worker_exits_by_itself_when_its_trainer_is_killed():
+    import multiprocessing
+
+    import transformers
+
+    from helpers.models import tiny_llama
+    from lit_trainer.modules.grpo import GRPOModule
+    from lit_trainer.modules.grpo._async._worker import SharedWeights, WorkerSpec
+
+    context = multiprocessing.get_context("fork")
+    model = tiny_llama(0)
+    spec = WorkerSpec(
+        module_class=GRPOModule, model=model, tokenizer=transformers.ByT5Tokenizer(), hparams={"num_generations": 2},
+        tools=[], environments=None, continuous_batching=False, engine=None, steps_per_generation=1, device="cpu",
+        threads=1,
+    )  # fmt: skip
+    weights = SharedWeights({n: p.detach() for n, p in model.named_parameters()}, slots=1)
+    requests, results = context.Queue(), context.Queue()
+    trainer = context.Process(target=_start_worker_then_sleep, args=(spec, requests, results, weights))
+    trainer.start()
+    try:
+        _, status, worker = results.get(timeout=60)
+        assert status == "started" and _running(worker)
+        time.sleep(1.0)  # the worker is in its loop, waiting for requests
+        assert _running(worker)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(10)
+        assert not _left({worker}, 10.0), "the worker outlived its killed parent"  # it polls every 0.5 s
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        if "worker" in locals() and _running(worker):
+            os.kill(worker, signal.SIGKILL)

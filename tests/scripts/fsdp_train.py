@@ -7,8 +7,8 @@ checkpoint, with NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (
 BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
 BEMA(update_ref_model=True);
 from each rank ``grpo_rank{r}.pt`` (GRPO sharded, under DDP, under DDP in float64 (the calibration of the comparison),
-and with asynchronous rollouts: sharded and DDP at ``max_staleness=0``, sharded at 1; weights, longest completion per
-round, clipping);
+and with asynchronous rollouts at ``max_staleness=0``, sharded and DDP; weights, longest completion per round,
+clipping);
 ``orpo.pt`` (ORPO, reference-free: the sharded policy alone), ``kto.pt`` (KTO, policy and reference sharded); from
 each rank ``rloo_rank{r}.pt`` (RLOO on GRPO's rollouts, sharded, DDP and DDP in float64).
 Checked by ``tests/test_fsdp.py`` against single-process runs (SFT, DPO, ORPO, KTO) and the DDP runs (GRPO, RLOO).
@@ -132,16 +132,11 @@ if __name__ == "__main__":
         grpo[name] = {"weights": weights, "initial": initial, "longest": longest, "pre": clip.pre, "post": clip.post}
         grpo[name]["ref"] = common.full_weights(module, "ref_model")
         grpo[name]["post64"] = clip.post64
-    # asynchronous rollouts, one worker per rank: on the shards (each worker holds a whole copy, sent one gathered
-    # parameter at a time) and under DDP at max_staleness=0, and on the shards at max_staleness=1
-    for name, strategy, staleness in (
-        ("sharded_async", common.model_parallel(), 0),
-        ("ddp_async", "ddp", 0),
-        ("sharded_async1", common.model_parallel(), 1),
-    ):
-        module, longest, _, _ = common.grpo_run(strategy, "32-true", max_staleness=staleness)
+    # asynchronous rollouts at max_staleness=0, one worker per rank: on the shards (each worker holds a whole copy,
+    # sent one gathered parameter at a time) and under DDP
+    for name, strategy in (("sharded_async", common.model_parallel()), ("ddp_async", "ddp")):
+        module, longest, _, _ = common.grpo_run(strategy, "32-true", max_staleness=0)
         grpo[name] = {"weights": common.full_weights(module), "longest": longest, "worker": module._worker}
-        grpo[name]["steps"] = module.trainer.global_step
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))
 
     rloo = {}  # RLOO on the same rollouts: its KL-in-the-reward needs the sharded reference's log-probs

@@ -228,6 +228,7 @@ class AsyncRolloutMixin:
         model = copies[0] if copies else strip_hooks(copy.deepcopy(self.model)).to("cpu")
         model.requires_grad_(False)
         spec = WorkerSpec(
+            module_class=type(self),
             model=model,
             tokenizer=self.tokenizer,
             hparams={k: hp.get(k) for k in _WORKER_HPARAMS},

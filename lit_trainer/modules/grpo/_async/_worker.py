@@ -74,6 +74,7 @@ class SharedWeights:
 class WorkerSpec:
     """What the worker builds its sampler from (pickled to the child; tensors travel through shared memory)."""
 
+    module_class: type
     model: Any
     tokenizer: Any
     hparams: dict[str, Any]
@@ -89,7 +90,7 @@ class WorkerSpec:
 class RolloutSampler:
     """The module's sampling and scoring-forward code on the worker's own model (built from a :class:`WorkerSpec`).
 
-    It borrows the module's methods (:class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`,
+    It borrows the module class's methods (those of :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin` and
     :class:`~lit_trainer.modules.grpo._agentic.AgenticRolloutMixin`, ``completion_logps`` and ``score_tokens``): the
     worker runs the same code as a synchronous round, one process on its own (``trainer.world_size == 1``).
     """
@@ -117,19 +118,18 @@ class RolloutSampler:
         self.global_rank = 0
 
 
-def _bind_module_methods() -> None:
-    """Give :class:`RolloutSampler` the module's methods (imported late: the worker imports the module package)."""
-    from lit_trainer.modules.base import BaseModule
-    from lit_trainer.modules.grpo import GRPOModule
+def _bind_module_methods(module_class: type) -> None:
+    """Give :class:`RolloutSampler` the methods of the module's class that sampling and scoring use: those of the two
+    rollout mixins, ``completion_logps`` and ``score_tokens``, looked up on ``module_class`` so that a subclass's
+    overrides run in the worker too."""
     from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin
     from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
 
+    names = {"completion_logps", "score_tokens"}
     for owner in (GRPORolloutMixin, AgenticRolloutMixin):
-        for name, value in vars(owner).items():
-            if callable(value) and not name.startswith("__"):
-                setattr(RolloutSampler, name, value)
-    RolloutSampler.completion_logps = GRPOModule.completion_logps
-    RolloutSampler.score_tokens = BaseModule.score_tokens
+        names.update(n for n, v in vars(owner).items() if callable(v) and not n.startswith("__"))
+    for name in names:
+        setattr(RolloutSampler, name, getattr(module_class, name))
 
 
 @dataclass
@@ -199,7 +199,7 @@ def worker_main(spec: WorkerSpec, requests: Any, results: Any, weights: SharedWe
     parent = multiprocessing.parent_process()
     results.put((-1, "started", os.getpid()))
     try:
-        _bind_module_methods()
+        _bind_module_methods(spec.module_class)
         sampler = RolloutSampler(spec)
     except BaseException:  # the trainer raises it with the worker's traceback
         results.put((-1, "error", traceback.format_exc()))
