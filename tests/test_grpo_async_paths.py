@@ -21,9 +21,9 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger
 from test_grpo_module import QUIET, data, grpo
+from test_grpo_tools import PROBLEMS, CountingEnv, Rounds, prompt_rows
 from test_grpo_tools import data as tool_data
 from test_grpo_tools import module as tool_module
-from test_grpo_tools import prompt_rows
 
 from helpers.tool_policy import add
 
@@ -145,6 +145,24 @@ def test_tool_calls_run_in_the_worker_and_k0_equals_the_synchronous_run():
     assert sync.scripted.calls == [12, 8, 12, 8]  # both rounds ran tool turns (in this process: the synchronous run)
     assert asynchronous.scripted.calls == []  # the asynchronous run's rounds (and their tool turns) ran in the worker
     assert _moved(sync, start)
+    _same_weights(asynchronous, sync)
+
+
+def test_environments_run_in_the_worker_and_are_scored_in_the_trainer():
+    """``environment_factory``: the worker resets the environments and runs their tools; the instances come back with
+    the round and the trainer calls their ``get_reward`` (the environment's reward). k = 0 equals the synchronous
+    run, rewards included."""
+    rows = prompt_rows(PROBLEMS[:2])
+
+    def run(**kwargs: Any) -> Any:
+        rounds = Rounds()
+        module = tool_module(environment_factory=CountingEnv, reward_weights=[1.0], **kwargs)
+        L.Trainer(max_steps=1, callbacks=[rounds], **QUIET).fit(module, datamodule=tool_data(rows))
+        return module, rounds.rounds[0][1]
+
+    (sync, synchronous), (asynchronous, worker) = run(), run(max_staleness=0)
+    assert asynchronous.scripted.calls == [] and sync.scripted.calls  # the tool turns ran in the worker
+    assert float(worker["rewards/CountingEnv/mean"]) == float(synchronous["rewards/CountingEnv/mean"]) > 0
     _same_weights(asynchronous, sync)
 
 

@@ -181,12 +181,17 @@ def _check_environment(probe: Any, source: str, other_tools: bool) -> None:
         )
 
 
-def _environment_reward(kind: type) -> Callable[..., Any]:
+class _EnvironmentReward:
     """The reward function of the environments of class ``kind``: their ``get_reward()`` (None for other rows); when
-    ``get_reward`` is ``async def`` it returns one awaitable of all of them, which the reward caller awaits."""
+    ``get_reward`` is ``async def`` it returns one awaitable of all of them, which the reward caller awaits. An object,
+    not a closure, so the environments pickle to an asynchronous rollout worker; named after the class."""
 
-    def reward(completions: list[Any], environments: Sequence[Any] = (), **_: Any) -> Any:
-        values = [e.get_reward() if type(e) is kind else None for e in environments]
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+        self.__name__ = kind.__name__
+
+    def __call__(self, completions: list[Any], environments: Sequence[Any] = (), **_: Any) -> Any:
+        values = [e.get_reward() if type(e) is self.kind else None for e in environments]
         if not any(inspect.isawaitable(v) for v in values):
             return values
 
@@ -196,5 +201,7 @@ def _environment_reward(kind: type) -> Callable[..., Any]:
 
         return awaited()
 
-    reward.__name__ = kind.__name__
-    return reward
+
+def _environment_reward(kind: type) -> Callable[..., Any]:
+    """The reward function of the environments of class ``kind`` (:class:`_EnvironmentReward`)."""
+    return _EnvironmentReward(kind)
