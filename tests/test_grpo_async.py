@@ -2,7 +2,7 @@
 
 What is pinned here: ``max_staleness=0`` is the synchronous run bit for bit (the worker computes the same thing), a
 resume is exact at 0 and regenerates the rounds in flight with the resumed weights otherwise, stale rounds carry the
-importance-sampling correction and their staleness, the sampler check is exactly 0 when the worker has the trainer's
+importance-sampling correction and their staleness, the sampler check finds no gap when the worker has the trainer's
 weights and warns when a sync is broken on purpose; plus the pieces without a process (shared weight slots, the
 loader's read-ahead, option checks). Shutdown on signals, LoRA, tools and DDP: tests/test_grpo_async_shutdown.py and
 tests/test_grpo_async_paths.py.
@@ -28,6 +28,7 @@ from lit_trainer.modules.grpo._async._worker import SharedWeights
 from lit_trainer.modules.grpo._engines import make_engine
 
 WARNING = "rollout worker's log-probs differ"
+SAME_WEIGHTS_GAP = 1e-5  # largest |delta log p| of the sampler check on the same weights (see its first use)
 
 
 def fit(steps: int, root: Path | None = None, ckpt_path: str | None = None, every: int = 0, **options: Any):
@@ -68,7 +69,9 @@ def test_max_staleness_zero_is_the_synchronous_run_bit_for_bit(tmp_path):
     log = logged(tmp_path)
     assert (log["async/staleness"].dropna() == 0).all()
     gaps = log["sampler_check/logp_gap_max"].dropna()
-    assert len(gaps) > 0 and (gaps == 0).all()  # the worker scores with the trainer's code and weights
+    # the worker scores with the trainer's code and weights: 0 here; up to 1.3e-6 measured in configs/grpo_async.yaml
+    # (float32 kernels may differ with the memory layout of the loaded weights); a broken sync gives > 0.07
+    assert len(gaps) > 0 and (gaps < SAME_WEIGHTS_GAP).all()
     assert not any(WARNING in str(w.message) for w in caught)
 
 
@@ -87,7 +90,7 @@ def test_resume_is_exact_at_max_staleness_zero_and_regenerates_rounds_in_flight(
 @pytest.mark.slow
 def test_stale_rounds_are_corrected_and_a_broken_weight_sync_warns(tmp_path):
     """max_staleness=1: from the second round on, rounds are one round stale, carry TRL's sampling metrics and the
-    importance-sampling ratio; the sampler check (the trainer loads the weights version the worker used) is exactly 0.
+    importance-sampling ratio; the sampler check (the trainer loads the weights version the worker used) finds no gap.
     With an engine that never loads the published weights, the check warns once."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -95,7 +98,7 @@ def test_stale_rounds_are_corrected_and_a_broken_weight_sync_warns(tmp_path):
     assert not any(WARNING in str(w.message) for w in caught)
     log = logged(tmp_path / "ok")
     assert log["async/staleness"].dropna().tolist() == [0.0, 1.0, 1.0, 1.0]
-    assert (log["sampler_check/logp_gap_max"].dropna() == 0).all()
+    assert (log["sampler_check/logp_gap_max"].dropna() < SAME_WEIGHTS_GAP).all()
     ratio = log["sampling/importance_sampling_ratio/mean"].dropna()
     assert len(ratio) == 3 and (ratio != 1.0).all()  # weights moved between sampling and training
     assert (log["sampling/importance_sampling_ratio/max"].dropna() <= 3.0).all()  # truncated at clip_max

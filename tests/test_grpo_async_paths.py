@@ -114,7 +114,7 @@ def test_lora_adapters_that_never_reach_the_sampler_warn_and_a_failing_reward_st
     reward function raises on round 4 (round 3): the fit fails with the user's error and the worker is stopped.
 
     Calibration: the mean |delta log p| of rounds 1 and 2 measured 0.110 and 0.098 (threshold 0.05; round 0 is 0, the
-    weights have not moved yet); with a working sync (the default engine) it is exactly 0 at every round."""
+    weights have not moved yet); with a working sync (the default engine) it is 0 at every round here."""
     module = grpo(
         peft_config=LORA, max_staleness=0, rollout_engine="helpers.engines.NoWeightSync", learning_rate=1.0,
         reward_funcs=[FailingReward(fail_at=4)],

@@ -368,10 +368,10 @@ class AsyncRolloutMixin:
 
     def _sampler_check(self, rows: dict[str, Tensor], behaviour: Tensor, staleness: int) -> dict[str, Tensor]:
         """Compare the worker's log-probs with the trainer's for the weights version that sampled the round, on its
-        first ``num_generations`` rows (the worker's first chunk, the same shapes: on the same weights the gap is
-        exactly 0): a failed sync shows on any rows, and a few keep the extra forward pass small. For a stale round
-        the trainer loads that version's weights for the pass. Logs ``sampler_check/logp_gap_mean|max`` and warns once
-        above ``sampler_check_threshold``."""
+        first ``num_generations`` rows (the worker's first chunk, the same shapes: on the same weights the gap is 0,
+        up to float32 rounding): a failed sync shows on any rows, and a few keep the extra forward pass small. For a
+        stale round the trainer loads that version's weights for the pass. Logs ``sampler_check/logp_gap_mean|max``
+        and warns once above ``sampler_check_threshold``."""
         size = self.hparams.num_generations
         first = {k: v[:size] for k, v in rows.items() if isinstance(v, Tensor) and v.dim() >= 1}
         if staleness == 0:
