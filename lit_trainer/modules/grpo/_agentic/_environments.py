@@ -96,7 +96,7 @@ class Environments:
             self.pools[name] = [probe]
             kind = type(probe)
             if callable(getattr(probe, "get_reward", None)) and kind.__name__ not in self.reward_names:
-                self.reward_funcs.append(_environment_reward(kind))
+                self.reward_funcs.append(_EnvironmentReward(kind))
                 self.reward_names.append(kind.__name__)
 
     def assign(self, columns: dict[str, Sequence[Any]], rows: int) -> list[Any]:
@@ -200,8 +200,3 @@ class _EnvironmentReward:
             return [next(results) if inspect.isawaitable(v) else v for v in values]
 
         return awaited()
-
-
-def _environment_reward(kind: type) -> Callable[..., Any]:
-    """The reward function of the environments of class ``kind`` (:class:`_EnvironmentReward`)."""
-    return _EnvironmentReward(kind)

@@ -42,8 +42,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lit_trainer._stop_request import stop_check, stop_in_step
@@ -56,12 +58,6 @@ from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
 CLOSE_SECONDS = 5.0
-#: the hyperparameters the worker's sampling code reads
-_WORKER_HPARAMS = (
-    "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
-    "cache_implementation", "mask_truncated_completions", "chat_template_kwargs", "max_tool_calling_iterations",
-    "transformers_continuous_batching_config", "chunked_logits", "logits_chunk_size", "num_generations",
-)  # fmt: skip
 
 
 def worker_context() -> Any:
@@ -231,7 +227,7 @@ class AsyncRolloutMixin:
             module_class=type(self),
             model=model,
             tokenizer=self.tokenizer,
-            hparams={k: hp.get(k) for k in _WORKER_HPARAMS},
+            hparams=dict(hp),  # plain values: what the sampling code reads, whatever it reads
             tools=list(self.tools),
             environments=self.environments,
             continuous_batching=self.continuous_batching,
@@ -275,7 +271,7 @@ class AsyncRolloutMixin:
 
     def _request(self, round_index: int, batch: dict[str, Any]) -> RoundRequest:
         seed = rollout.rollout_seed(self._seed, round_index, self.global_rank)
-        batch = {k: v.cpu() if isinstance(v, Tensor) else v for k, v in batch.items() if k != "num_items_in_batch"}
+        batch = move_data_to_device(batch, "cpu")
         return RoundRequest(round_index, self._version_of(round_index), batch, seed, self.model.training)
 
     def _async_rows(self, batch: dict[str, Any], can_stop: bool, position: tuple[int, int]) -> tuple:
@@ -427,10 +423,4 @@ def _same_prompts(sampled: dict[str, Any], actual: dict[str, Any]) -> bool:
 
 def _to_device(value: Any, device: torch.device) -> Any:
     """Move a received value to ``device``; CPU tensors are copied out of the shared memory they arrived in."""
-    if isinstance(value, Tensor):
-        return value.clone() if device.type == "cpu" else value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if hasattr(value, "_fields"):
-        return type(value)(*(_to_device(v, device) for v in value))
-    return value
+    return apply_to_collection(value, Tensor, lambda t: t.clone() if device.type == "cpu" else t.to(device))

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 #: how long the worker waits on its request queue before checking that the training process is still alive
@@ -144,18 +145,6 @@ class RoundRequest:
     training: bool = True
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
-    if hasattr(value, "_fields"):  # a NamedTuple (Completions)
-        return type(value)(*(_to_cpu(v) for v in value))
-    return value
-
-
 def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int, request: RoundRequest) -> tuple:
     """Load the request's weights version (if not loaded), sample the round, and score its tokens with the same
     chunked forward the trainer uses (the behaviour log-probs). Returns ``(loaded version, result)``."""
@@ -163,7 +152,7 @@ def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int,
         sampler.engine.load_weights(sampler.model, weights.read(request.version).items())
         loaded = request.version
     sampler.model.train(request.training)
-    batch = {k: v.to(sampler.device) if isinstance(v, Tensor) else v for k, v in request.batch.items()}
+    batch = move_data_to_device(request.batch, sampler.device)
     with torch.no_grad():
         rows, completions, scoring_batch, decoded, tool_metrics = sampler._sample_round(batch, request.seed)
         # the first prompt group alone (the trainer's sampler check scores it with the same shapes), then the rest in
@@ -183,7 +172,7 @@ def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int,
         "sampling_logps": behaviour,
         "version": request.version,
     }
-    return loaded, _to_cpu(result)
+    return loaded, move_data_to_device(result, "cpu")
 
 
 def worker_main(spec: WorkerSpec, requests: Any, results: Any, weights: SharedWeights) -> None:
