@@ -25,7 +25,7 @@ from test_grpo_module import QUIET, data, grpo
 from lit_trainer.data.prompt import RolloutGeometry
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo._async._worker import SharedWeights
-from lit_trainer.modules.grpo._engines import make_engine
+from lit_trainer.modules.grpo._completions import make_engine
 
 WARNING = "rollout worker's log-probs differ"
 SAME_WEIGHTS_GAP = 1e-5  # largest |delta log p| of the sampler check on the same weights (see its first use)

@@ -73,7 +73,12 @@ from lit_trainer.modules.grpo._agentic._environments import Environments, descri
 from lit_trainer.modules.grpo._agentic._tools import resolve_tools, tool_name
 from lit_trainer.modules.grpo._async import AsyncRolloutMixin
 from lit_trainer.modules.grpo._completion_table import write_completion_table
-from lit_trainer.modules.grpo._engines import ContinuousBatchingEngine, GenerateEngine, RolloutEngine, make_engine
+from lit_trainer.modules.grpo._completions import (
+    ContinuousBatchingEngine,
+    GenerateEngine,
+    RolloutEngine,
+    make_engine,
+)
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
@@ -201,7 +206,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             samples in the training process. See :mod:`lit_trainer.modules.grpo._async` and docs/grpo.md.
         rollout_worker_device: the worker's device (``"cpu"``, ``"cuda:1"``); None = this rank's device.
         rollout_worker_threads: the worker's CPU threads (``torch.set_num_threads``); None = the trainer's count.
-        rollout_engine: import path of a :class:`~lit_trainer.modules.grpo._engines.RolloutEngine` subclass the
+        rollout_engine: import path of a :class:`~lit_trainer.modules.grpo._completions.RolloutEngine` subclass the
             worker samples with (None: ``generate``, or continuous batching when asked).
         rollout_importance_sampling_correction: correct stale rounds (and every round of an engine with other
             numerics) by the ratio ``exp(old - behaviour)`` of the trainer's log-probs at the round's start to the

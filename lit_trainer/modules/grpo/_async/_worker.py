@@ -100,7 +100,7 @@ class RolloutSampler:
         from lightning.fabric.utilities.data import AttributeDict
 
         from lit_trainer.data.prompt import RolloutGeometry
-        from lit_trainer.modules.grpo._engines import make_engine
+        from lit_trainer.modules.grpo._completions import make_engine
 
         self.device = torch.device(spec.device)
         self.model = spec.model.to(self.device)
