@@ -128,10 +128,12 @@ def greedy_batch_matches(
     pad_token_id: int | None,
     eos_token_id: int | list[int] | None,
     synced_gpus: bool = False,
+    **images: Tensor,
 ) -> Tensor:
     """Greedy exact match of a validation batch's rows that have a prompt: ``model.generate`` from the left-padded
     ``prompt_input_ids``/``prompt_attention_mask``, compared with ``completion_ids`` (:func:`greedy_exact_match`; the
     first EOS id ends a completion). ``synced_gpus``: the model is sharded, so ranks keep stepping until all are done.
+    ``images``: a vision-language batch's image inputs, given only when every row has a prompt (they go with all rows).
 
     Returns:
         ``(R,)`` bool, one per row with a prompt.
@@ -146,6 +148,7 @@ def greedy_batch_matches(
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
         synced_gpus=synced_gpus,
+        **images,
     )[:, prompts.size(1) :]
     eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
     return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)

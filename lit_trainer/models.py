@@ -36,6 +36,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from lit_trainer import quantization as quantized
 from lit_trainer.run_exports import missing_export_message
+from lit_trainer.vision import presets as vision
 
 PRESET_PREFIX = "tiny"
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
@@ -151,7 +152,8 @@ def build_preset_model(
     """
     if name not in PRESETS:
         raise ValueError(
-            f"Unknown model preset {name!r}. Valid presets: {sorted(PRESETS)}; or give a local "
+            f"Unknown model preset {name!r}. Valid presets: {sorted(PRESETS)} and {vision.VISION_PRESET!r} (a "
+            "vision-language model); or give a local "
             "directory or hub id of a causal LM."
         )
     tokenizer = build_tokenizer()
@@ -230,6 +232,15 @@ def load_model(
         FileNotFoundError: a local path that does not exist.
     """
     _check_task(task)
+    if task == "causal_lm" and vision.is_vision_source(name_or_path):  # image-text-to-text: the vision package
+        if quantization is not None:
+            raise ValueError(
+                f"`quantization={quantization!r}` is not supported for the vision-language model {name_or_path!r}: "
+                "load it in full precision (LoRA works), or quantize it yourself and pass the model object."
+            )
+        return vision.load_vision_model(
+            name_or_path, trust_remote_code=trust_remote_code, dtype=dtype, **config_overrides
+        )
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if is_preset(name_or_path):
         model = build_preset_model(name_or_path, task, **config_overrides)
@@ -256,6 +267,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
     Raises:
         ValueError / FileNotFoundError: as :func:`load_model`.
     """
+    if vision.is_vision_source(name_or_path):
+        return vision.load_processor(name_or_path, trust_remote_code=trust_remote_code).tokenizer
     if is_preset(name_or_path):
         if name_or_path not in PRESETS:
             build_preset_model(name_or_path)  # raises the unknown-preset error

@@ -25,6 +25,7 @@ from lit_trainer.data.samplers.sampling import Sampling, check_sampling, make_ba
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import load_tokenizer
+from lit_trainer.vision import presets as vision
 
 # ``builtin:<name>`` data sources of a data module: name -> rows of a split
 BuiltinSources = dict[str, Callable[[str], Dataset]]
@@ -35,7 +36,8 @@ class BaseDataModule(pl.LightningDataModule):
 
     Args:
         tokenizer: preset name, local directory or hub id (linked to the model's name by the CLI), or a tokenizer
-            object from Python.
+            object from Python. For a vision-language model (``tiny-vl``, a saved one, or a processor object), its
+            processor: rows with an ``images``/``image`` column are then processed with it (``docs/vision.md``).
         dataset: ``"builtin:addition"`` (default), a local file or directory (json/jsonl/csv/parquet/txt), a hub
             dataset name, or a ``datasets.Dataset``/``DatasetDict`` from Python.
         validation_dataset: an explicit validation source (same forms); otherwise the source's validation split, or
@@ -96,7 +98,10 @@ class BaseDataModule(pl.LightningDataModule):
         self.tokenizer_source = tokenizer
         self.dataset_source = dataset
         self.validation_source = validation_dataset
-        self.tokenizer = tokenizer if not isinstance(tokenizer, str) else None
+        # a vision-language model's processor: its tokenizer is the tokenizer, and it builds the batches of rows with
+        # images (lit_trainer.vision); None for text models
+        self.processor = tokenizer if vision.is_processor(tokenizer) else None
+        self.tokenizer = None if isinstance(tokenizer, str) else getattr(self.processor, "tokenizer", tokenizer)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.stats: dict[str, int] = {}
@@ -137,7 +142,12 @@ class BaseDataModule(pl.LightningDataModule):
         if self.train_dataset is not None:
             return
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=self.hparams.trust_remote_code)
+            trust = self.hparams.trust_remote_code
+            if vision.is_vision_source(self.tokenizer_source):
+                self.processor = vision.load_processor(self.tokenizer_source, trust_remote_code=trust)
+                self.tokenizer = self.processor.tokenizer
+            else:
+                self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=trust)
         located, located_validation = load_located_rows(self.dataset_source, self.builtin, split=self.hparams.split)
         if self.validation_source is not None:
             located_validation = load_located_rows(self.validation_source, self.builtin)[0]

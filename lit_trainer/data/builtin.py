@@ -45,6 +45,7 @@ BUILTIN_NAMES: tuple[str, ...] = (
     "builtin:tool_addition_chat",
     "builtin:tool_multiplication",
     "builtin:tool_multiplication_chat",
+    "builtin:shapes",  # the image task (lit_trainer.data.builtin_shapes), for the tiny-vl preset
 )
 CHAT_SYSTEM = "Add the numbers."
 _SEED = 1234

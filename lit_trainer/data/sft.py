@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -9,7 +10,8 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.data import builtin
+from lit_trainer import vision
+from lit_trainer.data import builtin, builtin_shapes
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import (
     assistant_tokens,
@@ -23,6 +25,8 @@ from lit_trainer.data.collate import PackedCollator, SFTCollator, common_prefix_
 from lit_trainer.data.packing import PACKED_ROWS, Packing, check_packing_options, pack_dataset
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.losses.causal_lm import count_target_tokens
+from lit_trainer.vision import rows as vision_rows
+from lit_trainer.vision.collate import VisionSFTCollator
 
 RowFormat = Literal["text", "prompt_completion", "messages", "chat_prompt_completion"]
 CHAT_FORMATS = ("messages", "chat_prompt_completion")
@@ -84,6 +88,7 @@ class SFTDataModule(BaseDataModule):
         "builtin:tool_addition_chat": builtin.tool_addition_chat_rows,
         "builtin:tool_multiplication_chat": builtin.tool_multiplication_chat_rows,
         "builtin:subtraction": builtin.subtraction_rows,
+        "builtin:shapes": builtin_shapes.sft_rows,
     }
 
     def __init__(
@@ -102,6 +107,7 @@ class SFTDataModule(BaseDataModule):
         super().__init__(*args, **kwargs)
         check_packing_options(packing, max_tokens_per_batch, self.hparams)
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
+        self._vision: tuple[RowFormat, str] | None = None  # (row format, image column) of rows with images
 
     def _row_format(self, rows: Dataset, split: str) -> RowFormat:
         hp, columns = self.hparams, rows.column_names
@@ -126,13 +132,18 @@ class SFTDataModule(BaseDataModule):
             )
         return fmt
 
-    @override
-    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+    def _columns(self, fmt: RowFormat) -> tuple[str, ...]:
         hp = self.hparams
-        fmt = self._row_format(rows, split)
-        columns = {"text": (hp.text_column,), "messages": (hp.messages_column,)}.get(
+        return {"text": (hp.text_column,), "messages": (hp.messages_column,)}.get(
             fmt, (hp.prompt_column, hp.completion_column)
         )
+
+    @override
+    def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        fmt = self._row_format(rows, split)
+        columns = self._columns(fmt)
+        if (images := vision.image_column(rows.column_names)) is not None:
+            return self._check_image_rows(rows, images, where, fmt, f"The SFT {split} data")
         if fmt in CHAT_FORMATS:
             check_cells(rows, columns, where, conversation_problem, "chat row")
             require_chat_template(self.tokenizer, f"The SFT {split} data")
@@ -228,6 +239,16 @@ class SFTDataModule(BaseDataModule):
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         fmt = self._row_format(rows, split)
         self._require_rows(rows, split)
+        if (images := vision.image_column(rows.column_names)) is not None:
+            if self.hparams.packing != "none":
+                raise ValueError(
+                    f"`packing={self.hparams.packing!r}` is not supported for rows with images: a packed row would "
+                    "need each image's tokens kept whole inside one bin and every image of a bin passed with it in "
+                    "order, which no vision-language model's forward checks. Set packing='none' (TRL and Axolotl do "
+                    "not pack images either)."
+                )
+            self._vision = (fmt, images)
+            return self._keep_image_rows(rows, split, images, fmt)
         keep = ["answer"] if "answer" in rows.column_names else []
         data = rows.map(
             lambda b: self._tokenize(b, fmt),
@@ -259,8 +280,49 @@ class SFTDataModule(BaseDataModule):
             )
         return usable
 
+    def _image_row_length(self, fmt: RowFormat, images: str) -> Callable[[dict[str, Any]], int]:
+        """A row's estimated length: its text tokens, each image placeholder counted as the tokens it expands to."""
+        tok = self.tokenizer
+        per_image = vision_rows.image_tokens_per_image(self.processor)
+
+        def length(row: dict[str, Any]) -> int:
+            count = len(vision.row_images(row, images))
+            if fmt in CHAT_FORMATS:
+                turns = [t for c in self._columns(fmt) for t in row[c]]
+                text = len(tok.apply_chat_template(vision.with_images(turns, [None] * count, "row"), tokenize=True,
+                                                   return_dict=True)["input_ids"])  # fmt: skip
+            else:
+                text = len(tok("".join(row[c] for c in self._columns(fmt)))["input_ids"])
+            return text + count * (per_image - 1) + (fmt not in CHAT_FORMATS)  # + the EOS of a string row
+
+        return length
+
+    def _check_image_rows(self, rows: Dataset, images: str, where: Locator, fmt: RowFormat, what: str) -> None:
+        if self.processor is None:
+            vision_rows.refuse_text_model(vision_rows.undecoded(rows, images), images, where, what)
+        chat = fmt in CHAT_FORMATS
+        vision_rows.check_image_rows(
+            vision_rows.undecoded(rows, images), images, where,
+            conversations=self._columns(fmt) if chat else (), texts=() if chat else self._columns(fmt),
+            image_token=getattr(self.processor, "image_token", "<image>"),
+        )  # fmt: skip
+
+    def _keep_image_rows(self, rows: Dataset, split: str, images: str, fmt: RowFormat) -> Dataset:
+        rows = vision_rows.undecoded(rows, images)
+        return vision_rows.keep_rows(rows, self._image_row_length(fmt, images), split)
+
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
+        if self._vision is not None:
+            fmt, images = self._vision
+            hp = self.hparams
+            return VisionSFTCollator(
+                self.processor, fmt,
+                {"text": hp.text_column, "prompt": hp.prompt_column, "completion": hp.completion_column,
+                 "messages": hp.messages_column},
+                images, hp.max_length, "train" if train else "validation", hp.assistant_only_loss,
+                hp.pad_to_multiple_of, generation_inputs=not train,
+            )(rows)  # fmt: skip
         if train and self.hparams.packing != "none":
             return PackedCollator(self.pad_token_id)(rows)
         collator = SFTCollator(self.pad_token_id, self.hparams.pad_to_multiple_of, generation_inputs=not train)

@@ -15,6 +15,7 @@ from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.metrics import greedy_batch_matches, token_loss_and_accuracy
 from lit_trainer.modules.base import BaseModule, _logits, _sharding
 from lit_trainer.modules.base._packing import check_trainer_packing
+from lit_trainer.vision.collate import image_inputs
 
 LossFunc = Callable[..., Tensor]
 
@@ -93,15 +94,20 @@ class CausalLMModule(BaseModule):
             self.val_metrics.add(self._user_metrics, eval_metrics)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        **images: Tensor,
     ) -> Any:
         """Run the wrapped model (logits only; the loss is computed by the module).
 
         ``position_ids`` (packed batches: restarting at 0 per row, no ``attention_mask``) are passed on only when
-        given, so models without them keep working on padded batches.
+        given, so models without them keep working on padded batches. ``images``: a vision-language batch's image
+        inputs (``pixel_values``, ...; :func:`~lit_trainer.vision.collate.image_inputs`).
         """
         extra = {"position_ids": position_ids} if position_ids is not None else {}
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **images)
 
     @override
     def setup(self, stage: str) -> None:
@@ -117,6 +123,7 @@ class CausalLMModule(BaseModule):
         labels = batch["labels"]
         if self.compute_loss_func is None and self._chunked():
             extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+            extra |= image_inputs(batch)
             total = _logits.summed_logps(
                 self.model,
                 _logits.next_token_targets(labels),
@@ -128,7 +135,9 @@ class CausalLMModule(BaseModule):
             )
             count = (labels[:, 1:] != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
             return -total / torch.as_tensor(count, device=total.device).clamp(min=1), {}
-        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+        outputs = self(
+            batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"), **image_inputs(batch)
+        )
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
@@ -141,6 +150,7 @@ class CausalLMModule(BaseModule):
     def _token_scores(self, batch: dict[str, Any], **options: Any) -> _logits.TokenScores:
         """Chunked per-token scores of ``batch`` (log-probs of each position's next label; ``options``: extra ones)."""
         extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+        extra |= image_inputs(batch)
         return self.score_tokens(
             self.model,
             _logits.next_token_targets(batch["labels"]),
@@ -159,7 +169,7 @@ class CausalLMModule(BaseModule):
             count = (labels[:, 1:] != IGNORE_INDEX).sum()
             loss, accuracy = -scores.logps.sum() / count.clamp(min=1), scores.hits.sum() / count.clamp(min=1)
         else:
-            outputs = self(batch["input_ids"], batch.get("attention_mask"))
+            outputs = self(batch["input_ids"], batch.get("attention_mask"), **image_inputs(batch))
             loss, accuracy, count = token_loss_and_accuracy(outputs.logits, labels)
         if count:
             self.val_metrics["loss"].update(loss, weight=count)
@@ -179,6 +189,7 @@ class CausalLMModule(BaseModule):
         return greedy_batch_matches(
             self.model, batch, max_new_tokens=self.hparams.eval_max_new_tokens, pad_token_id=config.pad_token_id,
             eos_token_id=config.eos_token_id, synced_gpus=_sharding.is_sharded(self.model),  # sharded: stop together
+            **image_inputs(batch, per_token=False),  # with images, every row has its prompt (vision.collate.stack)
         )  # fmt: skip
 
     @override

@@ -1,0 +1,74 @@
+"""Images of a row: read lazily from what a dataset holds (PIL images, paths, bytes, or ``datasets``' ``{"bytes",
+"path"}`` dicts), decoded only when a batch is built, and never cached: a decoded image lives as long as its batch is
+being processed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+IMAGE_COLUMNS = ("images", "image")
+"""TRL's image columns: ``images`` holds a list per row, ``image`` a single image."""
+
+
+def image_column(columns: Sequence[str]) -> str | None:
+    """The image column among ``columns`` (``images`` before ``image``), or None for text-only data."""
+    return next((name for name in IMAGE_COLUMNS if name in columns), None)
+
+
+def row_images(row: Mapping[str, Any], column: str | None) -> list[Any]:
+    """The images of ``row`` as a list (``image``: one; ``images``: its list; none: empty), still undecoded."""
+    if column is None:
+        return []
+    value = row.get(column)
+    if value is None:
+        return []
+    if column == "image" or isinstance(value, (str, bytes, Image.Image, Mapping)):
+        return [value]
+    return list(value)
+
+
+def image_problem(value: Any) -> str | None:
+    """What is wrong with an image cell that can be told without decoding it (a path that does not exist, a value of
+    the wrong type), or None."""
+    if isinstance(value, Mapping):
+        if value.get("bytes") is not None:
+            return None
+        value = value.get("path")
+        if value is None:
+            return "an image dict with neither 'bytes' nor 'path'"
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value).expanduser()
+        return None if path.is_file() else f"the image file {str(value)!r} does not exist"
+    if isinstance(value, (bytes, bytearray, Image.Image)):
+        return None
+    return f"an image must be a PIL image, a path or bytes, got {type(value).__name__}"
+
+
+def load_image(value: Any, where: str) -> Image.Image:
+    """Decode one image cell into an RGB PIL image.
+
+    Raises:
+        ValueError: a missing file, bytes or a file that do not decode as an image, or a value of another type; the
+            message names ``where`` (the row).
+    """
+    problem = image_problem(value)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}.")
+    if isinstance(value, Image.Image):
+        return value.convert("RGB") if value.mode != "RGB" else value
+    if isinstance(value, Mapping):
+        value = value["bytes"] if value.get("bytes") is not None else value["path"]
+    source = io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else Path(value).expanduser()
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as error:
+        what = f"the file {str(value)!r}" if isinstance(source, Path) else f"{len(value)} bytes"
+        raise ValueError(f"{where}: {what} do not decode as an image ({error}).") from error
