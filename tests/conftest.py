@@ -33,3 +33,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("ddp") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the rest keep their order
+
+
+@pytest.fixture(scope="session")
+def ddp_world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The shared 2-rank world (``helpers.ddp.World``): the parts used by this session's selected tests, run once
+    for all pytest-xdist workers (their common temporary root holds the outputs)."""
+    from helpers.ddp import WORLD, World
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers
+    users = {item.path.name for item in request.session.items if "ddp_world" in item.fixturenames}
+    return World(root, [name for name, part in WORLD.items() if users.intersection(part.users)])

@@ -18,7 +18,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from lit_trainer.callbacks.bema import BEMA, bema_coefficients
 
@@ -417,10 +416,9 @@ def test_refuses_fsdp1_and_early_access():  # FSDP2 (ModelParallelStrategy) is a
 
 
 @pytest.mark.ddp
-def test_ddp_two_ranks(tmp_path):
-    proc = run_script("ddp_bema.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+def test_ddp_two_ranks(ddp_world):
+    out = ddp_world.part("bema")  # tests/scripts/ddp_bema.py
+    results = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     # the script trains on per-rank data; DDP averages the gradients, so each step subtracts LR * mean over ranks
     config = results[0]["config"]
     steps = results[0]["steps"]

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import helpers.modules
 from helpers.cli import cli_with_callback
 from helpers.data import regression_data
-from helpers.ddp import output_tail, run_script
 from helpers.modules import TinyHF, TinyLM
 from lit_trainer import _atomic
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
@@ -248,11 +247,10 @@ def test_three_callbacks_together(tmp_path: Path) -> None:
 
 
 @pytest.mark.ddp
-def test_ddp_two_processes_agree(tmp_path: Path) -> None:
-    proc = run_script("ddp_best_checkpoint.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    weights = [torch.load(tmp_path / f"rank{r}_weights.pt", weights_only=True) for r in (0, 1)]
+def test_ddp_two_processes_agree(ddp_world) -> None:
+    out = ddp_world.part("best_checkpoint")  # tests/scripts/ddp_best_checkpoint.py
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    weights = [torch.load(out / f"rank{r}_weights.pt", weights_only=True) for r in (0, 1)]
     # rank 0 logs 3, 4, 2, 5 (steps 2..8) and rank 1 logs 1, 0, 9, 0 without sync_dist: rank 0's values decide,
     # so both ranks keep step=6 (2.0) as the best, and save_total_limit=1 leaves only it
     for info in ranks:
@@ -264,7 +262,7 @@ def test_ddp_two_processes_agree(tmp_path: Path) -> None:
     best = _ckpt_state(ranks[0]["best_model_path"])
     for w in weights:  # load_best_at_end on every rank
         assert all(torch.equal(w[k], best[k]) for k in best)
-    first_noise = [torch.load(tmp_path / f"rank{r}_noise.pt", weights_only=True) for r in (0, 1)]
+    first_noise = [torch.load(out / f"rank{r}_noise.pt", weights_only=True) for r in (0, 1)]
     assert not torch.equal(first_noise[0], first_noise[1])  # ranks draw different noise
 
 

@@ -14,18 +14,14 @@ import ddp_batch_rebalance as script  # tests/scripts: constants and the row len
 import pytest
 import torch
 
-from helpers.ddp import output_tail, run_script
 from lit_trainer.data.samplers.rebalance_sampler import BatchRebalanceSampler
 
 pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_rebalance")
-    proc = run_script("ddp_batch_rebalance.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def run(ddp_world) -> Path:
+    return ddp_world.part("batch_rebalance")  # tests/scripts/ddp_batch_rebalance.py
 
 
 def test_lightning_leaves_the_loader_alone_and_ranks_train_their_own_batches(run: Path):

@@ -7,20 +7,14 @@ import torch
 from transformers import ByT5Tokenizer
 
 from helpers.accumulation import accum_datamodule, full_batch
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 
 pytestmark = pytest.mark.ddp
 
 
-def _run(tmp_path, *args: str) -> list[dict]:
-    proc = run_script("ddp_grad_accum.py", tmp_path, *args)
-    assert proc.returncode == 0, output_tail(proc)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-
-
-def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
-    ranks = _run(tmp_path)
+def test_ddp_accumulation_equals_full_batch_gradient(ddp_world):
+    out = ddp_world.part("grad_accum")  # tests/scripts/ddp_grad_accum.py
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert all(r["world"] == 2 for r in ranks)
     # each rank trained on 2 micro-batches of its own; together they are the 8 rows exactly once
     rows = [tuple(row[row != 0].tolist()) for r in ranks for batch in r["seen"] for row in batch]
@@ -41,16 +35,17 @@ def test_ddp_accumulation_equals_full_batch_gradient(tmp_path):
     for r in ranks:
         masks = [(batch != 0).long() for batch in r["seen"]]
         costs.append(sum(m.shape[0] * m.shape[1] * (1 + 0.001 * m.shape[1]) for m in masks))
-    with open(tmp_path / "logs" / "version_0" / "metrics.csv", newline="") as file:
+    with open(out / "logs" / "version_0" / "metrics.csv", newline="") as file:
         row = [line for line in csv.DictReader(file) if line["cost_spread"]]
     assert len(row) == 1
     # tolerance: the logged value went through float32 and the CSV text; the formula is float64 on integers
     assert float(row[0]["cost_spread"]) == pytest.approx((max(costs) - min(costs)) / max(costs), rel=1e-5)
 
 
-def test_ddp_limit_train_batches_cutting_the_window_is_exact(tmp_path):
+def test_ddp_limit_train_batches_cutting_the_window_is_exact(ddp_world):
     # accumulate 2 but limit_train_batches=1: each rank trains ONE micro-batch of 2 rows before the step
-    ranks = _run(tmp_path, "1")
+    out = ddp_world.part("grad_accum_limit_1")  # tests/scripts/ddp_grad_accum.py 1
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [len(r["seen"]) for r in ranks] == [1, 1]
     tokenizer = ByT5Tokenizer()
     dm = accum_datamodule(tokenizer, batch_size=2)

@@ -10,18 +10,14 @@ import pytest
 import torch
 from test_grpo_module import step_reference
 
-from helpers.ddp import output_tail, run_script
 from helpers.rounding import Rounding, relative_l2
 
 pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_grpo")
-    proc = run_script("ddp_grpo.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def run(ddp_world) -> Path:
+    return ddp_world.part("grpo")  # tests/scripts/ddp_grpo.py
 
 
 def _facts(run: Path, phase: str) -> list[dict]:

@@ -12,17 +12,13 @@ import pytest
 import torch
 
 from helpers.accumulation import calibrated
-from helpers.ddp import output_tail, run_script
 
 pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_grpo_options")
-    proc = run_script("ddp_grpo_options.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def run(ddp_world) -> Path:
+    return ddp_world.part("grpo_options")  # tests/scripts/ddp_grpo_options.py
 
 
 def _ranks(run: Path, phase: str) -> list[dict]:

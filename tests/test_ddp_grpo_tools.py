@@ -4,22 +4,18 @@ metrics are over all ranks, and the synced gradient equals one process's on the 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import ddp_grpo_tools as script  # tests/scripts: nothing runs on import
 import pytest
 import torch
 
-from helpers.ddp import output_tail, run_script
 from helpers.rounding import Rounding, relative_l2
 
 pytestmark = pytest.mark.ddp
 
 
-def test_each_rank_runs_its_own_environments_and_the_gradient_equals_one_process(tmp_path: Path):
-    proc = run_script("ddp_grpo_tools.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def test_each_rank_runs_its_own_environments_and_the_gradient_equals_one_process(ddp_world):
+    out = ddp_world.part("grpo_tools")  # tests/scripts/ddp_grpo_tools.py
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single = script.first_step(1)
     for record in ranks:
         assert record["env_pids"] and set(record["env_pids"]) == {record["pid"]}  # its own instances, its own process
@@ -38,15 +34,14 @@ def test_each_rank_runs_its_own_environments_and_the_gradient_equals_one_process
     assert rounding.bound < 1e-2  # far below a wrong normaliser or advantage (order-1 relative changes)
 
 
-def test_sharded_ranks_with_different_turn_counts_stay_in_step_and_equal_one_process(tmp_path: Path):
+def test_sharded_ranks_with_different_turn_counts_stay_in_step_and_equal_one_process(ddp_world):
     """Under FSDP2 every ``generate`` is a collective: rank 0's rollouts call the tool (two turns), rank 1's answer
     directly (one turn), so rank 1 must run a throwaway generation while rank 0 continues, or the run hangs (the
     script's timeout) or mixes the ranks' forwards. The policy is the real model with forced replies."""
     import fsdp_grpo_tools as sharded
 
-    proc = run_script("fsdp_grpo_tools.py", tmp_path, timeout=300)  # a hang shows as a timeout
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    out = ddp_world.part("fsdp_grpo_tools")  # a hang shows as the world's (or the lone run's) time-out
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert all(r["sharded"] for r in ranks)
     assert ranks[0]["generate_calls"] == [sharded.G, sharded.G]  # its rollouts' first turns, then their second turns
     assert ranks[1]["generate_calls"] == [sharded.G, 1]  # one turn each, then the throwaway row

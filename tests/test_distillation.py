@@ -418,14 +418,9 @@ def test_checkpoint_inside_an_accumulation_window_resumes_bit_exactly(tmp_path, 
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """One 2-rank launch of tests/scripts/ddp_distill.py: a DDP fit, then a sharded (FSDP2) fit."""
-    from helpers.ddp import output_tail, run_script
-
-    out = tmp_path_factory.mktemp("distill_ranks")
-    proc = run_script("ddp_distill.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def launched(ddp_world):
+    """tests/scripts/ddp_distill.py on 2 ranks: a DDP fit, then a sharded (FSDP2) fit."""
+    return ddp_world.part("distill")
 
 
 @pytest.mark.slow

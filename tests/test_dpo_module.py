@@ -22,7 +22,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
 from helpers.accumulation import GradCapture, calibrated
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.cli import LitTrainerCLI
@@ -443,10 +442,9 @@ def test_recipe_config_parses_and_runs(tmp_path, monkeypatch):
 
 
 @pytest.mark.ddp
-def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer, tmp_path):
-    proc = run_script("ddp_dpo.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer, ddp_world):
+    out = ddp_world.part("dpo")  # tests/scripts/ddp_dpo.py
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["precomputed"]["ref_model_freed"] and not r["live"]["ref_model_freed"]
         # the same seed and data: the precomputed reference gives the live-reference loss curve on each rank, bit for
@@ -455,12 +453,12 @@ def test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live(tokenizer
         for key in ("val_loss", "val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen"):
             assert r["precomputed"]["metrics"][key] == r["live"]["metrics"][key], key
     assert ranks[0]["ref_columns"] == ranks[1]["ref_columns"]  # both ranks hold every row after the all-gather
-    lora = [json.loads((tmp_path / f"lora_rank{r}.json").read_text()) for r in (0, 1)]  # LoRA: adapters-off reference
+    lora = [json.loads((out / f"lora_rank{r}.json").read_text()) for r in (0, 1)]  # LoRA: adapters-off reference
     assert lora[0]["adapters"] == lora[1]["adapters"] and all(r["base_unchanged"] for r in lora)
     assert lora[0]["reference"] == "AdapterReference" and any(
         v != 0 for n, v in lora[0]["adapters"].items() if "lora_B" in n
     )  # the adapters trained
-    assert all(".lora_" in k for k in torch.load(tmp_path / "lora.ckpt", weights_only=True)["state_dict"])
+    assert all(".lora_" in k for k in torch.load(out / "lora.ckpt", weights_only=True)["state_dict"])
     # and the gathered rows (rank 0 scored 0, 2, 4, ..., rank 1 scored 1, 3, ...) are the single-process values
     pl.seed_everything(0)
     reference = tiny_llama(0)

@@ -1,8 +1,8 @@
 """Sharded training (FSDP2 under ``ModelParallelStrategy``) on 2 CPU ranks (gloo), against one process.
 
-One launch of ``tests/scripts/fsdp_train.py`` runs the SFT, DPO, ORPO, KTO, GRPO and RLOO fits (see its docstring); the
-single-process references run here, with the same global batch (per-device batch 4 on one device = 2 per rank x 2
-ranks) and accumulation, from the same initial weights, in float32.
+One launch of ``tests/scripts/fsdp_train.py`` runs the SFT (text and vision-language), DPO, ORPO, KTO, GRPO and RLOO
+fits (see its docstring); the single-process references run here, with the same global batch (per-device batch 4 on
+one device = 2 per rank x 2 ranks) and accumulation, from the same initial weights, in float32.
 
 Tolerances: the sharded float32 weights differ from the one-process float32 ones by the rounding of other reduction
 orders, amplified by Adam over the steps, by an amount that depends on the machine. Each comparison is calibrated on
@@ -84,6 +84,22 @@ def test_activation_checkpointing_under_sharding_gives_the_same_weights(run: Pat
     the same weights as the single-process run on full logits, within the calibrated rounding."""
     checkpointed = torch.load(run / "sft_checkpointed.pt", weights_only=False)
     single_sft.rounding.check(checkpointed, single_sft.weights, mistake=single_sft.step)
+
+
+@pytest.mark.ddp
+def test_vision_lora_sharded_ends_with_the_single_process_weights(run: Path):
+    """tiny-vl with LoRA: the vision tower sharded with the root group (not block by block), ranks whose micro-batch
+    has no image running it on a blank one; the same trainable weights as one process (calibrated in float64)."""
+    from ddp_vision import fsdp_run  # tests/scripts
+
+    sharded = torch.load(run / "vision.pt", weights_only=False)
+    assert sharded["tower_types"] == {"DTensor"}  # the tower's weights are sharded at rest
+    single = {precision: fsdp_run("auto", 1, 4, precision) for precision in ("32-true", "64-true")}
+    weights = single["32-true"]["weights"]
+    step = _step_change(weights, single["32-true"]["initial"], 2)
+    Rounding.of(weights, single["64-true"]["weights"], what="vision LoRA weights").check(
+        sharded["weights"], weights, mistake=step
+    )
 
 
 @pytest.mark.ddp

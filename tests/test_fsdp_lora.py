@@ -23,18 +23,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.modules.base import _adapter_checkpoint
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp_lora")
-    proc = run_script("fsdp_lora.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def run(ddp_world) -> Path:
+    return ddp_world.part("fsdp_lora")  # tests/scripts/fsdp_lora.py
 
 
 def _step(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], steps: int) -> float:

@@ -163,16 +163,13 @@ def test_fit_mixes_a_reward_model_with_a_function_and_weights(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_each_rank_scores_its_own_rows_under_ddp_and_sharding(tmp_path):
+def test_each_rank_scores_its_own_rows_under_ddp_and_sharding(ddp_world):
     """2 CPU ranks: every rank runs the reward model on its own completions, and the round's reward metrics are over
     the rows of both ranks (DDP, and ModelParallelStrategy with a sharded policy)."""
-    from helpers.ddp import output_tail, run_script
-
-    model = saved_reward_model(tmp_path / "rm")
-    proc = run_script("grpo_reward_model_ranks.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
+    out = ddp_world.part("grpo_reward_model_ranks")  # tests/scripts/grpo_reward_model_ranks.py
+    model = reward_model(0)  # the weights the script saved (saved_reward_model's default seed)
     for strategy in ("ddp", "model_parallel"):
-        ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        ranks = [torch.load(out / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
         assert [r["world_size"] for r in ranks] == [2, 2] and {r["device"] for r in ranks} == {"cpu"}
         assert [len(r["scored"]) for r in ranks] == [1, 1]  # one round each
         (p0, c0), (p1, c1) = ranks[0]["scored"][0], ranks[1]["scored"][0]

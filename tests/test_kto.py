@@ -13,7 +13,6 @@ from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.accumulation import GradCapture, calibrated
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.callbacks import ExactResume
@@ -397,12 +396,11 @@ def test_fit_trains_and_resumes_exactly(tokenizer, tmp_path):
 # --------------------------------------------------------------------------------------------------------- DDP
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_two_ranks_share_the_kl_estimate_and_give_the_full_batch_gradient(tmp_path):
+def test_ddp_two_ranks_share_the_kl_estimate_and_give_the_full_batch_gradient(ddp_world):
     """2 ranks x 2 rows: the KL estimate is the mean over both ranks' mismatched rows (TRL gathers it), and the step's
     gradient is the mean over the 4 examples, computed independently in one process from the batches the ranks saw."""
-    proc = run_script("ddp_kto.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    out = ddp_world.part("kto")  # tests/scripts/ddp_kto.py
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     batches = [r["batch"] for r in ranks]
     assert not torch.equal(batches[0]["input_ids"][0], batches[1]["input_ids"][0])  # each rank its own rows
 

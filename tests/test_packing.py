@@ -10,7 +10,6 @@ from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.accumulation import TEXTS, accum_datamodule, fit_grads, full_batch, relative_error
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.callbacks import ExactResume
@@ -229,10 +228,9 @@ def test_packed_run_resumes_exactly(tokenizer, tmp_path, packing):
 
 
 @pytest.mark.ddp
-def test_ddp_padding_free_accumulation_equals_full_batch_gradient(tmp_path, tokenizer):
-    proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free")
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def test_ddp_padding_free_accumulation_equals_full_batch_gradient(ddp_world, tokenizer):
+    out = ddp_world.part("grad_accum_padding_free")  # tests/scripts/ddp_grad_accum.py - padding_free
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert all(batch.size(0) == 1 for r in ranks for batch in r["seen"])  # really packed
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")

@@ -27,7 +27,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from helpers.ddp import output_tail, run_script
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer import CausalLMModule, DPOModule, RewardModule
 from lit_trainer.callbacks import BEMA, ExactResume, HFExport, JITCheckpoint
@@ -263,10 +262,10 @@ def test_8bit_adamw_keeps_embeddings_in_32bit_state_under_full_fine_tuning() -> 
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_match_one_process(tmp_path: Path) -> None:
-    proc = run_script("ddp_qlora.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+@pytest.mark.ddp
+def test_ddp_two_ranks_match_one_process(ddp_world) -> None:
+    out = ddp_world.part("qlora")  # tests/scripts/ddp_qlora.py
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert all(torch.equal(ranks[0]["adapter"][n], ranks[1]["adapter"][n]) for n in ranks[0]["adapter"])
     single = qlora_common.module()
     initial = qlora_common.adapter(single)

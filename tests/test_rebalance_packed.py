@@ -15,7 +15,6 @@ import torch
 from datasets import Dataset
 
 from helpers.accumulation import TEXTS, accum_datamodule, full_batch
-from helpers.ddp import output_tail, run_script
 from helpers.models import tiny_llama
 from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 from lit_trainer.data.samplers.rebalance import balance_packed_step, balance_step
@@ -142,12 +141,11 @@ def test_packed_batch_rebalance_fit_runs(tokenizer, packing):
 
 
 @pytest.mark.ddp
-def test_ddp_padding_free_batch_rebalance_is_balanced_and_exact(tmp_path, tokenizer):
+def test_ddp_padding_free_batch_rebalance_is_balanced_and_exact(ddp_world, tokenizer):
     """2 ranks (gloo), accumulate 2, batch_size 2: the one step holds all 8 rows. Each rank trains the packed
     sampler's micro-batches, and the step gradient equals the full-batch token-mean gradient."""
-    proc = run_script("ddp_grad_accum.py", tmp_path, "-", "padding_free", "batch_rebalance")
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    out = ddp_world.part("grad_accum_padding_free_rebalance")  # ddp_grad_accum.py - padding_free batch_rebalance
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     dm = accum_datamodule(tokenizer)
     dm.setup("fit")
     lengths = dm.lengths()

@@ -21,7 +21,6 @@ import torch
 from reward_common import datamodule, reward_model, reward_module
 
 from helpers.accumulation import calibrated
-from helpers.ddp import output_tail, run_script
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.losses import reward_loss
 
@@ -29,11 +28,8 @@ pytestmark = pytest.mark.ddp
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("reward_ranks")
-    proc = run_script("reward_ranks.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def run(ddp_world) -> Path:
+    return ddp_world.part("reward_ranks")  # tests/scripts/reward_ranks.py
 
 
 def _gradient(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

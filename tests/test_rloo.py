@@ -457,15 +457,13 @@ def _independent_ddp_step(model: Any, ref: Any, rows: list[dict], lose_a_row: bo
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_step_gathers_groups_and_kl_across_ranks(tmp_path):
+def test_ddp_step_gathers_groups_and_kl_across_ranks(ddp_world):
     import ddp_rloo as script
 
     from helpers.accumulation import calibrated
-    from helpers.ddp import output_tail, run_script
 
-    proc = run_script("ddp_rloo.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    out = ddp_world.part("rloo")  # tests/scripts/ddp_rloo.py
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in ranks)
     rows = [{k: v[i] for k, v in s.items()} for r in ranks for s in r["slices"] for i in range(len(s["advantages"]))]
     assert len(rows) == script.PROMPTS * script.G

@@ -21,7 +21,15 @@ from typing import Any, Literal
 Package = Literal["lightning.pytorch", "pytorch_lightning"]
 
 # what a public class may define itself: everything else belongs in its implementation class
-_PUBLIC_CLASS_KEYS = {"__module__", "__qualname__", "__doc__", "__firstlineno__", "__static_attributes__"}
+# (``__slotnames__``: copyreg caches it on a class the first time an instance is copied or pickled)
+_PUBLIC_CLASS_KEYS = {
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "__firstlineno__",
+    "__static_attributes__",
+    "__slotnames__",
+}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""HFExport: write the trained model (and tokenizer) in Hugging Face format at the end of fit.
+"""HFExport: write the trained model (and tokenizer, or a vision-language model's processor) in Hugging Face format at
+the end of fit.
 
 :func:`export_hf` is the one writer (``BestCheckpoint``'s ``best/`` and BEMA's export use it too). A peft (adapter)
 model is exported as the adapter alone, or as the base with the adapter merged in. Duck-typed (callbacks do not import
@@ -9,6 +10,10 @@ the modules): a peft model is anything with ``peft_config`` and ``merge_and_unlo
 while it is written, and training continues on the unmerged weights. On a quantized base (QLoRA) the copy is
 dequantized and cast back to the base's original dtype before the merge, so the merged export needs no bitsandbytes
 (:func:`lit_trainer.quantization.merged_full_precision`).
+
+A vision-language model (``tiny-vl``, a saved image-text-to-text model) is exported with its processor instead of the
+bare tokenizer (:func:`saved_tokenizer`): the image processor's settings, the tokenizer and the chat template, so
+``AutoProcessor.from_pretrained(path)`` and ``AutoModelForImageTextToText.from_pretrained(path)`` reload the run.
 """
 
 from __future__ import annotations
@@ -57,6 +62,20 @@ def save_adapter_model(model: Any, directory: str | os.PathLike, state_dict: dic
     merged.save_pretrained(directory, safe_serialization=True)
 
 
+def saved_tokenizer(trainer: Any, pl_module: Any) -> Any:
+    """What an export saves next to the model: the processor of a vision-language run, else the module's tokenizer.
+
+    The processor is the data module's (``BaseDataModule.processor``, set for ``tiny-vl`` or a saved vision-language
+    model), else the module's own ``processor`` attribute if it has one; None when there is neither a processor nor a
+    tokenizer. A processor's ``save_pretrained`` writes its tokenizer and chat template too.
+    """
+    for owner in (getattr(trainer, "datamodule", None), pl_module):
+        processor = getattr(owner, "processor", None)
+        if processor is not None and callable(getattr(processor, "save_pretrained", None)):
+            return processor
+    return getattr(pl_module, "tokenizer", None)
+
+
 def export_hf(
     model: Any, tokenizer: Any, target: str | os.PathLike, state_dict: dict | None = None, merge_adapters: bool = False
 ) -> Path:
@@ -68,7 +87,7 @@ def export_hf(
 
     Args:
         model: a transformers model.
-        tokenizer: its tokenizer, or None.
+        tokenizer: its tokenizer or processor (anything with ``save_pretrained``), or None.
         target: the export directory.
         state_dict: weights to save instead of the model's current ones (e.g. a best or averaged copy).
         merge_adapters: for a peft model, write the base with the adapter merged in (a standalone transformers
@@ -94,7 +113,9 @@ class _HFExport(PackageBound):
 
     Works on any LightningModule that exposes an HF model as ``.model``; the result loads with
     ``AutoModelForCausalLM.from_pretrained`` (a ``RewardModule``'s with ``AutoModelForSequenceClassification``) /
-    ``AutoTokenizer.from_pretrained``. Written by global rank 0 only.
+    ``AutoTokenizer.from_pretrained``. A vision-language run saves the data module's processor instead of the tokenizer
+    (:func:`saved_tokenizer`), and reloads with ``AutoModelForImageTextToText`` / ``AutoProcessor``. Written by global
+    rank 0 only.
     A module without such a ``.model`` is refused in ``on_fit_start``, before the first training step. Under
     ``ModelParallelStrategy`` (FSDP2) the full weights are gathered to rank 0's CPU first (every rank takes part).
     For a peft (LoRA) model it writes the adapter, which loads with ``peft.PeftModel.from_pretrained(base, dirpath)``
@@ -169,7 +190,7 @@ class _HFExport(PackageBound):
         if trainer.is_global_zero:
             export_hf(
                 model,
-                getattr(pl_module, "tokenizer", None),
+                saved_tokenizer(trainer, pl_module),
                 target,
                 state_dict=state,
                 merge_adapters=self.merge_adapters,

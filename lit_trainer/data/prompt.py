@@ -24,7 +24,8 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.data import builtin
+from lit_trainer import vision
+from lit_trainer.data import builtin, builtin_shapes
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
@@ -32,6 +33,14 @@ from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.samplers.batch_sampler import EpochPosition
 from lit_trainer.data.samplers.repeat_sampler import RepeatSampler
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
+from lit_trainer.vision import rows as vision_rows
+from lit_trainer.vision.collate import PER_TOKEN_KEYS
+from lit_trainer.vision.prompt import (
+    PROMPT_PER_TOKEN_KEYS,
+    VisionPromptEncoder,
+    pack_row_images,
+    reward_images,
+)
 
 PROMPT_IDS = "prompt_input_ids"
 PROMPT_MASK = "prompt_attention_mask"
@@ -91,6 +100,11 @@ def _prompt_problem(prompt: Any) -> str | None:
     return None if is_conversation(prompt) else missing_or_not_text(prompt)
 
 
+def missing_or_not_text_or_conversation(prompt: Any) -> str | None:
+    """A prompt next to images: a conversation (string or structured contents), or a string."""
+    return vision_rows.conversation_problem(prompt) if is_conversation(prompt) else missing_or_not_text(prompt)
+
+
 class PromptDataModule(BaseDataModule):
     """Prompts for GRPO: a prompt column, plus any other columns, passed to the reward functions row by row.
 
@@ -104,6 +118,15 @@ class PromptDataModule(BaseDataModule):
       counted (``stats["train_prompts_too_long"]``), as are empty ones.
     * Every other column (e.g. ``answer``) reaches the reward functions as a keyword argument, one entry per
       completion; ``completion``/``completion_ids`` columns are not passed (as the reference).
+    * Prompts with images (an ``images`` column, a list per row, or ``image``; PIL images, paths or bytes) need a
+      vision-language model's processor as tokenizer (``tokenizer="tiny-vl"`` or a saved one). Conversational
+      prompts get their images as TRL 1.16 places them (``{"type": "image"}`` parts filled in order; string contents
+      get one placeholder per image before the first user turn); string prompts hold the processor's image token
+      (``<image>``) once per image, which TRL does not accept. Rows are checked at setup without decoding an image
+      and kept undecoded; each batch is processed with the processor (placeholders expanded to the image tokens,
+      pixel values), its image inputs kept per row (:mod:`lit_trainer.vision.prompt`), and the reward functions get
+      the decoded images under the column's name (``images``: a list of PIL images per completion). ``max_length``
+      counts the image tokens.
 
     ``batch_size`` is the reference's ``per_device_train_batch_size``: completions per micro-batch per rank. Only
     ``sampling="random"`` (the reference's shuffled ``RepeatSampler``, seeded with ``seed``, epoch ``e`` drawing the
@@ -116,7 +139,9 @@ class PromptDataModule(BaseDataModule):
 
     Raises:
         ValueError: for a ``sampling`` other than random/sequential; at setup, for a missing prompt column, a
-            conversational dataset with a tokenizer without chat template, or no prompt within ``max_length``.
+            conversational dataset with a tokenizer without chat template, or no prompt within ``max_length``; for
+            images given to a text-only tokenizer, an image that cannot be read or placeholders that do not match a
+            row's images (the row named).
 
     Example::
 
@@ -128,6 +153,7 @@ class PromptDataModule(BaseDataModule):
         "builtin:addition": builtin.prompt_rows,
         "builtin:tool_addition": builtin.tool_addition_prompt_rows,
         "builtin:tool_multiplication": builtin.tool_multiplication_prompt_rows,
+        "builtin:shapes": builtin_shapes.prompt_rows,
     }
 
     def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:
@@ -139,6 +165,7 @@ class PromptDataModule(BaseDataModule):
             )
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
         self.conversational = False
+        self.image_column: str | None = None  # the image column of prompts with images (processed per batch)
 
     # ------------------------------------------------------------------------------------------- preprocessing
     def _prompt_ids(self, prompts: list[Any]) -> list[list[int]]:
@@ -158,8 +185,27 @@ class PromptDataModule(BaseDataModule):
 
     @override
     def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
-        if self.hparams.prompt_column in rows.column_names:  # else _check_format names the missing column
-            check_cells(rows, [self.hparams.prompt_column], where, _prompt_problem, "prompt row")
+        column = self.hparams.prompt_column
+        if column not in rows.column_names:  # _check_format names the missing column
+            return
+        if (images := vision.image_column(rows.column_names)) is not None:
+            return self._check_image_rows(rows, images, where, split)
+        check_cells(rows, [column], where, _prompt_problem, "prompt row")
+
+    def _check_image_rows(self, rows: Dataset, images: str, where: Locator, split: str) -> None:
+        """Prompts with images, checked without decoding: a text-only tokenizer refused, then each row's images
+        (readable), conversation and placeholders (``{"type": "image"}`` parts, or the image token in a string
+        prompt) named when wrong."""
+        column, what = self.hparams.prompt_column, f"The {split} prompt data"
+        rows = vision_rows.undecoded(rows, images)
+        if self.processor is None:
+            vision_rows.refuse_text_model(rows, images, where, what)
+        check_cells(rows, [column], where, missing_or_not_text_or_conversation, "prompt row")
+        chat = len(rows) > 0 and is_conversation(rows[0][column])
+        vision_rows.check_image_rows(
+            rows, images, where, conversations=(column,) if chat else (), texts=() if chat else (column,),
+            image_token=getattr(self.processor, "image_token", "<image>"),
+        )  # fmt: skip
 
     def _check_format(self, rows: Dataset, split: str) -> None:
         column = self.hparams.prompt_column
@@ -177,12 +223,17 @@ class PromptDataModule(BaseDataModule):
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         self._check_format(rows, split)
         column, limit = self.hparams.prompt_column, self.hparams.max_length
+        if (images := vision.image_column(rows.column_names)) is not None:
+            self.image_column = images
+            rows = vision_rows.undecoded(rows, images)
+            data = vision_rows.keep_rows(rows, self._image_prompt_length(images), split)
+        else:
 
-        def tokenize(batch: dict[str, list]) -> dict[str, list]:
-            ids = self._prompt_ids(batch[column])
-            return {PROMPT_IDS: ids, "length": [len(i) for i in ids]}
+            def tokenize(batch: dict[str, list]) -> dict[str, list]:
+                ids = self._prompt_ids(batch[column])
+                return {PROMPT_IDS: ids, "length": [len(i) for i in ids]}
 
-        data = rows.map(tokenize, batched=True, desc=f"Tokenizing {split} prompts")
+            data = rows.map(tokenize, batched=True, desc=f"Tokenizing {split} prompts")
         lengths = data["length"]
         self.stats[f"{split}_prompts_too_long"] = sum(n > limit for n in lengths)
         self.stats[f"{split}_prompts_empty"] = sum(n == 0 for n in lengths)
@@ -197,18 +248,54 @@ class PromptDataModule(BaseDataModule):
             raise ValueError(f"No {split} prompt fits within max_length={limit} tokens: raise max_length.")
         return data
 
+    def _image_prompt_length(self, images: str) -> Any:
+        """A prompt's length with images: its text tokens, each image placeholder counted as the tokens it expands to
+        (exact for processors with a fixed image size, such as ``tiny-vl``'s)."""
+        column = self.hparams.prompt_column
+        per_image = vision_rows.image_tokens_per_image(self.processor)
+        known: dict[tuple[str, int], int] = {}  # many rows share their text (one question about many pictures)
+
+        def length(row: dict[str, Any]) -> int:
+            count = len(vision.row_images(row, images))
+            key = (repr(row[column]), count)
+            if key not in known:
+                prompt = vision.with_images(row[column], [None] * count, "row") if self.conversational else row[column]
+                known[key] = len(self._prompt_ids([prompt])[0]) + count * (per_image - 1)
+            return known[key]
+
+        return length
+
     # ----------------------------------------------------------------------------------------------- batches
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, Any]:
-        """Left-padded prompt ids and mask (for ``generate``), the raw prompts and the reward columns (lists)."""
-        ids = [row[PROMPT_IDS] for row in rows]
-        internal = {self.hparams.prompt_column, "length", *_EXCLUDED_COLUMNS}
+        """Left-padded prompt ids and mask (for ``generate``), the raw prompts and the reward columns (lists). With
+        images: the prompts processed now by the processor, the image inputs per row
+        (:func:`~lit_trainer.vision.prompt.pack_row_images`) and the decoded images as the image column's reward
+        keyword; conversational prompts reach the reward functions with their images filled in, as TRL 1.16's."""
+        column = self.hparams.prompt_column
+        internal = {column, "length", "row", *_EXCLUDED_COLUMNS}
         extras = [c for c in rows[0] if c not in internal]
+        rewards = {c: [row[c] for row in rows] for c in extras}
+        image_inputs: dict[str, Any] = {}
+        if self.image_column is not None:
+            encoded = VisionPromptEncoder(
+                self.processor, self.image_column, column, self.conversational,
+                "train" if train else "validation", drop_eos=self._appends_eos(),
+            )(rows)  # fmt: skip
+            ids, prompts = [e.ids for e in encoded], [e.prompt for e in encoded]
+            rewards[self.image_column] = reward_images(encoded, self.image_column)
+            image_inputs = pack_row_images([e.images for e in encoded])
+            for name, key in zip(PROMPT_PER_TOKEN_KEYS, PER_TOKEN_KEYS):
+                if any(key in e.per_token for e in encoded):
+                    image_inputs[name] = pad_left([e.per_token.get(key, [0] * len(e.ids)) for e in encoded], 0)
+        else:
+            ids, prompts = [row[PROMPT_IDS] for row in rows], [row[column] for row in rows]
         return {
             PROMPT_IDS: pad_left(ids, self.pad_token_id),
             PROMPT_MASK: pad_left([[1] * len(i) for i in ids], 0),
-            PROMPTS: [row[self.hparams.prompt_column] for row in rows],
-            REWARD_COLUMNS: {c: [row[c] for row in rows] for c in extras},
+            PROMPTS: prompts,
+            REWARD_COLUMNS: rewards,
+            **image_inputs,
         }
 
     @override

@@ -143,7 +143,10 @@ class SFTDataModule(BaseDataModule):
         fmt = self._row_format(rows, split)
         columns = self._columns(fmt)
         if (images := vision.image_column(rows.column_names)) is not None:
-            return self._check_image_rows(rows, images, where, fmt, f"The SFT {split} data")
+            if self.processor is not None:
+                return self._check_image_rows(rows, images, where, fmt)
+            # a text-only model: refused when a row has an image; an image column without any image is ignored
+            vision_rows.refuse_text_model(vision_rows.undecoded(rows, images), images, where, f"The SFT {split} data")
         if fmt in CHAT_FORMATS:
             check_cells(rows, columns, where, conversation_problem, "chat row")
             require_chat_template(self.tokenizer, f"The SFT {split} data")
@@ -239,7 +242,7 @@ class SFTDataModule(BaseDataModule):
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         fmt = self._row_format(rows, split)
         self._require_rows(rows, split)
-        if (images := vision.image_column(rows.column_names)) is not None:
+        if self.processor is not None and (images := vision.image_column(rows.column_names)) is not None:
             if self.hparams.packing != "none":
                 raise ValueError(
                     f"`packing={self.hparams.packing!r}` is not supported for rows with images: a packed row would "
@@ -281,25 +284,37 @@ class SFTDataModule(BaseDataModule):
         return usable
 
     def _image_row_length(self, fmt: RowFormat, images: str) -> Callable[[dict[str, Any]], int]:
-        """A row's estimated length: its text tokens, each image placeholder counted as the tokens it expands to."""
-        tok = self.tokenizer
-        per_image = vision_rows.image_tokens_per_image(self.processor)
+        """A row's length as its batch will hold it, without decoding its images: the tokens of its rendered text
+        (``add_special_tokens=False``, as the collator processes it), each image token counted as the tokens it
+        expands to, the EOS a string row gets, at most ``max_length`` (a longer row is cut after its images; one whose
+        cut would fall inside an image is refused here, naming the row)."""
+        tok, processor, limit = self.tokenizer, self.processor, self.hparams.max_length
+        per_image = vision_rows.image_tokens_per_image(processor)
+        image_id = tok.convert_tokens_to_ids(getattr(processor, "image_token", None) or "<image>")
+        eos = tok.eos_token_id
 
         def length(row: dict[str, Any]) -> int:
-            count = len(vision.row_images(row, images))
             if fmt in CHAT_FORMATS:
-                turns = [t for c in self._columns(fmt) for t in row[c]]
-                text = len(tok.apply_chat_template(vision.with_images(turns, [None] * count, "row"), tokenize=True,
-                                                   return_dict=True)["input_ids"])  # fmt: skip
+                count = len(vision.row_images(row, images))
+                turns = vision.with_images([t for c in self._columns(fmt) for t in row[c]], [None] * count, "row")
+                text = processor.apply_chat_template(turns, tokenize=False)
             else:
-                text = len(tok("".join(row[c] for c in self._columns(fmt)))["input_ids"])
-            return text + count * (per_image - 1) + (fmt not in CHAT_FORMATS)  # + the EOS of a string row
+                text = "".join(row[c] for c in self._columns(fmt))
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            placeholders = [i for i, t in enumerate(ids) if t == image_id]
+            total = len(ids) + len(placeholders) * (per_image - 1)
+            if fmt not in CHAT_FORMATS and eos is not None and (not ids or ids[-1] != eos):
+                total += 1  # the EOS that ends a string row
+            if placeholders and placeholders[-1] + 1 + len(placeholders) * (per_image - 1) > limit:
+                raise ValueError(  # refused now rather than when its batch comes (the collator checks it too)
+                    f"{total} tokens with its image tokens, more than max_length={limit}, and cutting it would cut "
+                    "an image. Raise max_length, or shorten the row's text before its images."
+                )
+            return min(total, limit)
 
         return length
 
-    def _check_image_rows(self, rows: Dataset, images: str, where: Locator, fmt: RowFormat, what: str) -> None:
-        if self.processor is None:
-            vision_rows.refuse_text_model(vision_rows.undecoded(rows, images), images, where, what)
+    def _check_image_rows(self, rows: Dataset, images: str, where: Locator, fmt: RowFormat) -> None:
         chat = fmt in CHAT_FORMATS
         vision_rows.check_image_rows(
             vision_rows.undecoded(rows, images), images, where,

@@ -38,6 +38,7 @@ from lit_trainer.modules.base._packing import check_trainer_packing, masking_kwa
 from lit_trainer.modules.dpo import METRIC_NAMES as DPO_METRIC_NAMES
 from lit_trainer.modules.dpo import disable_dropout_in_model
 from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
+from lit_trainer.vision.collate import image_inputs
 
 __all__ = ["CPO_METRIC_NAMES", "ORPO_METRIC_NAMES", "CPOModule", "ORPOModule"]
 
@@ -105,7 +106,17 @@ class _ReferenceFreeModule(BaseModule):
     # ------------------------------------------------------------------------------------------ scoring
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> _Scored:
         """Per-token log-probs of the 2B rows (over the NLL term's tokens), the pair term's per-sequence log-probs
-        (sum or average over the completion tokens) and the completion mask, from one forward."""
+        (sum or average over the completion tokens) and the completion mask, from one forward.
+
+        Raises:
+            ValueError: a batch with images (not supported by the reference-free modules yet).
+        """
+        if image_inputs(batch):
+            raise ValueError(
+                f"{type(self).__name__} does not take preference rows with images yet: its NLL term would score the "
+                "image tokens (ORPO's covers the prompt) and its forward passes no pixel values. Train DPOModule on "
+                "them (it passes the images to the policy and the reference), or drop the image column."
+            )
         if self.nll_on_prompt:  # every real token is a target; a packed row's boundaries are dropped by `per_row`
             keep = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(batch["input_ids"])
         else:

@@ -181,7 +181,9 @@ class VisionSFTCollator:
         cols = self.columns
         if self.fmt == "messages":
             messages = with_images(row[cols["messages"]], images, where)
-            ends_with_answer = messages[-1].get("role") == "assistant"
+            # the prompt (where the last answer starts) serves only the exact-match generation: processing it costs a
+            # second pass of the row's images through the processor, so training batches skip it
+            ends_with_answer = self.generation_inputs and messages[-1].get("role") == "assistant"
             prompt = self._render(messages[:-1], add_generation_prompt=True) if ends_with_answer else None
         else:
             prompt_turns = with_images(row[cols["prompt"]], images, where)

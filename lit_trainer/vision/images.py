@@ -70,5 +70,5 @@ def load_image(value: Any, where: str) -> Image.Image:
         with Image.open(source) as image:
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError) as error:
-        what = f"the file {str(value)!r}" if isinstance(source, Path) else f"{len(value)} bytes"
-        raise ValueError(f"{where}: {what} do not decode as an image ({error}).") from error
+        what = f"the file {str(value)!r} does" if isinstance(source, Path) else f"{len(value)} bytes do"
+        raise ValueError(f"{where}: {what} not decode as an image ({error}).") from error

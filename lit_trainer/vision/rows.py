@@ -11,6 +11,7 @@ from typing import Any
 
 from datasets import Dataset
 from PIL import Image
+from tqdm.auto import tqdm
 
 from lit_trainer.vision.images import image_problem, row_images
 from lit_trainer.vision.messages import placeholder_problem
@@ -41,11 +42,13 @@ def conversation_problem(value: Any) -> str | None:
 
 
 def image_tokens_per_image(processor: Any) -> int:
-    """How many tokens one image placeholder expands to, measured on a blank 64x64 image (exact for processors that
-    resize to a fixed size, such as LLaVA's; an estimate for those whose count follows the image size)."""
+    """How many tokens one image placeholder expands to (16 for ``tiny-vl``), measured on a blank 64x64 image (exact
+    for processors that resize to a fixed size, such as LLaVA's; an estimate for those whose count follows the image
+    size)."""
     token = getattr(processor, "image_token", None) or "<image>"
     out = processor(text=[token], images=[Image.new("RGB", (64, 64))], add_special_tokens=False)
-    return max(len(out["input_ids"][0]) - 1, 1)
+    alone = processor.tokenizer(token, add_special_tokens=False)["input_ids"]  # the placeholder's own token(s)
+    return max(len(out["input_ids"][0]) - len(alone) + 1, 1)
 
 
 def check_image_rows(
@@ -119,9 +122,18 @@ def undecoded(rows: Dataset, column: str) -> Dataset:
 
 
 def keep_rows(rows: Dataset, lengths: Callable[[Mapping[str, Any]], int], split: str) -> Dataset:
-    """``rows`` as they are, plus ``row`` (the index) and ``length`` (``lengths(row)``), computed once."""
-    return rows.map(
-        lambda row, index: {"row": index, "length": lengths(row)},
-        with_indices=True,
-        desc=f"Measuring {split} rows",
-    )
+    """``rows`` as they are, plus ``row`` (the index) and ``length`` (``lengths(row)``), computed once.
+
+    A plain loop and two added columns rather than ``Dataset.map``: ``map`` would hash the length function, and with it
+    the processor, for its cache fingerprint (seconds per call), and rewrite every image into a new cache file.
+
+    Raises:
+        ValueError: ``lengths`` refused a row (its ValueError), now naming the row as the collator does.
+    """
+    measured = []
+    for index, row in enumerate(tqdm(rows, desc=f"Measuring {split} rows", disable=len(rows) < 2000, leave=False)):
+        try:
+            measured.append(lengths(row))
+        except ValueError as error:
+            raise ValueError(f"row {index} of the {split} data: {error}") from error
+    return rows.add_column("row", list(range(len(rows)))).add_column("length", measured)

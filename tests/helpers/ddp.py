@@ -8,7 +8,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,99 @@ def launch_lit_trainer_ranks(*args: str | os.PathLike, cwd: Path, ranks: int = 2
         with open(cwd / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the shared 2-rank world: ``tests/scripts/<script> OUT args...``, checked by the tests of ``users``
+    (test file names)."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    users: tuple[str, ...] = ()
+
+
+#: the 2-rank scripts that share one world (``tests/scripts/ddp_world.py``), in the order they run there
+WORLD: dict[str, Part] = {
+    # first: its preset goes through a temporary folder before the fit, and once a process group is up (after a
+    # part's fit) transformers writes a model on rank 0 only, so rank 1 would find an empty folder
+    "qlora": Part("ddp_qlora.py", users=("test_qlora.py",)),
+    "kto": Part("ddp_kto.py", users=("test_kto.py",)),
+    "rloo": Part("ddp_rloo.py", users=("test_rloo.py",)),
+    "grad_accum": Part("ddp_grad_accum.py", users=("test_ddp_grad_accumulation.py",)),
+    "grad_accum_limit_1": Part("ddp_grad_accum.py", ("1",), users=("test_ddp_grad_accumulation.py",)),
+    "grad_accum_padding_free": Part("ddp_grad_accum.py", ("-", "padding_free"), users=("test_packing.py",)),
+    "grad_accum_padding_free_rebalance": Part(
+        "ddp_grad_accum.py", ("-", "padding_free", "batch_rebalance"), users=("test_rebalance_packed.py",)
+    ),
+    "bema": Part("ddp_bema.py", users=("test_bema.py",)),
+    "best_checkpoint": Part("ddp_best_checkpoint.py", users=("test_best_checkpoint.py",)),
+    "plain_resume": Part("ddp_plain_resume.py", users=("test_exact_resume_ddp.py",)),
+    "batch_rebalance": Part("ddp_batch_rebalance.py", users=("test_ddp_batch_rebalance.py",)),
+    "dpo": Part("ddp_dpo.py", users=("test_dpo_module.py",)),
+    "grpo": Part("ddp_grpo.py", users=("test_ddp_grpo.py",)),
+    "grpo_options": Part("ddp_grpo_options.py", users=("test_ddp_grpo_options.py",)),
+    "grpo_tools": Part("ddp_grpo_tools.py", users=("test_ddp_grpo_tools.py",)),
+    "reward_ranks": Part("reward_ranks.py", users=("test_reward_ranks.py",)),
+    "distill": Part("ddp_distill.py", users=("test_distillation.py",)),
+    "fsdp_lora": Part("fsdp_lora.py", users=("test_fsdp_lora.py",)),
+    "fsdp_grpo_tools": Part("fsdp_grpo_tools.py", users=("test_ddp_grpo_tools.py",)),
+    "grpo_reward_model_ranks": Part("grpo_reward_model_ranks.py", users=("test_grpo_reward_models.py",)),
+}
+
+
+def run_world(out: Path, parts: list[str], timeout: float = 1800) -> list[int]:
+    """Run ``tests/scripts/ddp_world.py out *parts`` as 2 ranks started here (as torchrun starts them); rank ``r``'s
+    output goes to ``out/rank<r>.log``. When one rank fails the other is stopped (it would wait in a collective).
+    Returns the exit codes; ``timeout`` is a hang guard."""
+    out.mkdir(parents=True, exist_ok=True)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+    procs = []
+    for rank in range(2):
+        with open(out / f"rank{rank}.log", "w") as log:
+            command = [sys.executable, str(SCRIPTS / "ddp_world.py"), str(out), *parts]
+            env = script_env(**rendezvous, LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(5)  # let the other rank write its own error, then stop it
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
+
+
+class World:
+    """The shared 2-rank world of one test session (the ``ddp_world`` fixture of ``tests/conftest.py``).
+
+    The first :meth:`part` call runs every part the session's selected tests use, in ONE launch, under a file lock
+    in ``root`` (shared by the pytest-xdist workers: the world runs once per session). A part that did not finish
+    there (a failure stops the world at that part) runs its script alone for the test that asks for it, so its test
+    fails with the script's own output, and the other parts' tests are unaffected.
+    """
+
+    def __init__(self, root: Path, parts: list[str]) -> None:
+        self.root, self.parts = root, parts
+
+    def _run_once(self) -> None:
+        from filelock import FileLock
+
+        with FileLock(str(self.root / "ddp_world.lock")):
+            if not (self.root / "ddp_world.finished").exists():
+                codes = run_world(self.root / "ddp_world", self.parts)
+                (self.root / "ddp_world.finished").write_text(json.dumps({"parts": self.parts, "codes": codes}))
+
+    def part(self, name: str) -> Path:
+        """The folder where part ``name`` (a key of :data:`WORLD`) wrote its files."""
+        if name in self.parts:
+            self._run_once()
+            out = self.root / "ddp_world" / name
+            if all((out / f"done_rank{r}").exists() for r in (0, 1)):
+                return out
+        out = Path(tempfile.mkdtemp(prefix=f"{name}_alone_", dir=self.root))
+        proc = run_script(WORLD[name].script, out, *WORLD[name].args)
+        assert proc.returncode == 0, output_tail(proc)
+        return out

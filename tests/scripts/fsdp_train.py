@@ -2,7 +2,8 @@
 
 Usage: python fsdp_train.py OUT_DIR. Lightning's launcher re-executes this file for rank 1. Writes, from rank 0:
 ``sft.pt``/``dpo.pt`` (final full weights, clipping norms, optimizer facts), ``sft_checkpointed.pt`` (the same SFT
-with activation checkpointing and chunked logits), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed
+with activation checkpointing and chunked logits), ``vision.pt`` (LoRA SFT of the ``tiny-vl``
+vision-language model, ``ddp_vision.fsdp_run``), ``best.pt`` (BestCheckpoint(export_hf=True) over a distributed
 checkpoint, with NEFTune), ``OUT_DIR/sft_export`` (HFExport), ``bema_best.pt`` (BEMA evaluated during fit,
 BestCheckpoint(load_best_at_end=True), ``OUT_DIR/bema_export``); the DPO fit refreshes its sharded reference with
 BEMA(update_ref_model=True);
@@ -66,6 +67,12 @@ if __name__ == "__main__":
     checkpointed_weights = common.full_weights(checkpointed)
     if trainer.is_global_zero:
         torch.save(checkpointed_weights, os.path.join(out, "sft_checkpointed.pt"))
+
+    from ddp_vision import fsdp_run  # vision-language LoRA SFT on tiny-vl, micro-batches with and without images
+
+    vision = fsdp_run(common.model_parallel(), 2, 2)
+    if trainer.is_global_zero:
+        torch.save(vision, os.path.join(out, "vision.pt"))
 
     best = BestCheckpoint(dirpath=os.path.join(out, "best_ckpt"), monitor="val_loss", export_hf=True)
     scored = CausalLMModule(tiny_llama(seed=3, layers=2), tokenizer=tokenizer, learning_rate=1e-3)

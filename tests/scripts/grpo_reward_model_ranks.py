@@ -1,15 +1,19 @@
 """GRPO with a reward model on 2 CPU ranks (gloo), under DDP and under ``ModelParallelStrategy`` (FSDP2), one launch.
 
-Run by ``tests/test_grpo_reward_models.py`` as ``python grpo_reward_model_ranks.py OUT_DIR`` (the reward model is
-saved in ``OUT_DIR/rm`` by the test). Each rank records, per generation round, the prompts and completions it scored
-(through a recording function reward beside the model) and the round's gathered reward metrics, in
-``OUT_DIR/{strategy}_rank{r}.pt``. One optimizer step per strategy: 2 prompts x 4 generations = 8 rows, 4 per rank.
+Run for ``tests/test_grpo_reward_models.py`` as ``python grpo_reward_model_ranks.py OUT_DIR``, in the tests' shared
+2-rank world (``helpers.ddp.WORLD``). Rank 0 first saves the test's seeded reward model (``saved_reward_model``) in
+``OUT_DIR/rm``, the other rank waits for it (transformers writes a model only on rank 0 once a process group is up, as
+it is in that world). Each rank records, per
+generation round, the prompts and completions it scored (through a recording function reward beside the model) and
+the round's gathered reward metrics, in ``OUT_DIR/{strategy}_rank{r}.pt``. One optimizer step per strategy:
+2 prompts x 4 generations = 8 rows, 4 per rank.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -26,6 +30,15 @@ if __name__ == "__main__":
 
     disable_progress_bars()
     out_dir = sys.argv[1]
+    reward_model_dir, saved = os.path.join(out_dir, "rm"), os.path.join(out_dir, "rm.saved")
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # alone, rank 1 starts at the first fit: after this
+        from test_grpo_reward_models import saved_reward_model
+
+        saved_reward_model(reward_model_dir)
+        open(saved, "w").close()
+    deadline = time.monotonic() + 300  # a hang guard
+    while not os.path.exists(saved) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
     def run(name: str, strategy: Any) -> None:
         scored: list[tuple[list, list]] = []
@@ -37,7 +50,7 @@ if __name__ == "__main__":
         module = GRPOModule(
             build_model(),
             tokenizer=transformers.ByT5Tokenizer(),
-            reward_funcs=[os.path.join(out_dir, "rm"), recorder],
+            reward_funcs=[reward_model_dir, recorder],
             num_generations=4,
             steps_per_generation=1,
             max_completion_length=4,

@@ -8,14 +8,14 @@ from typing import Any
 from torch import Tensor
 
 from lit_trainer.callbacks.bema._shards import gather
-from lit_trainer.callbacks.hf_export import export_hf
+from lit_trainer.callbacks.hf_export import export_hf, saved_tokenizer
 from lit_trainer.modules.base._sharding import full_state_dict, is_sharded
 
 
 def export_bema_weights(
     trainer: Any, pl_module: Any, target: Path, bema: list[Tensor], params: list[Tensor], alias: dict[str, int]
 ) -> None:
-    """``save_pretrained`` ``pl_module.model`` (and its tokenizer) into ``target`` with the BEMA weights.
+    """``save_pretrained`` ``pl_module.model`` (and its tokenizer or processor) into ``target`` with the BEMA weights.
 
     Every rank calls it (sharded: the full weights are collectives); rank 0 writes, under a partial name renamed
     into place (:func:`~lit_trainer.callbacks.hf_export.export_hf`), then all ranks meet at a barrier.
@@ -34,5 +34,5 @@ def export_bema_weights(
         for key in weights:
             if "model." + key in alias:
                 weights[key] = full[alias["model." + key]]
-        export_hf(model, getattr(pl_module, "tokenizer", None), target, state_dict=weights)
+        export_hf(model, saved_tokenizer(trainer, pl_module), target, state_dict=weights)
     trainer.strategy.barrier("bema_export")

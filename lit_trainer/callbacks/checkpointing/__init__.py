@@ -73,7 +73,7 @@ from lit_trainer._atomic import is_local_path
 from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpointing._evaluated_weights import EVALUATED_WEIGHTS_KEY, weight_scorers
 from lit_trainer.callbacks.checkpointing._files import load_checkpoint_state_dict, removable
-from lit_trainer.callbacks.hf_export import export_hf
+from lit_trainer.callbacks.hf_export import export_hf, saved_tokenizer
 from lit_trainer.checkpoint_io import AtomicCheckpointIO, _AtomicCheckpointIO, is_async, write_sentinel
 from lit_trainer.modules.base._sharding import load_full_state_dict
 
@@ -351,7 +351,7 @@ class _BestCheckpoint(PackageBound):
             weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             export_hf(
                 module.model,
-                getattr(module, "tokenizer", None),
+                saved_tokenizer(trainer, module),
                 self.hf_export_dir,
                 state_dict=weights,
                 merge_adapters=self.merge_adapters,

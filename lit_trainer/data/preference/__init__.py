@@ -27,7 +27,8 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.data import builtin
+from lit_trainer import vision
+from lit_trainer.data import builtin, builtin_shapes
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import render, require_chat_template, template_options
 from lit_trainer.data.collate import common_prefix_len
@@ -40,27 +41,18 @@ from lit_trainer.data.preference.collate import (
     REF_REJECTED_KEY,
     PreferenceCollator,
     TruncationMode,
+    end_with_eos,
     same_model_inputs,
 )
 from lit_trainer.data.reference_columns import ReferenceColumns
-from lit_trainer.data.sources import Locator, describe_columns, locate_problem
+from lit_trainer.data.sources import Locator, check_cells, describe_columns, locate_problem, missing_or_not_text
+from lit_trainer.vision import rows as vision_rows
+from lit_trainer.vision.messages import count_placeholders
+from lit_trainer.vision.preference import VisionPreferenceCollator
 
 PreferencePacking = Literal["none", "padding_free"]  # packing values that apply to pairs ("bfd" is for SFT rows)
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _DOUBLE_EOS_WARNING = r"This sequence already has"  # ByT5's notice when the text already ends with "</s>"
-
-
-def end_with_eos(text: str, eos: str | None) -> str:
-    """``text`` ending with the EOS string: appended unless it is already there (unchanged when there is no EOS).
-
-    TRL 1.16's rule for standard (string) preference rows, so the text a reward model trains on; GRPO scores a reward
-    model's standard-format completions the same way (:class:`~lit_trainer.rewards.RewardModelScorer`).
-
-    Example:
-        >>> end_with_eos("82", "</s>"), end_with_eos("82</s>", "</s>"), end_with_eos("82", None)
-        ('82</s>', '82</s>', '82')
-    """
-    return text if not eos or text.endswith(eos) else text + eos
 
 
 def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list, str | list, str | list]:
@@ -94,6 +86,20 @@ def _check_margins(margins: list[Any], split: str) -> None:
             )
 
 
+def _completion_problem(value: Any, chat: bool, image_token: str) -> str | None:
+    """What is wrong with a chosen or rejected cell of a row with images (None when it is valid): a malformed
+    conversation or text, or an image placeholder (a pair's images belong to its prompt)."""
+    if chat:
+        problem = vision_rows.conversation_problem(value)
+        if problem is None and count_placeholders(value):
+            problem = "an image part in a completion: a pair's images go into its prompt (the first user turn)"
+        return problem
+    problem = value_problem(value, "chosen") if isinstance(value, str) else missing_or_not_text(value)
+    if problem is None and image_token in value:
+        problem = f"the image token {image_token!r} in a completion: a pair's images go into its prompt"
+    return problem
+
+
 class PreferenceDataModule(ReferenceColumns, BaseDataModule):
     """Preference pairs for :class:`~lit_trainer.modules.dpo.DPOModule` and
     :class:`~lit_trainer.modules.reward.RewardModule` (TRL 1.16 preprocessing and collation).
@@ -112,6 +118,15 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         Differs from the reference: the row format (standard or conversational) and EOS handling are decided per row
         instead of by the first row; malformed rows raise a ValueError naming the row and column instead of failing
         inside the tokenizer or training on empty completions.
+
+        Rows with images (an ``images`` or ``image`` column, and a vision-language model's processor as ``tokenizer``,
+        e.g. ``"tiny-vl"``; ``builtin:shapes`` holds such pairs) need an explicit ``prompt``, which holds the images:
+        ``{"type": "image"}`` parts of its turns, or, with string contents, placed first in its first user turn; string
+        rows write the processor's image token in the prompt text. They are checked and measured at setup without
+        decoding an image, and processed batch by batch by
+        :class:`~lit_trainer.vision.preference.VisionPreferenceCollator` (the text batch's layout plus the image
+        inputs, each pair's images for both its rows). ``keep_end``, packing and precomputed reference log-probs are
+        refused for them.
 
         Args:
             truncation_mode: ``keep_start`` (default; rows whose prompt alone has ``>= max_length`` tokens are dropped),
@@ -150,6 +165,7 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
     builtin: ClassVar[BuiltinSources] = {
         "builtin:addition": builtin.preference_rows,
         "builtin:subtraction": builtin.subtraction_preference_rows,
+        "builtin:shapes": builtin_shapes.preference_rows,
     }
 
     def __init__(
@@ -175,6 +191,7 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of={pad_to_multiple_of}` is invalid: use an integer >= 1 or None.")
         self.save_hyperparameters(ignore=["tokenizer", "dataset", "validation_dataset"])
+        self._images: str | None = None  # the image column of rows with images (processed per batch)
 
     # ------------------------------------------------------------------------------------------------ preprocessing
     @staticmethod
@@ -190,6 +207,8 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         columns = [c for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
         if "chosen" not in columns or "rejected" not in columns:
             return  # _preprocess names the missing columns
+        if (images := vision.image_column(rows.column_names)) is not None:
+            return self._check_image_rows(rows, images, split, where)
         for index, values in enumerate(zip(*(rows[c] for c in columns))):
             try:
                 check_row(dict(zip(columns, values)))
@@ -248,6 +267,9 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
                 "and optionally 'prompt'. Rename your columns."
             )
         self._require_rows(rows, split)
+        if (images := vision.image_column(rows.column_names)) is not None:
+            self._images = images
+            return self._filter_pairs(self._keep_image_rows(rows, split, images), split)
         if MARGIN_KEY in rows.column_names:
             _check_margins(rows[MARGIN_KEY], split)
         explicit = "prompt" in rows.column_names
@@ -260,8 +282,16 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
                 remove_columns=[c for c in rows.column_names if c not in keep],
                 desc=f"Tokenizing {split}",
             )
+        return self._filter_pairs(data, split)
+
+    def _filter_pairs(self, data: Dataset, split: str) -> Dataset:
+        """Drop (and count) the pairs ``truncation_mode`` drops and, with ``drop_identical_pairs``, the identical
+        ones; count the truncated ones. Text pairs give their prompt length as ``prompt_ids``, pairs with images as
+        ``prompt_tokens`` (their estimate, image tokens included)."""
         usable, limit, mode = data, self.hparams.max_length, self.hparams.truncation_mode
-        if mode == "keep_start":
+        if mode == "keep_start" and "prompt_tokens" in data.column_names:
+            usable = data.filter(lambda b: [n < limit for n in b["prompt_tokens"]], batched=True)
+        elif mode == "keep_start":
             usable = data.filter(lambda b: [len(p) < limit for p in b["prompt_ids"]], batched=True)
         elif mode == "drop":  # TRL RewardTrainer: a pair is kept only when both its rows fit whole
             usable = data.filter(lambda b: [not t for t in b["truncated"]], batched=True)
@@ -277,17 +307,21 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
             f"{why} max_length were dropped.",
         )
         if len(usable) == 0:
+            fix = (
+                "raise max_length or shorten the prompts; their image tokens count"
+                if "prompt_tokens" in data.column_names
+                else "raise max_length, shorten the prompts or use truncation_mode='keep_end'"
+            )
             raise ValueError(
                 f"No {split} row is left: of {len(data)} rows, {dropped} had a prompt of >= "
-                f"max_length={limit} tokens (raise max_length, shorten the prompts or use "
-                f"truncation_mode='keep_end') and {identical} had chosen == rejected (zero gradient; "
+                f"max_length={limit} tokens ({fix}) and {identical} had chosen == rejected (zero gradient; "
                 "drop_identical_pairs=False keeps them)."
                 if mode != "drop"
                 else f"No {split} row is left: of {len(data)} rows, {dropped} had a chosen or rejected row longer "
                 f"than max_length={limit} tokens (truncation_mode='drop'; raise max_length or shorten the rows) "
                 f"and {identical} had chosen == rejected (drop_identical_pairs=False keeps them)."
             )
-        return usable.remove_columns(["truncated", "identical"])
+        return usable.remove_columns([c for c in ("truncated", "identical", "prompt_tokens") if c in data.column_names])
 
     def _identical_pairs(self, data: Dataset, split: str) -> tuple[Dataset, int]:
         """Count (and with ``drop_identical_pairs`` drop) the pairs whose chosen and rejected inputs are the same;
@@ -310,10 +344,89 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         )
         return (data.filter(lambda b: [not x for x in b["identical"]], batched=True) if drop else data), count
 
+    # ------------------------------------------------------------------------------------------- rows with images
+    def _check_image_rows(self, rows: Dataset, images: str, split: str, where: Locator) -> None:
+        """Refuse, naming the first bad row: a text-only tokenizer, no explicit prompt, ``keep_end``, a malformed
+        cell, an image that cannot be read, placeholders in the prompt that do not match the row's images, or an
+        image placeholder in a completion (the images belong to the prompt)."""
+        what, hp = f"The preference {split} data", self.hparams
+        if self.processor is None:
+            vision_rows.refuse_text_model(vision_rows.undecoded(rows, images), images, where, what)
+        if "prompt" not in rows.column_names:
+            raise ValueError(
+                f"{what} has images (column {images!r}) but no 'prompt' column: a pair's images go into its prompt "
+                "(the first user turn), which rows with images must give explicitly. Add a 'prompt' column (the "
+                "turns or text before the answers) and keep only the answers in 'chosen' and 'rejected'."
+            )
+        if hp.truncation_mode == "keep_end":
+            raise ValueError(
+                "`truncation_mode='keep_end'` is not supported for rows with images: the images are in the prompt, "
+                "at the start of each row, and keeping a row's end would cut their tokens (TRL refuses it too). "
+                "Use truncation_mode='keep_start' (the default) or 'drop'."
+            )
+        image_token = getattr(self.processor, "image_token", None) or "<image>"
+        chat = len(rows) > 0 and not isinstance(rows[0]["chosen"], str)
+        check_cells(rows, ("prompt",), where, vision_rows.conversation_problem if chat else missing_or_not_text,
+                    "preference row")  # fmt: skip
+        check_cells(rows, ("chosen", "rejected"), where, functools.partial(_completion_problem, chat=chat,
+                    image_token=image_token), "preference row")  # fmt: skip
+        vision_rows.check_image_rows(
+            vision_rows.undecoded(rows, images), images, where,
+            conversations=("prompt",) if chat else (), texts=() if chat else ("prompt",), image_token=image_token,
+        )  # fmt: skip
+
+    def _keep_image_rows(self, rows: Dataset, split: str, images: str) -> Dataset:
+        """The rows as they are (images undecoded) with ``row``, ``length`` and the columns :meth:`_filter_pairs`
+        reads, estimated from the rendered texts: each image placeholder counts as the tokens it expands to."""
+        if self.hparams.packing != "none":
+            raise ValueError(
+                f"`packing={self.hparams.packing!r}` is not supported for rows with images: a packed row would need "
+                "each image's tokens kept whole and every image of the 2B rows passed with it in order, which no "
+                "vision-language model's forward checks. Set packing='none' (TRL does not pack images either)."
+            )
+        tok, limit = self.tokenizer, self.hparams.max_length
+        per_image = vision_rows.image_tokens_per_image(self.processor)
+        texts = VisionPreferenceCollator(self.processor, images, limit, split).texts
+
+        def measure(row: dict[str, Any], index: int) -> dict[str, Any]:
+            count = len(vision.row_images(row, images))
+            prompt, chosen, rejected = texts(row, [None] * count, f"row {index} of the {split} data")
+            encoded = tok([prompt, chosen, rejected], add_special_tokens=False)["input_ids"]
+            prompt_ids, chosen_ids, rejected_ids = encoded
+            prompt_tokens = len(prompt_ids) + count * (per_image - 1)
+            longest = prompt_tokens + max(len(chosen_ids), len(rejected_ids))
+            same = same_model_inputs([0] * prompt_tokens, chosen_ids, rejected_ids, limit, "keep_start")
+            return {"row": index, "length": min(longest, limit), "prompt_tokens": prompt_tokens,
+                    "truncated": longest > limit, "identical": same}  # fmt: skip
+
+        rows = vision_rows.undecoded(rows, images)
+        return rows.map(measure, with_indices=True, desc=f"Measuring {split} rows")
+
+    def _refuse_precomputed_images(self) -> None:
+        if self._images is not None:
+            raise ValueError(
+                "`precompute_ref_log_probs=True` is not supported for preference rows with images: the pairs are "
+                "processed batch by batch (their pixel values are never stored), so there are no tokens to key the "
+                "stored log-probs by. Set precompute_ref_log_probs=False: the reference model then scores every "
+                "batch with the same images as the policy (TRL 1.16 refuses it as well)."
+            )
+
+    @override
+    def fingerprint(self, split: str) -> str:
+        """The data key of the precomputed reference log-probs (refused for rows with images)."""
+        self.split_dataset(split)
+        self._refuse_precomputed_images()
+        return super().fingerprint(split)
+
     # ------------------------------------------------------------------------------------------------- batches
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
         hp = self.hparams
+        if self._images is not None:
+            split = "train" if train else "validation"
+            return VisionPreferenceCollator(self.processor, self._images, hp.max_length, split, hp.pad_to_multiple_of)(
+                rows
+            )
         return PreferenceCollator(
             self.pad_token_id,
             hp.max_length,
@@ -341,5 +454,6 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
     ) -> EvalLoader:
         """Sequential batches of rows ``rank::num_replicas`` of a split (for computing reference log-probs)."""
         dataset = self.split_dataset(split)
+        self._refuse_precomputed_images()
         size = batch_size or self.hparams.eval_batch_size or self.hparams.batch_size
         return EvalLoader(dataset, size, lambda rows: self._collate(rows, False), num_replicas=num_replicas, rank=rank)

@@ -23,6 +23,19 @@ MARGIN_KEY = "margin"  # the optional per-pair margin of reward-model data (TRL'
 _TRUNCATE = {"keep_start": lambda seq, n: seq[:n], "keep_end": lambda seq, n: seq[-n:], "drop": lambda seq, n: seq[:n]}
 
 
+def end_with_eos(text: str, eos: str | None) -> str:
+    """``text`` ending with the EOS string: appended unless it is already there (unchanged when there is no EOS).
+
+    TRL 1.16's rule for standard (string) preference rows, so the text a reward model trains on; GRPO scores a reward
+    model's standard-format completions the same way (:class:`~lit_trainer.rewards.RewardModelScorer`).
+
+    Example:
+        >>> end_with_eos("82", "</s>"), end_with_eos("82</s>", "</s>"), end_with_eos("82", None)
+        ('82</s>', '82</s>', '82')
+    """
+    return text if not eos or text.endswith(eos) else text + eos
+
+
 def same_model_inputs(
     prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, truncation_mode: TruncationMode
 ) -> bool:

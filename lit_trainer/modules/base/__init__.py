@@ -39,11 +39,12 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
-from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding
+from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding, _vision_tower
 from lit_trainer.modules.base._logits import ChunkedLogits
 from lit_trainer.modules.base._optimization import TORCH_OPTIMS, OptimizationMixin, OptimName, check_optim
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
 from lit_trainer.modules.base._step_logging import StepLoggingMixin
+from lit_trainer.vision.collate import image_inputs
 
 
 def _check_quantized_has_adapter(model: Any, peft_config: Any, adapter_path: str | None, by_us: bool) -> None:
@@ -113,6 +114,11 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             (see :mod:`lit_trainer.modules.base._peft` and :mod:`lit_trainer.modules.base._adapter_checkpoint`).
             Under ``ModelParallelStrategy`` the wrapped model is then sharded: adapters over a sharded, frozen base.
         adapter_path: start from a saved adapter (trainable) instead of a new one; exclusive with ``peft_config``.
+        train_vision_tower: for a vision-language model, train its vision tower too. False (default): the tower is
+            frozen (full fine-tuning and peft) and a ``peft_config``'s adapters go to the language model only, the
+            projector training fully (peft's ``modules_to_save``, unless the config sets that itself). True: full
+            fine-tuning trains every weight, and under peft the tower gets adapters where ``target_modules`` match its
+            layers (see :mod:`lit_trainer.modules.base._vision_tower`). True on a text-only model is refused.
         quantization: QLoRA: load the base quantized with bitsandbytes (``"nf4"``, ``"fp4"``, ``"int8"`` or the
             arguments of ``transformers.BitsAndBytesConfig``; see :mod:`lit_trainer.quantization`) and prepare it for
             k-bit training (peft's ``prepare_model_for_kbit_training``). Needs ``peft_config`` or ``adapter_path``
@@ -161,6 +167,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         max_grad_norm: float | None = 1.0,
         peft_config: Any = None,
         adapter_path: str | None = None,
+        train_vision_tower: bool = False,
         quantization: Any = None,
         gradient_checkpointing: bool = False,
         shard_blocks: list[str] | None = None,
@@ -212,9 +219,17 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
             rank_zero_info(f"[lit_trainer] quantized base: {quantized.describe(self.model)}")
         if gradient_checkpointing:
             _peft.enable_gradient_checkpointing(self.model)
+        self._vision = _vision_tower.check_option(self.model, train_vision_tower)
+        if self._vision and peft_config is not None and not _peft.is_peft_model(self.model):
+            config = _peft.as_peft_config(peft_config, task_type)
+            peft_config = _vision_tower.adapt_peft_config(self.model, config, train_vision_tower)
         if peft_config is not None or adapter_path is not None:
             self.model = _peft.wrap_model(self.model, peft_config, adapter_path, self.uses_reference_adapter, task_type)
             self.strict_loading = False  # checkpoints hold only the trainable weights (_adapter_checkpoint)
+        if self._vision and not train_vision_tower:
+            _vision_tower.freeze_tower(self.model)
+        elif self._vision and self.is_peft:
+            _vision_tower.check_tower_trains(self.model)
         self._frozen_fingerprint: dict[str, Any] | None = None
         self.parameter_counts: tuple[int, int] | None = None
         if tokenizer is None and by_name:
@@ -349,10 +364,13 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         new_window = self._enter_window(batch_idx)
         num_items = self._global_num_items(batch.pop(NUM_ITEMS_KEY, None), new_window)
+        image_free = self._vision and not image_inputs(batch) and not any("pixel_values" in k for k in batch)
         loss, metrics = self.compute_loss(batch, num_items)
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
         contribution = loss if num_items is not None else loss / scale
         self._track(contribution.detach(), metrics, batch)
+        if image_free and (zero := _vision_tower.image_free_term(self.model)) is not None:
+            contribution = contribution + zero  # exactly 0: every rank runs the vision path (_vision_tower)
         return contribution * scale
 
     def rescale_step_gradients(self, factor: Tensor) -> None:
@@ -398,6 +416,8 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         if self.is_peft:
             _peft.check_strategy(self.trainer.strategy)
         self.parameter_counts = _peft.log_parameter_counts(self.model)
+        if self._vision:
+            _vision_tower.log_vision_parts(self.model)
         self._reset_log_window()
         self._bind_train_loaders()
 
@@ -459,7 +479,10 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         policies = _sharding.fsdp_policies(dtype, offload)
         for network in self.networks_to_shard():
             if not _sharding.is_sharded(network):
-                _sharding.shard_model(network, mesh, _sharding.block_class_names(network, blocks), **policies)
+                names = _sharding.block_class_names(network, blocks)
+                if blocks is None and _vision_tower.is_vision_model(network):  # the tower goes with the root group
+                    names = names - _vision_tower.tower_block_classes(network) or names
+                _sharding.shard_model(network, mesh, names, **policies)
         # peft: the distributed checkpoint holds the adapters only (see :meth:`state_dict`)
         self._adapter_only_state = self.is_peft
 

@@ -133,6 +133,10 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
     ``ModelParallelStrategy`` the base and the adapters are sharded, and every rank runs the adapter-disabled reference
     forward at the same point of the step (a collective).
 
+    A vision-language model (``"tiny-vl"``, a saved one) trains on preference pairs with images (see
+    :class:`~lit_trainer.data.preference.PreferenceDataModule`): the batch's image inputs go to the policy AND the
+    reference, so both score the pair with its pictures; ``precompute_ref_log_probs`` is refused for such data.
+
     Args:
         model: preset name, local directory, hub id, or a ``PreTrainedModel`` (the policy).
         ref_model: None (a frozen copy of the policy; with ``precompute_ref_log_probs`` no copy at all: the policy

@@ -15,6 +15,7 @@ from lit_trainer.losses.dpo import dpo_loss, dpo_rewards_metrics, sequence_logps
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base._logits import next_token_targets
 from lit_trainer.modules.base._packing import masking_kwargs, per_row
+from lit_trainer.vision.collate import image_inputs
 
 
 class Scores(NamedTuple):
@@ -31,7 +32,9 @@ class DPOScoringMixin:
     ``self.loss_weights``, ``self._loss_options``, ``self.sft_weight``, ``self.ref_model`` and the hyperparameters)."""
 
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
-        """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set)."""
+        """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set). A batch
+        with images gives ``model`` its image inputs too (:func:`~lit_trainer.vision.collate.image_inputs`): the policy
+        and the reference see the same images."""
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
         targets = next_token_targets(labels)
         scores = self.score_tokens(
@@ -41,6 +44,7 @@ class DPOScoringMixin:
             input_ids=batch["input_ids"],
             use_cache=False,
             **masking_kwargs(batch),
+            **image_inputs(batch),
         )
         token_logps, mask = scores.logps[:, :-1], targets[:, :-1] != IGNORE_INDEX
         logits_mean = scores.logits_mean[:, :-1] if stats else None

@@ -35,6 +35,16 @@ tokens are in the rows (``completion_attention_mask``) but not in ``completion_m
 what the normaliser counts. A ``rollout_func`` replaces generation.
 The scored rows go through the same buffer, so resume stays exact without any environment state.
 
+Images (a vision-language policy, e.g. ``tiny-vl``, on prompts with an ``images``/``image`` column, processed by the
+:class:`~lit_trainer.data.prompt.PromptDataModule` with the model's processor). Each prompt row carries its image inputs
+(:mod:`lit_trainer.vision.prompt`: per-image tensors kept per row, so the ``num_generations`` copies of a prompt and the
+buffer's shuffle keep every row with its own pictures); ``generate``, the policy, old and reference log-probs (plain or
+chunked head) and validation all get the rows' image inputs with their ids, and the image token is never sampled (as
+TRL 1.16). The reward functions get the decoded images under the column's name (``images``: a list of PIL images per
+completion) and the conversational prompts with the images filled in, as TRL's. Asynchronous rollouts, tools and
+environments, ``rollout_func``, continuous batching and ``chat_template_kwargs`` do not carry images yet: refused at
+setup (:meth:`GRPOModule._check_images`).
+
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
 loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
 is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions
@@ -86,6 +96,8 @@ from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
 from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
+from lit_trainer.vision import presets as vision
+from lit_trainer.vision import prompt as vision_prompt
 
 _STATE_KEY = "grpo_rollouts"
 _ENTROPY_KEY = "grpo_entropy_control"
@@ -414,6 +426,38 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         self._buffer = RolloutBuffer(spg, hp.num_iterations)
         self._check_geometry(spg)
         self._check_async()
+        if getattr(datamodule, "image_column", None) is not None:
+            self._check_images(datamodule.image_column)
+
+    def _check_images(self, column: str) -> None:
+        """Prompts with images: refuse a text-only policy and what does not carry images yet (asynchronous rollouts,
+        tools and environments, ``rollout_func``, continuous batching, ``chat_template_kwargs``)."""
+        hp, name = self.hparams, type(self).__name__
+        if not vision.is_vision_model(self.model):
+            raise ValueError(
+                f"The prompts have images (column {column!r}) but the {name} policy is a text-only model: train a "
+                "vision-language model (model: tiny-vl, or a saved image-text-to-text model), or drop the image column."
+            )
+        refused = {
+            "max_staleness": (hp.get("max_staleness") is not None, "the rollout worker is sent prompt ids only"),
+            "tools / environment_factory": (self.agentic, "tool and environment turns are rendered as text only"),
+            "rollout_func": (self.rollout_func is not None, "a rollout_func receives the prompts without the images"),
+            "use_transformers_continuous_batching": (
+                self.continuous_batching,
+                "transformers' continuous batching takes token ids only (TRL 1.16 refuses it for processors too)",
+            ),
+            "chat_template_kwargs": (
+                bool(hp.get("chat_template_kwargs")),
+                "the prompts with images are rendered by the data module, which does not know the module's template "
+                "options",
+            ),
+        }
+        for option, (used, why) in refused.items():
+            if used:
+                raise ValueError(
+                    f"{name}: `{option}` is not supported with prompts that have images (column {column!r}): {why}. "
+                    f"Unset `{option}`, or train on text prompts."
+                )
 
     @override
     def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
@@ -638,7 +682,8 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
 
         The input is ``[left-padded prompt ; right-padded completion]`` with position ids from the attention mask
         (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy when asked (with gradient
-        only when ``entropy_grad``: the entropy bonus).
+        only when ``entropy_grad``: the entropy bonus). Rows of prompts with images carry their image inputs
+        (:mod:`lit_trainer.vision.prompt`), passed to the model with the ids.
         """
         completion = rows["completion_ids"]
         ids = torch.cat([rows["prompt_ids"], completion], dim=1)
@@ -656,6 +701,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             attention_mask=attention,
             position_ids=positions,
             use_cache=False,
+            **vision_prompt.model_image_inputs(rows, completion.shape[1]),  # prompts with images: the same images
         )
         logps = scores.logps[:, :-1]
         if not with_entropy:
@@ -675,8 +721,9 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             logged.update(agentic.tool_metrics)
             return texts, rewards, logged
         prompt_ids, prompt_mask = self._prompt_inputs(batch)
+        images = vision_prompt.model_image_inputs(batch)
         completions = rollout.generate_completions(
-            self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop
+            self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop, images
         )
         texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
         rewards, logged = score_completions(self, batch, texts, kept)
@@ -714,6 +761,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
                 pad_token_id=self._pad_token_id(eos),
                 eos_token_id=eos,
                 use_cache=True,
+                **({"suppress_tokens": ids} if (ids := self._image_token_ids()) else {}),
             )
             sampling = contextlib.nullcontext()
         with sampling:

@@ -25,12 +25,19 @@ TABLE_KEY = "completions"
 
 
 def render_text(value: Any) -> str:
-    """A prompt or completion as text: strings unchanged, a conversation as ``role: content`` lines."""
+    """A prompt or completion as text: strings unchanged, a conversation as ``role: content`` lines (structured
+    contents as their text parts, each image part as ``<image>``)."""
     if isinstance(value, str):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(m, dict) for m in value):
-        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in value)
+        return "\n".join(f"{m.get('role', '')}: {_content_text(m.get('content', ''))}" for m in value)
     return str(value)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, (list, tuple)) and all(isinstance(p, dict) for p in content):
+        return "".join("<image>" if p.get("type") == "image" else str(p.get("text") or "") for p in content)
+    return str(content)
 
 
 def write_completion_table(

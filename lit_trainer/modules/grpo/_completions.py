@@ -88,10 +88,13 @@ def sampling_config(
     repetition_penalty: float,
     generation_kwargs: dict[str, Any] | None = None,
     cache_implementation: str | None = None,
+    suppress_tokens: list[int] | None = None,
 ) -> GenerationConfig:
     """The sampling ``GenerationConfig`` of the reference's transformers path (``generation_kwargs`` win).
 
     As the reference, ``disable_compile=True``: a static cache would otherwise make ``generate`` compile the forward.
+    ``suppress_tokens``: ids never sampled (a vision-language model's image token, as the reference: a sampled image
+    token would have no image features).
     """
     options = {
         "max_new_tokens": max_completion_length, "do_sample": True, "temperature": temperature, "top_p": top_p,
@@ -99,6 +102,8 @@ def sampling_config(
         "eos_token_id": eos_ids, "use_cache": True, "cache_implementation": cache_implementation,
         "disable_compile": True,
     }  # fmt: skip
+    if suppress_tokens:
+        options["suppress_tokens"] = list(suppress_tokens)
     options.update(generation_kwargs or {})
     return GenerationConfig(**options)
 
@@ -144,8 +149,12 @@ def generate_completions(
     eos_ids: Sequence[int],
     synced: bool = False,
     should_stop: Callable[[], bool] | None = None,
+    image_inputs: dict[str, Tensor] | None = None,
 ) -> Completions:
     """One batched ``generate`` call (KV cache, left-padded prompts) and the EOS cut.
+
+    ``image_inputs``: the prompts' image inputs for a vision-language model (``pixel_values``, ...;
+    :func:`~lit_trainer.vision.prompt.model_image_inputs`), passed to ``generate`` with the ids.
 
     The model is NOT switched to eval mode (as the reference); ``no_grad`` also keeps NEFTune noise off. ``synced``
     (sharded weights: every forward is a collective) makes a rank whose rows have all stopped keep running forwards
@@ -159,6 +168,7 @@ def generate_completions(
         generation_config=config,
         synced_gpus=synced,
         stopping_criteria=criteria,
+        **(image_inputs or {}),
     )
     completion = out[:, prompt_ids.shape[1] :]
     if completion.shape[1] == 0:  # every row stopped at once (cannot happen with max_new_tokens >= 1)
@@ -305,8 +315,9 @@ class RolloutEngine:
 class GenerateEngine(RolloutEngine):
     """One batched ``model.generate`` call (:func:`~lit_trainer.modules.grpo._completions.generate_completions`)."""
 
-    def generate(self, model, prompt_ids, prompt_mask, config, eos_ids, *, synced=False, should_stop=None):
-        return generate_completions(model, prompt_ids, prompt_mask, config, eos_ids, synced, should_stop)
+    def generate(self, model, prompt_ids, prompt_mask, config, eos_ids, *, synced=False, should_stop=None, **images):
+        """``images``: the prompts' image inputs for a vision-language model (``pixel_values``, ...)."""
+        return generate_completions(model, prompt_ids, prompt_mask, config, eos_ids, synced, should_stop, images)
 
 
 class ContinuousBatchingEngine(RolloutEngine):

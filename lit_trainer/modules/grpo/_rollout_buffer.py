@@ -4,7 +4,8 @@ A round starts with :meth:`RolloutBuffer.fill` on the first micro-step; the next
 num_iterations - 1`` micro-steps are served from the buffer, the ``steps_per_generation`` slices in the same order on
 every pass. Rows are shuffled with a seeded ``torch.Generator`` (not the global RNG), so the groups are split up as in
 the reference and a resumed run reproduces the order. Everything stored is tensors and ints, so the buffer can be
-saved in a checkpoint that loads with ``weights_only=True``.
+saved in a checkpoint that loads with ``weights_only=True``. The image inputs of prompts with images are stored per
+row (:func:`~lit_trainer.vision.prompt.pack_row_images`), so they follow their rows through the shuffle.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+from lit_trainer.vision.prompt import PROMPT_PER_TOKEN_KEYS
+
+PROMPT_KEYS = ("prompt_ids", "prompt_mask", *PROMPT_PER_TOKEN_KEYS)  # the last: per-token image inputs (left-padded)
 ATTENTION = "completion_attention_mask"  # multi-turn rows: every completion token (completion_mask: the model's)
 SAMPLING_LOGPS = "sampling_logps"  # the rollout worker's log-probs of a round the trainer corrects for (async GRPO)
 COMPLETION_KEYS = ("completion_ids", "completion_mask", ATTENTION, "old_logps", "ref_logps", SAMPLING_LOGPS)
@@ -29,7 +32,8 @@ def trim_padding(rows: dict[str, Tensor]) -> dict[str, Tensor]:
     end = int(completion_cols[-1]) + 1 if completion_cols.numel() else 1
     out = dict(rows)
     for key in PROMPT_KEYS:
-        out[key] = rows[key][:, start:]
+        if key in rows:
+            out[key] = rows[key][:, start:]
     for key in COMPLETION_KEYS:
         if key in rows:
             out[key] = rows[key][:, :end]

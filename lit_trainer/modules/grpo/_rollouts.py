@@ -26,6 +26,8 @@ from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
 from lit_trainer.rewards import is_conversational
+from lit_trainer.vision import presets as vision
+from lit_trainer.vision import prompt as vision_prompt
 
 
 class GRPORolloutMixin:
@@ -46,8 +48,18 @@ class GRPORolloutMixin:
             self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
             temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
             repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
-            cache_implementation=hp.cache_implementation,
+            cache_implementation=hp.cache_implementation, suppress_tokens=self._image_token_ids(),
         )  # fmt: skip
+
+    def _image_token_ids(self) -> list[int]:
+        """A vision-language policy's image token id, never sampled (TRL 1.16 suppresses it whenever its processing
+        class is a processor: a sampled image token has no image features); empty for a text model."""
+        config = getattr(self.model, "config", None)
+        if not vision.is_vision_model(self.model):
+            return []
+        token = getattr(config, "image_token_id", None)
+        token = getattr(config, "image_token_index", None) if token is None else token
+        return [] if token is None else [int(token)]
 
     def _prompt_inputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """Left-padded prompt ids and mask for ``generate``: the data module's, or, for conversational prompts with
@@ -121,6 +133,7 @@ class GRPORolloutMixin:
         eos = rollout.eos_token_ids(self.model, self.tokenizer)
         config = self._sampling_config(eos)
         custom = self.agentic or self.rollout_func is not None
+        images = {k: batch[k] for k in vision_prompt.row_image_keys(batch)}  # per row (refused with custom rounds)
         with rollout.seeded_rng(seed, self.device):
             if self.rollout_func is not None:
                 agentic = self._custom_round(batch, eos, config.pad_token_id)
@@ -130,6 +143,7 @@ class GRPORolloutMixin:
                 completions = self.engine.generate(
                     self.model, prompt_ids, prompt_mask, config, eos,
                     synced=_sharding.is_sharded(self.model), should_stop=should_stop,
+                    **vision_prompt.model_image_inputs(images),
                 )  # fmt: skip
         if custom:
             rows, completions = agentic.rows, agentic.completions
@@ -138,6 +152,7 @@ class GRPORolloutMixin:
         else:
             rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids}
             rows["completion_mask"] = completions.mask
+            rows.update(images)  # the image inputs follow their rows through the buffer's shuffle
             scoring, tool_metrics = (batch, None), {}
         if hp.mask_truncated_completions:
             kept = (~completions.truncated).unsqueeze(1).to(rows["completion_mask"])  # its dtype and device
@@ -225,6 +240,7 @@ class GRPORolloutMixin:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
         size = max(1, rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation)
         keys = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", ATTENTION) if k in rows]
+        keys += vision_prompt.row_image_keys(rows)
         chunks = [
             self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
             for i in range(0, rows["prompt_ids"].shape[0], size)
