@@ -8,11 +8,15 @@ training needs. It is a ``tokenizers`` model, saved as ``tokenizer.json``, and `
 an export without remote code. Llama rather than Qwen2: ``AutoTokenizer`` replaces the tokenizer class saved next to a
 ``qwen2`` config with the Qwen2 tokenizer; a Llama config keeps the saved one.
 
+The vision-language preset ``tiny-vl`` (LLaVA architecture) and the processors of vision-language models are at the
+end of this file: :func:`load_model` and :func:`load_tokenizer` dispatch to them.
+
 This module knows nothing of training. ``trust_remote_code`` stays False unless the caller sets it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -36,7 +40,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from lit_trainer import quantization as quantized
 from lit_trainer.run_exports import missing_export_message
-from lit_trainer.vision import presets as vision
 
 PRESET_PREFIX = "tiny"
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 (as ByT5)
@@ -152,7 +155,7 @@ def build_preset_model(
     """
     if name not in PRESETS:
         raise ValueError(
-            f"Unknown model preset {name!r}. Valid presets: {sorted(PRESETS)} and {vision.VISION_PRESET!r} (a "
+            f"Unknown model preset {name!r}. Valid presets: {sorted(PRESETS)} and {VISION_PRESET!r} (a "
             "vision-language model); or give a local "
             "directory or hub id of a causal LM."
         )
@@ -232,15 +235,13 @@ def load_model(
         FileNotFoundError: a local path that does not exist.
     """
     _check_task(task)
-    if task == "causal_lm" and vision.is_vision_source(name_or_path):  # image-text-to-text: the vision package
+    if task == "causal_lm" and is_vision_source(name_or_path):  # image-text-to-text: the vision package
         if quantization is not None:
             raise ValueError(
                 f"`quantization={quantization!r}` is not supported for the vision-language model {name_or_path!r}: "
                 "load it in full precision (LoRA works), or quantize it yourself and pass the model object."
             )
-        return vision.load_vision_model(
-            name_or_path, trust_remote_code=trust_remote_code, dtype=dtype, **config_overrides
-        )
+        return load_vision_model(name_or_path, trust_remote_code=trust_remote_code, dtype=dtype, **config_overrides)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if is_preset(name_or_path):
         model = build_preset_model(name_or_path, task, **config_overrides)
@@ -267,8 +268,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
     Raises:
         ValueError / FileNotFoundError: as :func:`load_model`.
     """
-    if vision.is_vision_source(name_or_path):
-        return vision.load_processor(name_or_path, trust_remote_code=trust_remote_code).tokenizer
+    if is_vision_source(name_or_path):
+        return load_processor(name_or_path, trust_remote_code=trust_remote_code).tokenizer
     if is_preset(name_or_path):
         if name_or_path not in PRESETS:
             build_preset_model(name_or_path)  # raises the unknown-preset error
@@ -278,3 +279,161 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- vision-language
+# The built-in tiny vision-language preset (``tiny-vl``) and loading a vision-language model's processor.
+#
+# ``tiny-vl`` is a LLaVA-architecture model built from a config: a 2-layer CLIP vision tower on 32x32 images in 8x8
+# patches (16 image tokens per image), a projector, and the same 2-layer Llama language model as the ``tiny`` preset,
+# on the presets' byte-level tokenizer with one more special token, ``<image>`` (id 384). Its processor is built in code
+# (a PIL image processor, so it needs neither torchvision nor a download) and saved with an export, so
+# ``transformers.AutoProcessor`` and ``AutoModelForImageTextToText`` reload a trained model. The data modules turn rows
+# with images into batches with it (:mod:`lit_trainer.data.vision`).
+#
+# LLaVA rather than Qwen2-VL: transformers' Qwen2-VL processor needs a video processor, which needs torchvision; LLaVA's
+# needs an image processor and a tokenizer only, and its image token count is fixed by the image size it resizes to.
+
+
+IMAGE_TOKEN = "<image>"
+VISION_PRESET = "tiny-vl"
+IMAGE_SIZE = 32  # pixels: images are resized (shortest edge) and centre-cropped to this square
+PATCH_SIZE = 8  # (32 / 8) ** 2 = 16 image tokens per image
+# The chat template of tiny-vl: the text presets' ``<|role|>`` headers, a message's content either a string or a list of
+# ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts (an image part renders as the image token, which the
+# processor expands to 16), and the assistant turns inside {% generation %} markers for ``assistant_only_loss``.
+VISION_CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{%- if content is string %}{{ content }}{%- else %}{%- for part in content %}"
+    "{%- if part['type'] == 'image' %}<image>{%- elif part['type'] == 'text' %}{{ part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ render(message['content']) }}</s>"
+    "{% endgeneration %}"
+    "{%- else %}<|{{ message['role'] }}|>\n{{ render(message['content']) }}\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def is_vision_preset(name: str) -> bool:
+    """True for the built-in vision-language preset name (when it is not an existing path)."""
+    return name == VISION_PRESET and not os.path.exists(name)
+
+
+def build_processor() -> Any:
+    """The ``tiny-vl`` processor: a ``LlavaProcessor`` over a PIL CLIP image processor and the byte-level tokenizer."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=VISION_CHAT_TEMPLATE,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,  # CLIP's class token, dropped by the "default" feature selection
+    )
+
+
+def build_vision_preset(**text_overrides: Any) -> Any:
+    """Build ``tiny-vl`` from its config (weights from the current torch RNG: seed first to reproduce them)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    tokenizer = build_processor().tokenizer
+    text = PRESETS["tiny"]
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        projection_dim=32,
+    )
+    language = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=text.num_hidden_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_attention_heads,
+        max_position_embeddings=text.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **text_overrides,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=language,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=True,
+    )
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def is_vision_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a directory whose saved config is an image-text-to-text model (it has a ``vision_config``)."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def is_vision_model(model: Any) -> bool:
+    """True for a vision-language model (its config, through PEFT and Lightning wrappers, has a ``vision_config``)."""
+    config = getattr(model, "config", None)
+    return config is not None and getattr(config, "vision_config", None) is not None
+
+
+def load_vision_model(name_or_path: str, *, trust_remote_code: bool = False, dtype: Any = None, **kwargs: Any) -> Any:
+    """``tiny-vl`` built from its config, or a local directory / hub id through ``AutoModelForImageTextToText``."""
+    if is_vision_preset(name_or_path):
+        return build_vision_preset(**kwargs)
+    from transformers import AutoModelForImageTextToText
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    extra = {"dtype": dtype} if dtype is not None else {}
+    return AutoModelForImageTextToText.from_pretrained(
+        os.path.expanduser(name_or_path), trust_remote_code=trust_remote_code, **extra, **kwargs
+    )
+
+
+def load_processor(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The processor of ``tiny-vl`` or of a saved vision-language model (``AutoProcessor``; pad token set to EOS when
+    the tokenizer has none)."""
+    if is_vision_preset(name_or_path):
+        return build_processor()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(os.path.expanduser(name_or_path), trust_remote_code=trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
+def is_processor(value: Any) -> bool:
+    """True for a multimodal processor object (it has a tokenizer and an image processor)."""
+    return getattr(value, "tokenizer", None) is not None and getattr(value, "image_processor", None) is not None
+
+
+def is_vision_source(name_or_path: Any) -> bool:
+    """True for a name that gives a vision-language model: ``tiny-vl`` or a saved one."""
+    return isinstance(name_or_path, str) and (is_vision_preset(name_or_path) or is_vision_checkpoint(name_or_path))

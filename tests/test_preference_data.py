@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_trainer.data import builtin
+from lit_trainer.data import builtin, builtin_shapes
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.preference import PreferenceDataModule, extract_prompt
 
@@ -218,6 +218,7 @@ def test_builtin_addition_preferences(tokenizer):
     assert PreferenceDataModule.builtin == {
         "builtin:addition": builtin.preference_rows,
         "builtin:subtraction": builtin.subtraction_preference_rows,
+        "builtin:shapes": builtin_shapes.preference_rows,
     }
     raw = builtin.preference_rows("train").select(range(4))
     dm = make(tokenizer, raw.to_dict(), max_length=32)

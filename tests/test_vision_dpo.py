@@ -21,10 +21,10 @@ from PIL import Image
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.data import builtin_shapes
 from lit_trainer.data.preference import PreferenceDataModule
-from lit_trainer.models import load_model
+from lit_trainer.data.vision.preference import VisionPreferenceCollator
+from lit_trainer.data.vision.rows import ROW_KEY
+from lit_trainer.models import build_processor, load_model
 from lit_trainer.modules.dpo import DPOModule
-from lit_trainer.vision.preference import VisionPreferenceCollator
-from lit_trainer.vision.presets import build_processor
 
 trl = pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -54,7 +54,7 @@ def processor():
 
 
 def ours(processor, rows: list[dict], max_length: int = 128) -> dict[str, torch.Tensor]:
-    return VisionPreferenceCollator(processor, "images", max_length)([{**r, "row": i} for i, r in enumerate(rows)])
+    return VisionPreferenceCollator(processor, "images", max_length)([{**r, ROW_KEY: i} for i, r in enumerate(rows)])
 
 
 def theirs(processor, rows: list[dict]) -> dict[str, torch.Tensor]:

@@ -20,8 +20,8 @@ from lit_trainer.callbacks.hf_export import saved_tokenizer
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import SFTDataModule
 from lit_trainer.data.builtin_shapes import QUESTION, sft_rows
+from lit_trainer.models import VISION_CHAT_TEMPLATE
 from lit_trainer.modules.causal_lm import CausalLMModule
-from lit_trainer.vision.presets import VISION_CHAT_TEMPLATE
 
 # no bar or summary; EvalOnStart (in the recipe) needs validation batches, so one small one instead of QUIET_FIT's none
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]

@@ -29,11 +29,12 @@ from PIL import Image
 from helpers.rounding import Rounding, relative_l2, values
 from lit_trainer.data import builtin_shapes
 from lit_trainer.data.prompt import PromptDataModule, RolloutGeometry
+from lit_trainer.data.vision.images import load_image
+from lit_trainer.data.vision.prompt import ROW_IMAGES, model_image_inputs, pack_row_images
+from lit_trainer.models import build_processor, build_vision_preset
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
 from lit_trainer.rewards import arithmetic_reward
-from lit_trainer.vision import build_processor, build_vision_preset, load_image
-from lit_trainer.vision.prompt import ROW_IMAGES, model_image_inputs, pack_row_images
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 G = 2

@@ -31,8 +31,8 @@ from PIL import Image, ImageDraw
 from helpers.rounding import Rounding, relative_l2, values
 from lit_trainer import CausalLMModule
 from lit_trainer.data import SFTDataModule
-from lit_trainer.vision import build_processor
-from lit_trainer.vision.collate import Encoded, image_token_ids, truncate
+from lit_trainer.data.vision.collate import Encoded, image_token_ids, truncate
+from lit_trainer.models import build_processor
 
 trl = pytest.importorskip("trl")
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling  # noqa: E402

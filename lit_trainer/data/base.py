@@ -24,8 +24,7 @@ from lit_trainer.data.samplers.rebalance import CostModel
 from lit_trainer.data.samplers.sampling import Sampling, check_sampling, make_batch_sampler
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
 from lit_trainer.data.windows import StepWindows, step_windows
-from lit_trainer.models import load_tokenizer
-from lit_trainer.vision import presets as vision
+from lit_trainer.models import is_processor, is_vision_source, load_processor, load_tokenizer
 
 # ``builtin:<name>`` data sources of a data module: name -> rows of a split
 BuiltinSources = dict[str, Callable[[str], Dataset]]
@@ -99,8 +98,8 @@ class BaseDataModule(pl.LightningDataModule):
         self.dataset_source = dataset
         self.validation_source = validation_dataset
         # a vision-language model's processor: its tokenizer is the tokenizer, and it builds the batches of rows with
-        # images (lit_trainer.vision); None for text models
-        self.processor = tokenizer if vision.is_processor(tokenizer) else None
+        # images (lit_trainer.data.vision); None for text models
+        self.processor = tokenizer if is_processor(tokenizer) else None
         self.tokenizer = None if isinstance(tokenizer, str) else getattr(self.processor, "tokenizer", tokenizer)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -143,8 +142,8 @@ class BaseDataModule(pl.LightningDataModule):
             return
         if self.tokenizer is None:
             trust = self.hparams.trust_remote_code
-            if vision.is_vision_source(self.tokenizer_source):
-                self.processor = vision.load_processor(self.tokenizer_source, trust_remote_code=trust)
+            if is_vision_source(self.tokenizer_source):
+                self.processor = load_processor(self.tokenizer_source, trust_remote_code=trust)
                 self.tokenizer = self.processor.tokenizer
             else:
                 self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=trust)

@@ -24,8 +24,7 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer import vision
-from lit_trainer.data import builtin, builtin_shapes
+from lit_trainer.data import builtin, builtin_shapes, vision
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
@@ -33,14 +32,15 @@ from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.samplers.batch_sampler import EpochPosition
 from lit_trainer.data.samplers.repeat_sampler import RepeatSampler
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
-from lit_trainer.vision import rows as vision_rows
-from lit_trainer.vision.collate import PER_TOKEN_KEYS
-from lit_trainer.vision.prompt import (
+from lit_trainer.data.vision import rows as vision_rows
+from lit_trainer.data.vision.collate import PER_TOKEN_KEYS
+from lit_trainer.data.vision.prompt import (
     PROMPT_PER_TOKEN_KEYS,
     VisionPromptEncoder,
     pack_row_images,
     reward_images,
 )
+from lit_trainer.data.vision.rows import ROW_KEY
 
 PROMPT_IDS = "prompt_input_ids"
 PROMPT_MASK = "prompt_attention_mask"
@@ -124,7 +124,7 @@ class PromptDataModule(BaseDataModule):
       get one placeholder per image before the first user turn); string prompts hold the processor's image token
       (``<image>``) once per image, which TRL does not accept. Rows are checked at setup without decoding an image
       and kept undecoded; each batch is processed with the processor (placeholders expanded to the image tokens,
-      pixel values), its image inputs kept per row (:mod:`lit_trainer.vision.prompt`), and the reward functions get
+      pixel values), its image inputs kept per row (:mod:`lit_trainer.data.vision.prompt`), and the reward functions get
       the decoded images under the column's name (``images``: a list of PIL images per completion). ``max_length``
       counts the image tokens.
 
@@ -270,10 +270,10 @@ class PromptDataModule(BaseDataModule):
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, Any]:
         """Left-padded prompt ids and mask (for ``generate``), the raw prompts and the reward columns (lists). With
         images: the prompts processed now by the processor, the image inputs per row
-        (:func:`~lit_trainer.vision.prompt.pack_row_images`) and the decoded images as the image column's reward
+        (:func:`~lit_trainer.data.vision.prompt.pack_row_images`) and the decoded images as the image column's reward
         keyword; conversational prompts reach the reward functions with their images filled in, as TRL 1.16's."""
         column = self.hparams.prompt_column
-        internal = {column, "length", "row", *_EXCLUDED_COLUMNS}
+        internal = {column, "length", ROW_KEY, *_EXCLUDED_COLUMNS}
         extras = [c for c in rows[0] if c not in internal]
         rewards = {c: [row[c] for row in rows] for c in extras}
         image_inputs: dict[str, Any] = {}

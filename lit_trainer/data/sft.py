@@ -10,8 +10,7 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer import vision
-from lit_trainer.data import builtin, builtin_shapes
+from lit_trainer.data import builtin, builtin_shapes, vision
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import (
     assistant_tokens,
@@ -24,9 +23,9 @@ from lit_trainer.data.chat import (
 from lit_trainer.data.collate import PackedCollator, SFTCollator, common_prefix_len
 from lit_trainer.data.packing import PACKED_ROWS, Packing, check_packing_options, pack_dataset
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
+from lit_trainer.data.vision import rows as vision_rows
+from lit_trainer.data.vision.collate import VisionSFTCollator
 from lit_trainer.losses.causal_lm import count_target_tokens
-from lit_trainer.vision import rows as vision_rows
-from lit_trainer.vision.collate import VisionSFTCollator
 
 RowFormat = Literal["text", "prompt_completion", "messages", "chat_prompt_completion"]
 CHAT_FORMATS = ("messages", "chat_prompt_completion")

@@ -10,12 +10,12 @@ from torch import Tensor
 from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
+from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.metrics import greedy_batch_matches, token_loss_and_accuracy
 from lit_trainer.modules.base import BaseModule, _logits, _sharding
 from lit_trainer.modules.base._packing import check_trainer_packing
-from lit_trainer.vision.collate import image_inputs
 
 LossFunc = Callable[..., Tensor]
 
@@ -104,7 +104,7 @@ class CausalLMModule(BaseModule):
 
         ``position_ids`` (packed batches: restarting at 0 per row, no ``attention_mask``) are passed on only when
         given, so models without them keep working on padded batches. ``images``: a vision-language batch's image
-        inputs (``pixel_values``, ...; :func:`~lit_trainer.vision.collate.image_inputs`).
+        inputs (``pixel_values``, ...; :func:`~lit_trainer.data.vision.collate.image_inputs`).
         """
         extra = {"position_ids": position_ids} if position_ids is not None else {}
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **images)

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer.data.packing import row_completion_mask
+from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.losses.dpo import pair_reward_metrics, sequence_logps
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.losses.reference_free import (
@@ -38,7 +39,6 @@ from lit_trainer.modules.base._packing import check_trainer_packing, masking_kwa
 from lit_trainer.modules.dpo import METRIC_NAMES as DPO_METRIC_NAMES
 from lit_trainer.modules.dpo import disable_dropout_in_model
 from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
-from lit_trainer.vision.collate import image_inputs
 
 __all__ = ["CPO_METRIC_NAMES", "ORPO_METRIC_NAMES", "CPOModule", "ORPOModule"]
 

@@ -48,7 +48,7 @@ def vision_model(seed: int = 0) -> Any:
     """``tiny-vl`` with the weights of ``seed``."""
     import torch
 
-    from lit_trainer.vision import build_vision_preset
+    from lit_trainer.models import build_vision_preset
 
     torch.manual_seed(seed)
     return build_vision_preset()

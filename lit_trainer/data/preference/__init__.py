@@ -27,8 +27,7 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer import vision
-from lit_trainer.data import builtin, builtin_shapes
+from lit_trainer.data import builtin, builtin_shapes, vision
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import render, require_chat_template, template_options
 from lit_trainer.data.collate import common_prefix_len
@@ -46,9 +45,10 @@ from lit_trainer.data.preference.collate import (
 )
 from lit_trainer.data.reference_columns import ReferenceColumns
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, locate_problem, missing_or_not_text
-from lit_trainer.vision import rows as vision_rows
-from lit_trainer.vision.messages import count_placeholders
-from lit_trainer.vision.preference import VisionPreferenceCollator
+from lit_trainer.data.vision import rows as vision_rows
+from lit_trainer.data.vision.messages import count_placeholders
+from lit_trainer.data.vision.preference import VisionPreferenceCollator
+from lit_trainer.data.vision.rows import ROW_KEY
 
 PreferencePacking = Literal["none", "padding_free"]  # packing values that apply to pairs ("bfd" is for SFT rows)
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -124,7 +124,7 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         ``{"type": "image"}`` parts of its turns, or, with string contents, placed first in its first user turn; string
         rows write the processor's image token in the prompt text. They are checked and measured at setup without
         decoding an image, and processed batch by batch by
-        :class:`~lit_trainer.vision.preference.VisionPreferenceCollator` (the text batch's layout plus the image
+        :class:`~lit_trainer.data.vision.preference.VisionPreferenceCollator` (the text batch's layout plus the image
         inputs, each pair's images for both its rows). ``keep_end``, packing and precomputed reference log-probs are
         refused for them.
 
@@ -396,7 +396,7 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
             prompt_tokens = len(prompt_ids) + count * (per_image - 1)
             longest = prompt_tokens + max(len(chosen_ids), len(rejected_ids))
             same = same_model_inputs([0] * prompt_tokens, chosen_ids, rejected_ids, limit, "keep_start")
-            return {"row": index, "length": min(longest, limit), "prompt_tokens": prompt_tokens,
+            return {ROW_KEY: index, "length": min(longest, limit), "prompt_tokens": prompt_tokens,
                     "truncated": longest > limit, "identical": same}  # fmt: skip
 
         rows = vision_rows.undecoded(rows, images)

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lit_trainer import quantization as quantized
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
+from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
@@ -44,7 +45,6 @@ from lit_trainer.modules.base._logits import ChunkedLogits
 from lit_trainer.modules.base._optimization import TORCH_OPTIMS, OptimizationMixin, OptimName, check_optim
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
 from lit_trainer.modules.base._step_logging import StepLoggingMixin
-from lit_trainer.vision.collate import image_inputs
 
 
 def _check_quantized_has_adapter(model: Any, peft_config: Any, adapter_path: str | None, by_us: bool) -> None:

@@ -1,6 +1,6 @@
 """The vision tower and projector of a vision-language model under training (``train_vision_tower``).
 
-A vision-language model (``lit_trainer.vision.is_vision_model``) is a vision tower (an image encoder: LLaVA's CLIP
+A vision-language model (``lit_trainer.models.is_vision_model``) is a vision tower (an image encoder: LLaVA's CLIP
 ``model.vision_tower``), a projector that maps the tower's features into the language model's embedding space
 (LLaVA's ``model.multi_modal_projector``) and the language model. They are found by their attribute names
 (:data:`TOWER_NAMES`, :data:`PROJECTOR_NAMES`; the shallowest module of such a name).
@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from lit_trainer.vision.presets import is_vision_model
+from lit_trainer.models import is_vision_model
 
 #: attribute names of vision towers (LLaVA, Gemma 3, PaliGemma: ``vision_tower``; Qwen2-VL: ``visual``; Idefics3,
 #: SmolVLM, Mllama: ``vision_model``)

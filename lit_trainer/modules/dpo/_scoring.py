@@ -11,11 +11,11 @@ from torch import Tensor
 
 from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
+from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.losses.dpo import dpo_loss, dpo_rewards_metrics, sequence_logps
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base._logits import next_token_targets
 from lit_trainer.modules.base._packing import masking_kwargs, per_row
-from lit_trainer.vision.collate import image_inputs
 
 
 class Scores(NamedTuple):
@@ -33,8 +33,8 @@ class DPOScoringMixin:
 
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
         """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set). A batch
-        with images gives ``model`` its image inputs too (:func:`~lit_trainer.vision.collate.image_inputs`): the policy
-        and the reference see the same images."""
+        with images gives ``model`` its image inputs too (:func:`~lit_trainer.data.vision.collate.image_inputs`): the
+        policy and the reference see the same images."""
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
         targets = next_token_targets(labels)
         scores = self.score_tokens(

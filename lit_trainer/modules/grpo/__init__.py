@@ -37,12 +37,12 @@ The scored rows go through the same buffer, so resume stays exact without any en
 
 Images (a vision-language policy, e.g. ``tiny-vl``, on prompts with an ``images``/``image`` column, processed by the
 :class:`~lit_trainer.data.prompt.PromptDataModule` with the model's processor). Each prompt row carries its image inputs
-(:mod:`lit_trainer.vision.prompt`: per-image tensors kept per row, so the ``num_generations`` copies of a prompt and the
-buffer's shuffle keep every row with its own pictures); ``generate``, the policy, old and reference log-probs (plain or
-chunked head) and validation all get the rows' image inputs with their ids, and the image token is never sampled (as
-TRL 1.16). The reward functions get the decoded images under the column's name (``images``: a list of PIL images per
-completion) and the conversational prompts with the images filled in, as TRL's. Asynchronous rollouts, tools and
-environments, ``rollout_func``, continuous batching and ``chat_template_kwargs`` do not carry images yet: refused at
+(:mod:`lit_trainer.data.vision.prompt`: per-image tensors kept per row, so the ``num_generations`` copies of a prompt
+and the buffer's shuffle keep every row with its own pictures); ``generate``, the policy, old and reference log-probs
+(plain or chunked head) and validation all get the rows' image inputs with their ids, and the image token is never
+sampled (as TRL 1.16). The reward functions get the decoded images under the column's name (``images``: a list of PIL
+images per completion) and the conversational prompts with the images filled in, as TRL's. Asynchronous rollouts, tools
+and environments, ``rollout_func``, continuous batching and ``chat_template_kwargs`` do not carry images yet: refused at
 setup (:meth:`GRPOModule._check_images`).
 
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
@@ -70,11 +70,13 @@ from lit_trainer._stop_request import stop_check
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
+from lit_trainer.data.vision import prompt as vision_prompt
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import IGNORE_INDEX
+from lit_trainer.models import is_vision_model
 from lit_trainer.modules.base import BaseModule, _sharding
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.grpo import _completions as rollout
@@ -96,8 +98,6 @@ from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
 from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
-from lit_trainer.vision import presets as vision
-from lit_trainer.vision import prompt as vision_prompt
 
 _STATE_KEY = "grpo_rollouts"
 _ENTROPY_KEY = "grpo_entropy_control"
@@ -433,7 +433,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         """Prompts with images: refuse a text-only policy and what does not carry images yet (asynchronous rollouts,
         tools and environments, ``rollout_func``, continuous batching, ``chat_template_kwargs``)."""
         hp, name = self.hparams, type(self).__name__
-        if not vision.is_vision_model(self.model):
+        if not is_vision_model(self.model):
             raise ValueError(
                 f"The prompts have images (column {column!r}) but the {name} policy is a text-only model: train a "
                 "vision-language model (model: tiny-vl, or a saved image-text-to-text model), or drop the image column."
@@ -683,7 +683,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         The input is ``[left-padded prompt ; right-padded completion]`` with position ids from the attention mask
         (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy when asked (with gradient
         only when ``entropy_grad``: the entropy bonus). Rows of prompts with images carry their image inputs
-        (:mod:`lit_trainer.vision.prompt`), passed to the model with the ids.
+        (:mod:`lit_trainer.data.vision.prompt`), passed to the model with the ids.
         """
         completion = rows["completion_ids"]
         ids = torch.cat([rows["prompt_ids"], completion], dim=1)

@@ -154,7 +154,7 @@ def generate_completions(
     """One batched ``generate`` call (KV cache, left-padded prompts) and the EOS cut.
 
     ``image_inputs``: the prompts' image inputs for a vision-language model (``pixel_values``, ...;
-    :func:`~lit_trainer.vision.prompt.model_image_inputs`), passed to ``generate`` with the ids.
+    :func:`~lit_trainer.data.vision.prompt.model_image_inputs`), passed to ``generate`` with the ids.
 
     The model is NOT switched to eval mode (as the reference); ``no_grad`` also keeps NEFTune noise off. ``synced``
     (sharded weights: every forward is a collective) makes a rank whose rows have all stopped keep running forwards

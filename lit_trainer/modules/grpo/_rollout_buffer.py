@@ -5,7 +5,7 @@ num_iterations - 1`` micro-steps are served from the buffer, the ``steps_per_gen
 every pass. Rows are shuffled with a seeded ``torch.Generator`` (not the global RNG), so the groups are split up as in
 the reference and a resumed run reproduces the order. Everything stored is tensors and ints, so the buffer can be
 saved in a checkpoint that loads with ``weights_only=True``. The image inputs of prompts with images are stored per
-row (:func:`~lit_trainer.vision.prompt.pack_row_images`), so they follow their rows through the shuffle.
+row (:func:`~lit_trainer.data.vision.prompt.pack_row_images`), so they follow their rows through the shuffle.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_trainer.vision.prompt import PROMPT_PER_TOKEN_KEYS
+from lit_trainer.data.vision.prompt import PROMPT_PER_TOKEN_KEYS
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask", *PROMPT_PER_TOKEN_KEYS)  # the last: per-token image inputs (left-padded)
 ATTENTION = "completion_attention_mask"  # multi-turn rows: every completion token (completion_mask: the model's)

@@ -18,7 +18,9 @@ from lit_trainer._stop_request import stop_check, stop_in_step
 from lit_trainer.data.chat import render
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
+from lit_trainer.data.vision import prompt as vision_prompt
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
+from lit_trainer.models import is_vision_model
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import agentic_batch
@@ -26,8 +28,6 @@ from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
 from lit_trainer.rewards import is_conversational
-from lit_trainer.vision import presets as vision
-from lit_trainer.vision import prompt as vision_prompt
 
 
 class GRPORolloutMixin:
@@ -55,7 +55,7 @@ class GRPORolloutMixin:
         """A vision-language policy's image token id, never sampled (TRL 1.16 suppresses it whenever its processing
         class is a processor: a sampled image token has no image features); empty for a text model."""
         config = getattr(self.model, "config", None)
-        if not vision.is_vision_model(self.model):
+        if not is_vision_model(self.model):
             return []
         token = getattr(config, "image_token_id", None)
         token = getattr(config, "image_token_index", None) if token is None else token

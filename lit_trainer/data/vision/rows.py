@@ -13,10 +13,13 @@ from datasets import Dataset
 from PIL import Image
 from tqdm.auto import tqdm
 
-from lit_trainer.vision.images import image_problem, row_images
-from lit_trainer.vision.messages import placeholder_problem
+from lit_trainer.data.vision.images import image_problem, row_images
+from lit_trainer.data.vision.messages import placeholder_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ROW_KEY = "_row"
+"""The column holding each kept row's index (the collators name a bad row with it; underscored so that it does not meet
+a column of the data)."""
 
 
 def conversation_problem(value: Any) -> str | None:
@@ -136,4 +139,4 @@ def keep_rows(rows: Dataset, lengths: Callable[[Mapping[str, Any]], int], split:
             measured.append(lengths(row))
         except ValueError as error:
             raise ValueError(f"row {index} of the {split} data: {error}") from error
-    return rows.add_column("row", list(range(len(rows)))).add_column("length", measured)
+    return rows.add_column(ROW_KEY, list(range(len(rows)))).add_column("length", measured)

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_trainer.vision.collate import PER_IMAGE_KEYS, PER_TOKEN_KEYS, process
-from lit_trainer.vision.images import load_image, row_images
-from lit_trainer.vision.messages import with_images
+from lit_trainer.data.vision.collate import PER_IMAGE_KEYS, PER_TOKEN_KEYS, process
+from lit_trainer.data.vision.images import load_image, row_images
+from lit_trainer.data.vision.messages import with_images
+from lit_trainer.data.vision.rows import ROW_KEY
 
 ROW_IMAGES = "row_images."
 """Prefix of the packed per-row image inputs: ``row_images.pixel_values`` and its ``row_images.pixel_values.count``."""
@@ -69,14 +70,14 @@ class VisionPromptEncoder:
     drop_eos: bool = False
 
     def where(self, row: Mapping[str, Any]) -> str:
-        return f"row {row.get('row', '?')} of the {self.split} prompt data"
+        return f"row {row.get(ROW_KEY, '?')} of the {self.split} prompt data"
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> list[EncodedPrompt]:
         """The rows processed, in order; a row repeated in the batch (same ``row`` index) is processed once."""
         done: dict[Any, EncodedPrompt] = {}
         out = []
         for row in rows:
-            key = row.get("row")
+            key = row.get(ROW_KEY)
             if key is None or key not in done:
                 encoded = self.encode(row)
                 if key is not None:

@@ -21,10 +21,11 @@ from torch import Tensor
 
 from lit_trainer.data.chat import template_options
 from lit_trainer.data.preference.collate import end_with_eos
+from lit_trainer.data.vision.collate import Encoded, image_token_ids, process, split_row, stack, truncate
+from lit_trainer.data.vision.images import load_image, row_images
+from lit_trainer.data.vision.messages import with_images
+from lit_trainer.data.vision.rows import ROW_KEY
 from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.vision.collate import Encoded, image_token_ids, process, split_row, stack, truncate
-from lit_trainer.vision.images import load_image, row_images
-from lit_trainer.vision.messages import with_images
 
 
 def common_prefix(*texts: str) -> str:
@@ -76,7 +77,7 @@ class VisionPreferenceCollator:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def where(self, row: Mapping[str, Any]) -> str:
-        return f"row {row.get('row', '?')} of the {self.split} data"
+        return f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         pairs = [self.encode(row) for row in rows]

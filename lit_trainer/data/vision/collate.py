@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from lit_trainer.data.collate import common_prefix_len, pad_left, pad_right
+from lit_trainer.data.vision.images import load_image, row_images
+from lit_trainer.data.vision.messages import with_images
+from lit_trainer.data.vision.rows import ROW_KEY
 from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.vision.images import load_image, row_images
-from lit_trainer.vision.messages import with_images
 
 PER_IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "spatial_shapes")
 """Processor outputs with one entry per image (or per image patch): concatenated over a batch's rows."""
@@ -156,7 +157,7 @@ class VisionSFTCollator:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def where(self, row: Mapping[str, Any]) -> str:
-        return f"row {row.get('row', '?')} of the {self.split} data"
+        return f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         encoded = [self.encode(row) for row in rows]
