@@ -17,7 +17,10 @@ RECIPE_STEPS: dict[str, str] = {
     "reward": "lit-trainer fit --config configs/reward.yaml",
     "sft_tool_chat": "lit-trainer fit --config configs/sft_tool_chat.yaml",
     "sft_vl": "lit-trainer fit --config configs/sft_vl.yaml",
-    "sft_vl_partial": "lit-trainer fit --config configs/sft_vl.yaml --trainer.max_steps 30 --run_name sft_vl_partial",
+    "sft_vl_partial": (
+        "lit-trainer fit --config configs/sft_vl.yaml --trainer.max_steps 30 --trainer.val_check_interval 30 "
+        "--run_name sft_vl_partial"
+    ),
 }
 """The command that writes ``runs/<run name>/`` for each run whose export a shipped recipe or page loads (run from the
 repository root; ``tests/test_chained_recipes.py`` checks that every such path is here and that each command writes

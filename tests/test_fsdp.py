@@ -21,18 +21,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
-from helpers.ddp import output_tail, run_script
 from helpers.rounding import FACTOR, FLOAT32_UNIT, MARGIN, Rounding, relative_l2, values
 from lit_trainer.callbacks import HFExport
 from lit_trainer.modules.base import _sharding
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp")
-    proc = run_script("fsdp_train.py", out)
-    assert proc.returncode == 0, output_tail(proc)
-    return out
+def run(ddp_world) -> Path:
+    return ddp_world.part("fsdp")  # tests/scripts/fsdp_train.py, run in the shared 2-rank world
 
 
 def _step_change(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], steps: int) -> float:

@@ -262,3 +262,23 @@ def test_precompute_and_reference_free_modules_refuse_images():
     batch = dm._collate([dm.train_dataset[0]], True)
     with pytest.raises(ValueError, match="ORPOModule does not take preference rows with images"):
         ORPOModule("tiny-vl").score(None, batch)
+
+
+# ------------------------------------------------------------------------------- the modules that take no images yet
+def test_kto_data_refuses_rows_with_images_instead_of_dropping_them():
+    from lit_trainer.data.unpaired import UnpairedPreferenceDataModule
+
+    rows = Dataset.from_dict({"prompt": ["a"], "completion": ["b"], "label": [True], "images": [[png((255, 0, 0))]]})
+    with pytest.raises(ValueError, match=r"has images \(column 'images'\), which KTO does not take"):
+        UnpairedPreferenceDataModule(tokenizer="tiny-vl", dataset=rows, val_size=0).setup("fit")
+
+
+def test_reward_module_refuses_a_batch_with_images_instead_of_scoring_it_without_them():
+    from lit_trainer import RewardModule
+
+    ids = torch.tensor([[3, 4, 5], [3, 4, 6]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.zeros(2, 3, 32, 32)}
+    module = RewardModule("tiny-64")
+    module.rewards({k: v for k, v in batch.items() if k != "pixel_values"})  # the same batch without images scores
+    with pytest.raises(ValueError, match="does not take preference rows with images"):
+        module.rewards(batch)

@@ -15,7 +15,6 @@ from ddp_vision import vision_datamodule, vision_model  # tests/scripts
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.accumulation import calibrated
-from helpers.ddp import output_tail, run_script
 from helpers.rounding import Rounding, relative_l2
 from lit_trainer.callbacks import ExactResume
 from lit_trainer.losses.causal_lm import causal_lm_loss
@@ -159,9 +158,8 @@ def test_lora_vision_run_resumed_mid_run_ends_bit_equal(tmp_path: Path) -> None:
 
 
 @pytest.mark.ddp
-def test_ddp_vision_gradients_equal_the_one_process_full_batch(tmp_path: Path) -> None:
-    proc = run_script("ddp_vision.py", tmp_path)
-    assert proc.returncode == 0, output_tail(proc)
+def test_ddp_vision_gradients_equal_the_one_process_full_batch(ddp_world) -> None:
+    tmp_path = ddp_world.part("vision")  # tests/scripts/ddp_vision.py, run in the shared 2-rank world
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [n for _, n in ranks[0]["seen"]] != [n for _, n in ranks[1]["seen"]]  # images differ between ranks
     assert 0 in [n for _, n in ranks[1]["seen"][:2]]  # an image-free micro-batch in a window that all-reduces

@@ -35,7 +35,7 @@ import torch
 from datasets import Dataset
 from typing_extensions import override
 
-from lit_trainer.data import builtin
+from lit_trainer.data import builtin, vision
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import render, require_chat_template, template_options
 from lit_trainer.data.collate import common_prefix_len, pad_right
@@ -225,6 +225,12 @@ class UnpairedPreferenceDataModule(ReferenceColumns, BaseDataModule):
 
     @override
     def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
+        if (images := vision.image_column(rows.column_names)) is not None:  # KTO's batches carry no pixel values
+            raise ValueError(
+                f"The {split} data has images (column {images!r}), which KTO does not take yet: its rows would be "
+                "trained without their pictures. Drop the column, or train DPOModule on preference pairs with images "
+                "(PreferenceDataModule)."
+            )
         paired = self._is_paired(rows)
         columns = [c for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
         if not paired:

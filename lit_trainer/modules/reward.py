@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer.data.preference.collate import MARGIN_KEY
+from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.losses.reward import reward_loss, reward_metrics
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._packing import datamodule_packing
@@ -126,8 +127,13 @@ class RewardModule(BaseModule):
         """``(chosen, rejected)`` rewards ``(B,)`` of a preference batch (chosen rows first, then rejected).
 
         Raises:
-            ValueError: for a packed batch (see the class docstring).
+            ValueError: for a packed batch (see the class docstring), or a batch with images.
         """
+        if image_inputs(batch):  # a sequence classifier's forward here takes token ids only
+            raise ValueError(
+                "RewardModule does not take preference rows with images: its sequence-classification forward passes no "
+                "pixel values, so the pictures would be dropped. Drop the image column, or train DPOModule on them."
+            )
         if "seq_lengths" in batch:
             raise ValueError(
                 "RewardModule got a packed (padding-free) batch: a sequence classifier reads one score per row, "

@@ -147,6 +147,8 @@ WORLD: dict[str, Part] = {
     "fsdp_lora": Part("fsdp_lora.py", users=("test_fsdp_lora.py",)),
     "fsdp_grpo_tools": Part("fsdp_grpo_tools.py", users=("test_ddp_grpo_tools.py",)),
     "grpo_reward_model_ranks": Part("grpo_reward_model_ranks.py", users=("test_grpo_reward_models.py",)),
+    "vision": Part("ddp_vision.py", users=("test_vision_training.py",)),
+    "fsdp": Part("fsdp_train.py", users=("test_fsdp.py",)),
 }
 
 
