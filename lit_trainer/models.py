@@ -142,6 +142,24 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _llama_config(preset: Preset, tokenizer: Any, **overrides: Any) -> LlamaConfig:
+    """The Llama config of a preset's language model on ``tokenizer`` (tied embeddings, no BOS)."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_attention_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **overrides,
+    )
+
+
 def build_preset_model(
     name: str, task: Task = "causal_lm", **config_overrides: Any
 ) -> LlamaForCausalLM | LlamaForSequenceClassification:
@@ -160,21 +178,7 @@ def build_preset_model(
             "directory or hub id of a causal LM."
         )
     tokenizer = build_tokenizer()
-    preset = PRESETS[name]
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_attention_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **{k: v for k, v in config_overrides.items() if k != "num_labels"},
-    )
+    config = _llama_config(PRESETS[name], tokenizer, **{k: v for k, v in config_overrides.items() if k != "num_labels"})
     if task == "sequence_classification":
         config.num_labels = config_overrides.get("num_labels", 1)
         return LlamaForSequenceClassification(config)
@@ -343,7 +347,7 @@ def build_processor() -> Any:
 
 def build_vision_preset(**text_overrides: Any) -> Any:
     """Build ``tiny-vl`` from its config (weights from the current torch RNG: seed first to reproduce them)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     tokenizer = build_processor().tokenizer
     text = PRESETS["tiny"]
@@ -356,20 +360,7 @@ def build_vision_preset(**text_overrides: Any) -> Any:
         patch_size=PATCH_SIZE,
         projection_dim=32,
     )
-    language = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_hidden_layers=text.num_hidden_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_attention_heads,
-        max_position_embeddings=text.max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **text_overrides,
-    )
+    language = _llama_config(text, tokenizer, **text_overrides)
     config = LlavaConfig(
         vision_config=vision,
         text_config=language,

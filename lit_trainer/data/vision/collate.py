@@ -126,8 +126,24 @@ def stack(
     return batch
 
 
+class RowCollator:
+    """What the collators of rows with images share (mixed into their dataclasses, which give ``processor`` and
+    ``split``): the image token ids, the pad id, and how an error names a row."""
+
+    processor: Any
+    split: str
+
+    def __post_init__(self) -> None:
+        self.image_ids = image_token_ids(self.processor)
+        tokenizer = self.processor.tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def where(self, row: Mapping[str, Any]) -> str:
+        return f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
+
+
 @dataclass
-class VisionSFTCollator:
+class VisionSFTCollator(RowCollator):
     """SFT batches of rows with images (TRL 1.16's formats), processed when the batch is built.
 
     Row formats (the ``fmt`` names of :class:`~lit_trainer.data.SFTDataModule`):
@@ -138,7 +154,7 @@ class VisionSFTCollator:
     * ``text`` / ``prompt_completion``: strings that hold the processor's image token once per image (``<image>``
       for ``tiny-vl``); an EOS ends each row as for text rows.
 
-    Each row carries ``row`` (its index, for errors) and its undecoded images in ``image_column``.
+    Each row carries ``_row`` (its index, for errors) and its undecoded images in ``image_column``.
     """
 
     processor: Any
@@ -150,14 +166,6 @@ class VisionSFTCollator:
     assistant_only_loss: bool = False
     pad_to_multiple_of: int | None = None
     generation_inputs: bool = False
-
-    def __post_init__(self) -> None:
-        self.image_ids = image_token_ids(self.processor)
-        tokenizer = self.processor.tokenizer
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def where(self, row: Mapping[str, Any]) -> str:
-        return f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         encoded = [self.encode(row) for row in rows]

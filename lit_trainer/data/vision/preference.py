@@ -21,10 +21,9 @@ from torch import Tensor
 
 from lit_trainer.data.chat import template_options
 from lit_trainer.data.preference.collate import end_with_eos
-from lit_trainer.data.vision.collate import Encoded, image_token_ids, process, split_row, stack, truncate
+from lit_trainer.data.vision.collate import Encoded, RowCollator, process, split_row, stack, truncate
 from lit_trainer.data.vision.images import load_image, row_images
 from lit_trainer.data.vision.messages import with_images
-from lit_trainer.data.vision.rows import ROW_KEY
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 
 
@@ -47,7 +46,7 @@ def common_prefix(*texts: str) -> str:
 
 
 @dataclass
-class VisionPreferenceCollator:
+class VisionPreferenceCollator(RowCollator):
     """DPO batches of preference pairs with images, processed when the batch is built.
 
     Row formats (decided per row, as for text pairs): conversational (``prompt``, ``chosen`` and ``rejected`` are
@@ -70,14 +69,6 @@ class VisionPreferenceCollator:
     max_length: int
     split: str = "train"
     pad_to_multiple_of: int | None = None
-
-    def __post_init__(self) -> None:
-        self.image_ids = image_token_ids(self.processor)
-        tokenizer = self.processor.tokenizer
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def where(self, row: Mapping[str, Any]) -> str:
-        return f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         pairs = [self.encode(row) for row in rows]
