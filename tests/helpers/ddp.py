@@ -149,6 +149,7 @@ WORLD: dict[str, Part] = {
     "grpo_reward_model_ranks": Part("grpo_reward_model_ranks.py", users=("test_grpo_reward_models.py",)),
     "vision": Part("ddp_vision.py", users=("test_vision_training.py",)),
     "fsdp": Part("fsdp_train.py", users=("test_fsdp.py",)),
+    "vision_rl": Part("ddp_vision_rl.py", users=("test_vision_ddp_rl.py",)),
 }
 
 
