@@ -95,7 +95,7 @@ from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_poo
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
-from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
+from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, SAMPLING_LOGPS, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
 from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
 
@@ -182,7 +182,9 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         entropy_coef_delta: step of the adaptive coefficient.
         entropy_target: target mean token entropy in nats (the logged ``entropy`` early in training is a good start).
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage is
-            dropped from the policy term when its mean ``old − logp`` exceeds this (e.g. 0.5); None = off.
+            dropped from the policy term when its mean ``sampling − logp`` exceeds this (e.g. 0.5); None = off.
+            ``sampling`` is the rollout worker's log-prob on a round with the importance-sampling correction (TRL's
+            vLLM log-prob), else ``old`` (the current log-prob, detached, when the round stores none).
         log_completions: at every logging step, write the last round's prompts, completions, rewards per function and
             advantages (all ranks' rows) to the console (rank 0, rich), ``completions.csv`` in a CSVLogger's folder,
             TensorBoard (``add_text``) and any logger with ``log_table`` (WandbLogger, Trackio).
@@ -635,7 +637,8 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         mask = batch["completion_mask"]
         options = {k: hp[k] for k in GRPO_LOSS_DEFAULTS.keys() & hp.keys()}  # the loss options GRPOModule takes
         old, advantages, ref = batch.get("old_logps"), batch["advantages"], batch.get("ref_logps")
-        entropy_mask, policy_mask = self._policy_masks(logps, entropy.detach(), old, advantages, mask)
+        sampler = batch.get(SAMPLING_LOGPS)  # a corrected round of asynchronous rollouts only
+        entropy_mask, policy_mask = self._policy_masks(logps, entropy.detach(), old, sampler, advantages, mask)
         ratio, sampling = self._importance_ratio(batch, logps, old)  # stale rounds of asynchronous rollouts only
         loss = grpo_policy_loss(
             logps,
@@ -658,18 +661,25 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         return loss, metrics
 
     def _policy_masks(
-        self, logps: Tensor, entropy: Tensor, old: Tensor | None, advantages: Tensor, mask: Tensor
+        self,
+        logps: Tensor,
+        entropy: Tensor,
+        old: Tensor | None,
+        sampler: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
     ) -> tuple[Tensor | None, Tensor | None]:
         """``(entropy mask, product of the policy masks)``: ``top_entropy_quantile`` (threshold from the masked
-        entropies of every rank's micro-batch) and ``off_policy_mask_threshold`` (old = ``logps.detach()`` when the
-        round stored none); None when off."""
+        entropies of every rank's micro-batch) and ``off_policy_mask_threshold``, measured from the sampler's
+        log-probs when the round carries them (a corrected round: drift from the weights that sampled it), else from
+        ``old`` (``logps.detach()`` when the round stored none), as TRL 1.16; None when off."""
         hp = self.hparams
         entropy_mask = sequence_mask = None
         if hp.top_entropy_quantile < 1.0:
             pool = gather_entropy_pool(entropy, mask, self.trainer.world_size, self.all_gather)
             entropy_mask = high_entropy_mask(entropy, mask, pool, 1.0 - hp.top_entropy_quantile).to(mask.dtype)
         if hp.off_policy_mask_threshold is not None:
-            reference = logps.detach() if old is None else old
+            reference = sampler if sampler is not None else (logps.detach() if old is None else old)
             sequence_mask = off_policy_mask(advantages, logps, reference, mask, hp.off_policy_mask_threshold)
         masks = [m for m in (entropy_mask, sequence_mask) if m is not None]
         policy_mask = masks[0] * masks[1] if len(masks) == 2 else (masks[0] if masks else None)
