@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lit_trainer.data.collate import common_prefix_len, pad_left, pad_right
-from lit_trainer.data.vision.images import load_image, row_images
+from lit_trainer.data.vision.images import load_image, row_images, unprocessable_image
 from lit_trainer.data.vision.messages import with_images
 from lit_trainer.data.vision.rows import ROW_KEY
 from lit_trainer.losses.logprobs import IGNORE_INDEX
@@ -60,11 +60,28 @@ class Encoded:
 
 
 def process(processor: Any, text: str, images: Sequence[Any], where: str) -> dict[str, Any]:
-    """``processor(text=[text], images=images)`` for one row, with a processor error naming ``where``."""
+    """``processor(text=[text], images=images)`` for one row, with a processor error naming ``where``
+    (:func:`processor_error`)."""
     try:
         return processor(text=[text], images=list(images) or None, return_tensors="pt", add_special_tokens=False)
-    except ValueError as error:  # e.g. "Found 2 <image> tokens in the text but 1 images were passed"
-        raise ValueError(f"{where}: {error}") from error
+    except Exception as error:
+        if (named := processor_error(processor, images, where, error)) is None:
+            raise
+        raise named from error
+
+
+def processor_error(processor: Any, images: Sequence[Any], where: str, error: Exception) -> ValueError | None:
+    """The processor's ``error`` on one row, naming ``where``: the picture that transformers' image processor fails on
+    alone (its index and PIL mode) and the fix; else a ValueError (e.g. "Found 2 <image> tokens in the text but 1
+    images were passed") with ``where`` in front; None for any other error (raised as it is)."""
+    image_processor = getattr(processor, "image_processor", None)
+    problem = unprocessable_image(image_processor, images) if images and image_processor is not None else None
+    if problem is not None:
+        return ValueError(
+            f"{where}: {problem}. Convert that picture to a mode the processor takes (RGB, or RGBA to keep its "
+            "transparency; PIL's `Image.convert`) in the dataset before training, or drop the row."
+        )
+    return ValueError(f"{where}: {error}") if isinstance(error, ValueError) else None
 
 
 def split_row(out: Mapping[str, Any]) -> tuple[list[int], dict[str, Tensor], dict[str, list[int]]]:

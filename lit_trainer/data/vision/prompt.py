@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_trainer.data.vision.collate import PER_IMAGE_KEYS, PER_TOKEN_KEYS, process
+from lit_trainer.data.vision.collate import PER_IMAGE_KEYS, PER_TOKEN_KEYS, process, processor_error
 from lit_trainer.data.vision.images import load_image, row_images
 from lit_trainer.data.vision.messages import with_images
 from lit_trainer.data.vision.rows import ROW_KEY
@@ -96,8 +96,10 @@ class VisionPromptEncoder:
         else:
             try:
                 out = self.processor(text=[prompt], images=pictures or None, return_tensors="pt")
-            except ValueError as error:
-                raise ValueError(f"{where}: {error}") from error
+            except Exception as error:
+                if (named := processor_error(self.processor, pictures, where, error)) is None:
+                    raise
+                raise named from error
         ids = out["input_ids"][0].tolist()
         per_token = {k: out[k][0].tolist() for k in PER_TOKEN_KEYS if out.get(k) is not None}
         eos = self.processor.tokenizer.eos_token_id
@@ -108,8 +110,9 @@ class VisionPromptEncoder:
 
 
 def reward_images(encoded: Sequence[EncodedPrompt], image_column: str) -> list[Any]:
-    """The ``image_column`` values the reward functions get, one per row, decoded: a list of PIL images per row for
-    ``images``, one PIL image (or None) for ``image`` (TRL 1.16 passes the dataset's column under its own name)."""
+    """The ``image_column`` values the reward functions get, one per row, decoded in their own mode (not converted to
+    RGB): a list of PIL images per row for ``images``, one PIL image (or None) for ``image`` (TRL 1.16 passes the
+    dataset's column under its own name)."""
     if image_column == "image":
         return [e.pictures[0] if e.pictures else None for e in encoded]
     return [list(e.pictures) for e in encoded]
