@@ -10,6 +10,9 @@ tests/test_grpo_async_paths.py.
 
 from __future__ import annotations
 
+import signal
+import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,12 +21,14 @@ import lightning as L
 import pandas as pd
 import pytest
 import torch
+import transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from test_grpo_module import QUIET, data, grpo
+from test_grpo_module import QUIET, data, grpo, length_reward, tiny_model
 
 from lit_trainer.data.prompt import RolloutGeometry
 from lit_trainer.modules.grpo import GRPOModule
+from lit_trainer.modules.grpo._async._errors import death_message
 from lit_trainer.modules.grpo._async._worker import SharedWeights
 from lit_trainer.modules.grpo._completions import make_engine
 
@@ -122,7 +127,40 @@ def test_continuous_batching_in_the_worker_is_the_synchronous_run():
     same_weights(fit(1, **options), fit(1, max_staleness=0, **options))
 
 
+@pytest.mark.slow
+def test_a_worker_that_cannot_import_a_class_says_why(monkeypatch):
+    """A class the worker cannot import (a module subclass defined in a notebook: its module exists in the training
+    process only) killed the worker while it unpickled its arguments, before it could report anything, and the fit
+    failed with "died with exit code 1 (out of memory?)". The error now starts with the worker's exception."""
+    notebook = types.ModuleType("notebook_cell")
+
+    class NotebookGRPO(GRPOModule):
+        pass
+
+    NotebookGRPO.__module__, NotebookGRPO.__qualname__ = "notebook_cell", "NotebookGRPO"
+    notebook.NotebookGRPO = NotebookGRPO
+    monkeypatch.setitem(sys.modules, "notebook_cell", notebook)  # importable here, not in a new process
+    module = NotebookGRPO(
+        tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward], num_generations=4,
+        max_completion_length=4, max_staleness=0,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError) as failed:
+        L.Trainer(max_steps=1, **QUIET).fit(module, datamodule=data(n=8, batch_size=4))
+    message = str(failed.value)
+    first = "failed to start: ModuleNotFoundError: No module named 'notebook_cell'"
+    assert first in message.splitlines()[0] and "out of memory" not in message, message
+    assert module._worker is None  # stopped
+
+
 # --------------------------------------------------------------------------------------------- without a worker
+def test_only_a_worker_killed_by_sigkill_may_have_run_out_of_memory():
+    """A worker that dies without reporting an error: the OOM killer's SIGKILL is the one case that suggests memory."""
+    assert "SIGKILL (out of memory?)" in death_message(7, -signal.SIGKILL)
+    for code, how in [(1, "exited with code 1"), (-signal.SIGSEGV, "killed by SIGSEGV"), (None, "code None")]:
+        message = death_message(7, code)
+        assert how in message and "out of memory" not in message, message
+
+
 def test_shared_weight_slots_hold_one_version_each():
     weights = SharedWeights({"w": torch.zeros(2)}, slots=2)
     for version in range(3):

@@ -1,22 +1,25 @@
 """Asynchronous GRPO leaves no orphan process: a training process stopped by SIGTERM (a scheduler), Ctrl-C
 (SIGINT) or SIGKILL (the OOM killer) takes its rollout worker with it.
 
-SIGKILL leaves the trainer no chance to act: the worker must notice by itself that its parent is gone. That loop is
-tested on a worker started from a forked copy of this test process (nothing to import, so it costs a second, not the
-~20 s of CPU a real trainer and its forkserver take to start), which is then killed.
+SIGKILL leaves the trainer no chance to act: the worker must notice by itself that its parent is gone. That is tested
+on a worker started from a forked copy of this test process (nothing to import, so it costs a second, not the ~20 s of
+CPU a real trainer and its forkserver take to start), which is then killed: while the worker waits for a request, in
+the middle of a long round's generation, and while the round is stuck in code that checks nothing.
 
-Each case runs ``tests/scripts/grpo_async_fit.py`` (an async fit of hours, with the recipes' ``JITCheckpoint``) in its
-own process group, waits until the worker has delivered a round, checks that the worker runs below that trainer, sends
-the signal (to the trainer alone, or to the whole group as a terminal's Ctrl-C or Slurm's time limit does: the worker,
-its forkserver and the resource tracker get it too), and then requires every process below the trainer to be gone.
-The time limits are hang guards, not speed requirements: the worker polls its parent every 0.5 s, and the trainer
-gives it 5 s to stop before killing it. A reward function that fails mid-run (the in-process case) is in
-``test_grpo_async_paths.py``, where it shares a fit with the LoRA sampler check.
+Each case below that runs ``tests/scripts/grpo_async_fit.py`` (an async fit of hours, with the recipes'
+``JITCheckpoint``) does so in its own process group, waits until the worker has delivered a round, checks that the
+worker runs below that trainer, sends the signal (to the trainer alone, or to the whole group as a terminal's Ctrl-C or
+Slurm's time limit does: the worker, its forkserver and the resource tracker get it too), and then requires every
+process below the trainer to be gone. Those time limits are hang guards, not speed requirements: a thread in the
+worker ends it as soon as its parent is gone, and the trainer gives it 5 s to stop before killing it. A reward function
+that fails mid-run (the in-process case) is in ``test_grpo_async_paths.py``, where it shares a fit with the LoRA sampler
+check.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from helpers.ddp import SCRIPTS, script_env, wait_json
 
@@ -32,6 +36,8 @@ pytestmark = pytest.mark.slow  # a trainer and its forkserver each import torch 
 
 #: hang guards (seconds): the worker's start (imports) under a loaded machine, the save and exit, the worker's exit
 START_GUARD, EXIT_GUARD, GONE_GUARD = 240.0, 60.0, 30.0
+#: how soon a worker must be gone once its trainer is killed (measured 0.1-0.2 s: a thread waits for the parent)
+EXIT_BOUND = 5.0
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -109,7 +115,7 @@ def test_a_stopped_trainer_leaves_no_rollout_worker(tmp_path: Path, signum: sign
             assert proc.wait(EXIT_GUARD) == code, log.read_text()[-3000:]
         except subprocess.TimeoutExpired:
             pytest.fail(f"the trainer did not exit within {EXIT_GUARD} s:\n{log.read_text()[-3000:]}")
-        # after SIGKILL nothing stops them: the worker must notice its parent's death (it polls) and exit by itself
+        # after SIGKILL nothing stops them: the worker must notice its parent's death and exit by itself
         left = _left(below, GONE_GUARD)
         assert not left, f"still running after the trainer exited: {[(p, _stat(p)) for p in left]}"
     finally:
@@ -134,36 +140,107 @@ def _start_worker_then_sleep(spec: Any, requests: Any, results: Any, weights: An
     time.sleep(600)
 
 
-def test_a_worker_exits_by_itself_when_its_trainer_is_killed():
-    import multiprocessing
+def _cpu_seconds(pid: int) -> float:
+    """CPU time ``pid`` has used so far (user + system), 0 when it is gone."""
+    stat = _stat(pid)
+    return 0.0 if stat is None else (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def _round(rows: int, tokens: int, engine: str | None = None) -> tuple[Any, Any, Any]:
+    """``(spec, weights, request)`` of a worker round of ``rows`` completions of exactly ``tokens`` tokens each
+    (``min_new_tokens``: no early EOS) from a tiny Llama, its weights published as version 0."""
     import transformers
 
     from helpers.models import tiny_llama
+    from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
     from lit_trainer.modules.grpo import GRPOModule
-    from lit_trainer.modules.grpo._async._worker import SharedWeights, WorkerSpec
+    from lit_trainer.modules.grpo._async._worker import RoundRequest, SharedWeights, WorkerSpec
+    from lit_trainer.rewards import format_reward
 
-    context = multiprocessing.get_context("fork")
-    model = tiny_llama(0)
+    tokenizer, model = transformers.ByT5Tokenizer(), tiny_llama(0, hidden=64, positions=tokens + 16)
+    module = GRPOModule(
+        model, tokenizer=tokenizer, reward_funcs=[format_reward], num_generations=8, max_completion_length=tokens,
+        generation_kwargs={"min_new_tokens": tokens}, generation_seed=0,
+    )  # fmt: skip
     spec = WorkerSpec(
-        module_class=GRPOModule, model=model, tokenizer=transformers.ByT5Tokenizer(), hparams={"num_generations": 2},
-        tools=[], environments=None, continuous_batching=False, engine=None, steps_per_generation=1, device="cpu",
-        threads=1,
+        module_class=GRPOModule, model=model, tokenizer=tokenizer, hparams=dict(module.hparams), tools=[],
+        environments=None, continuous_batching=False, engine=engine, steps_per_generation=1, device="cpu", threads=1,
     )  # fmt: skip
     weights = SharedWeights({n: p.detach() for n, p in model.named_parameters()}, slots=1)
+    weights.publish(0, dict(model.named_parameters()))
+    ids = torch.tensor([tokenizer("12+11=").input_ids[:-1]] * rows)  # without the tokenizer's EOS
+    batch = {PROMPTS: ["12+11="] * rows, PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}
+    return spec, weights, RoundRequest(0, 0, batch, seed=0)
+
+
+def _kill_trainer_while_busy(spec: Any, weights: Any, request: Any, busy: Any) -> float:
+    """Start a worker from a forked stand-in trainer, send it ``request`` (if any), wait until ``busy(worker pid)``
+    (the round is under way), SIGKILL the trainer, and return the seconds the worker took to exit (it must not deliver
+    the round)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
     requests, results = context.Queue(), context.Queue()
     trainer = context.Process(target=_start_worker_then_sleep, args=(spec, requests, results, weights))
     trainer.start()
+    worker = None
     try:
         _, status, worker = results.get(timeout=60)
         assert status == "started" and _running(worker)
-        time.sleep(1.0)  # the worker is in its loop, waiting for requests
-        assert _running(worker)
+        if request is not None:
+            requests.put(request)
+        deadline = time.monotonic() + START_GUARD
+        while not busy(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy(worker) and _running(worker), "the worker never got under way with the round"
         os.kill(trainer.pid, signal.SIGKILL)
-        trainer.join(10)
-        assert not _left({worker}, 10.0), "the worker outlived its killed parent"  # it polls every 0.5 s
+        killed = time.monotonic()
+        assert not _left({worker}, GONE_GUARD), "the worker outlived its killed parent"
+        exited = time.monotonic() - killed
+        with pytest.raises(queue.Empty):  # it was killed mid-round: the round never came
+            results.get(timeout=0.5)
+        return exited
     finally:
         if trainer.is_alive():
             trainer.kill()
-        if "worker" in locals() and _running(worker):
+        if worker is not None and _running(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_worker_exits_by_itself_when_its_trainer_is_killed():
+    """Between rounds: the worker is waiting for a request when its trainer is killed."""
+    spec, weights, _ = _round(rows=2, tokens=4)
+    started = time.monotonic()
+    assert _kill_trainer_while_busy(spec, weights, None, lambda pid: time.monotonic() > started + 1.0) < EXIT_BOUND
+
+
+def test_a_worker_exits_at_once_when_its_trainer_is_killed_mid_round():
+    """In the middle of a round's generation (the reported case: a 512x200 round outlived its trainer by 43.7 s): the
+    worker's trainer is killed once it has computed for a second, and it exits within ``EXIT_BOUND`` (measured: 0.1-0.2
+    s); the same round, run here on one thread as the worker runs it, is still generating after ``2 * EXIT_BOUND``
+    (measured: 117 of its 400 tokens in 10 s, so at least 35 s for its generation alone, on a 2-core machine)."""
+    spec, weights, request = _round(rows=512, tokens=400)
+    exited = _kill_trainer_while_busy(spec, weights, request, lambda pid: _cpu_seconds(pid) > 1.0)
+    assert exited < EXIT_BOUND, exited
+
+    from lit_trainer.modules.grpo._async._worker import RolloutSampler, _bind_module_methods
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        _bind_module_methods(spec.module_class)
+        sampler, started = RolloutSampler(spec), time.monotonic()
+        cut = lambda: time.monotonic() - started > 2 * EXIT_BOUND  # ends the generation early
+        rows = sampler._sample_round(request.batch, request.seed, cut)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert rows["completion_ids"].shape[1] < 400, f"all 400 tokens in under {2 * EXIT_BOUND} s: make the round longer"
+
+
+def test_a_worker_exits_at_once_when_its_trainer_is_killed_in_code_that_checks_nothing():
+    """A round stuck where nothing is checked (an engine that sleeps, as a tool waiting on a server would): the worker
+    still exits at once, whatever it is doing."""
+    spec, weights, request = _round(rows=2, tokens=4, engine="helpers.engines.Sleeping")
+    started = time.monotonic()
+    exited = _kill_trainer_while_busy(spec, weights, request, lambda pid: time.monotonic() > started + 2.0)
+    assert exited < EXIT_BOUND, exited

@@ -13,3 +13,14 @@ class NoWeightSync(GenerateEngine):
 
     def load_weights(self, model: Any, weights: Any) -> None:
         return None
+
+
+class Sleeping(GenerateEngine):
+    """``generate`` that sleeps ten minutes first: a round stuck in code that checks nothing (as a tool or an engine
+    waiting on a server that never answers)."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        import time
+
+        time.sleep(600)
+        return super().generate(*args, **kwargs)

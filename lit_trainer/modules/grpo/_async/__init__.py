@@ -28,7 +28,7 @@ the seed of ``(generation_seed, q, rank)``); only the weights that sample it cha
   are fresher than they would have been).
 * **Shutdown.** The worker is stopped when fitting ends or fails (``on_exception``, Ctrl-C, a signal); it ignores
   Ctrl-C and SIGTERM itself (a scheduler that signals every process of a job must reach the trainer's
-  ``JITCheckpoint`` first) and exits on its own within half a second when the training process dies.
+  ``JITCheckpoint`` first) and exits on its own as soon as the training process dies, in any phase of a round.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS
 from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_metrics
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
-from lit_trainer.modules.grpo._async._worker import RoundRequest, SharedWeights, WorkerSpec, worker_main
+from lit_trainer.modules.grpo._async._errors import death_message, failure_message
+from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
 from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
@@ -92,9 +93,8 @@ class RolloutWorker:
         self.weights = weights
         self.requests = context.Queue()
         self.results = context.Queue()
-        self.process = context.Process(
-            target=worker_main, args=(spec, self.requests, self.results, weights), daemon=True, name="lit-rollouts"
-        )
+        args = (Deferred(spec), self.requests, self.results, weights)  # the spec unpickles where errors are reported
+        self.process = context.Process(target=worker_main, args=args, daemon=True, name="lit-rollouts")
         self.process.start()
         self.pending: dict[int, RoundRequest] = {}  # submitted, not yet received
         self.ready: dict[int, Any] = {}  # received ahead of their turn
@@ -112,7 +112,8 @@ class RolloutWorker:
         waiting.
 
         Raises:
-            RuntimeError: the worker failed (its traceback in the message) or died.
+            RuntimeError: the worker failed to start or failed on a round (the cause first, then its traceback), or
+                died without saying why (:func:`~lit_trainer.modules.grpo._async._errors.death_message`).
         """
         while round_index not in self.ready:
             if should_stop is not None and should_stop():
@@ -120,14 +121,14 @@ class RolloutWorker:
             try:
                 index, status, payload = self.results.get(timeout=0.2)
             except queue.Empty:
-                if not self.process.is_alive():
-                    raise RuntimeError(
-                        f"The GRPO rollout worker (pid {self.pid}) died with exit code {self.process.exitcode} "
-                        "(out of memory?): rerun with a smaller generation batch, or without max_staleness."
-                    ) from None
-                continue
+                if self.process.is_alive():
+                    continue
+                try:  # what it put just before it exited may have arrived since
+                    index, status, payload = self.results.get(timeout=1.0)
+                except queue.Empty:
+                    raise RuntimeError(death_message(self.pid, self.process.exitcode)) from None
             if status == "error":
-                raise RuntimeError(f"The GRPO rollout worker failed on round {index}:\n{payload}")
+                raise RuntimeError(failure_message(self.pid, index, payload))
             if status == "ok":
                 self.ready[index] = payload
         return self.pending.pop(round_index), self.ready.pop(round_index)

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
+import pickle
 import signal
+import threading
 import traceback
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
-
-#: how long the worker waits on its request queue before checking that the training process is still alive
-POLL_SECONDS = 0.5
 
 
 class SharedWeights:
@@ -175,34 +174,56 @@ def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int,
     return loaded, move_data_to_device(result, "cpu")
 
 
-def worker_main(spec: WorkerSpec, requests: Any, results: Any, weights: SharedWeights) -> None:
-    """The worker loop: take a request, sample it, put ``(round, "ok", result)`` or ``(round, "error", text)``.
+class Deferred:
+    """A value pickled with a process's arguments but unpickled only when the process calls :meth:`load`.
+
+    The worker unpickles its :class:`WorkerSpec` this way, inside the ``try`` that reports its errors: a class it cannot
+    import (the module's, a tool's or an environment's, defined in a notebook or in a module only the training process
+    can import) then reaches the trainer as a traceback, instead of killing the process before it can report anything.
+    Tensors are pickled as when they are arguments (shared memory, their handles sent with the process); a value never
+    pickled (a ``fork`` start) is returned as it is.
+    """
+
+    def __init__(self, value: Any = None, data: bytes | None = None) -> None:
+        self.value, self.data = value, data
+
+    def __reduce__(self) -> tuple:
+        return Deferred, (None, bytes(ForkingPickler.dumps(self.value)))
+
+    def load(self) -> Any:
+        return self.value if self.data is None else pickle.loads(self.data)
+
+
+def exit_with(parent: Any) -> None:
+    """Wait until the ``parent`` process is gone, then end this process at once (run in a daemon thread)."""
+    parent.join()  # returns when the parent's end of the sentinel pipe closes: it exited or was killed
+    os._exit(0)
+
+
+def worker_main(spec: WorkerSpec | Deferred, requests: Any, results: Any, weights: SharedWeights) -> None:
+    """The worker loop: take a request, sample it, put ``(round, "ok", result)`` or ``(round, "error", text)``; a
+    failure to start (``spec`` does not unpickle, the sampler cannot be built) is ``(-1, "error", text)``.
 
     Ctrl-C and SIGTERM are left to the training process (which stops the worker after saving); the worker exits on a
-    ``None`` request, or by itself within :data:`POLL_SECONDS` once the training process is gone (killed), so it is
-    never orphaned.
+    ``None`` request, or by itself as soon as the training process is gone (killed), whatever it is doing (sampling,
+    the log-prob pass, waiting): a thread waits on the parent's sentinel and ends the process, so it is never orphaned.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer's to handle (it stops the worker after saving)
-    torch.set_num_threads(spec.threads)
     parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=exit_with, args=(parent,), name="lit-rollouts-parent", daemon=True).start()
     results.put((-1, "started", os.getpid()))
     try:
+        spec = spec.load() if isinstance(spec, Deferred) else spec
+        torch.set_num_threads(spec.threads)
         _bind_module_methods(spec.module_class)
         sampler = RolloutSampler(spec)
     except BaseException:  # the trainer raises it with the worker's traceback
         results.put((-1, "error", traceback.format_exc()))
         return
     loaded = -1
-    while True:
-        try:
-            request = requests.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return
-            continue
-        if request is None:
-            return
+    while (request := requests.get()) is not None:
         try:
             loaded, result = sample_request(sampler, weights, loaded, request)
             results.put((request.round_index, "ok", result))
