@@ -246,6 +246,14 @@ class BaseDataModule(pl.LightningDataModule):
             cost_model=self.rebalance_cost_model(),
         )
 
+    def _current(self, split: str) -> Callable[[], Dataset]:
+        """The ``"train"`` or ``"validation"`` dataset as it is when called: what the loaders read when an iteration
+        starts, so that columns added after Lightning built them (precomputed reference log-probs, added at
+        ``on_fit_start`` while ``estimated_stepping_batches`` builds the training loader before it) reach their
+        batches."""
+        attribute = {"train": "train_dataset", "validation": "val_dataset"}[split]
+        return lambda: getattr(self, attribute)
+
     @override
     def train_dataloader(self) -> TrainLoader:
         if self.train_dataset is None:
@@ -253,7 +261,7 @@ class BaseDataModule(pl.LightningDataModule):
         _, _, accumulate = self._replicas()
         hp = self.hparams
         return TrainLoader(
-            self.train_dataset,
+            self._current("train"),
             self.train_batch_sampler(),
             lambda rows: self._collate(rows, True),
             count_items=self.count_items,
@@ -272,7 +280,7 @@ class BaseDataModule(pl.LightningDataModule):
         world, rank, _ = self._replicas()
         hp = self.hparams
         return EvalLoader(
-            self.val_dataset,
+            self._current("validation"),
             hp.eval_batch_size or hp.batch_size,
             lambda rows: self._collate(rows, False),
             num_replicas=world,

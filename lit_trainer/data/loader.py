@@ -17,6 +17,11 @@ count to each of them as ``batch["num_items_in_batch"]`` (an int64 tensor: 0-dim
 (:mod:`lit_trainer.data.windows`), read from the trainer when each window starts: ``accumulate_grad_batches`` as it
 is now (a ``GradientAccumulationScheduler`` changes it per epoch) and the epoch's length after
 ``limit_train_batches``, so a window cut by the limit counts only the micro-batches that train.
+
+Both loaders read their dataset when an iteration starts, not when they are built: the data modules hand them a
+function returning the split as it is then. Lightning may build a loader long before its first batch (reading
+``trainer.estimated_stepping_batches`` in ``configure_optimizers`` builds the training loader before ``on_fit_start``),
+and a column added in between (DPO's and KTO's precomputed reference log-probs) must still reach every batch.
 """
 
 from __future__ import annotations
@@ -33,13 +38,16 @@ from lit_trainer.data.samplers.batch_sampler import BatchSampler
 from lit_trainer.data.windows import StepWindows
 
 NUM_ITEMS_KEY = "num_items_in_batch"
+# a map-style dataset, or a function returning the current one (read at the start of every iteration)
+DatasetSource = Dataset | Callable[[], Dataset]
 
 
 class TrainLoader:
     """A resumable training loader that attaches window item counts for token-exact accumulation.
 
     Args:
-        dataset: a map-style dataset returning dict rows.
+        dataset: a map-style dataset returning dict rows, or a function returning it, called when each iteration
+            starts (a data module's split as it is then; a dataset of another length is refused).
         batch_sampler: a :class:`~lit_trainer.data.samplers.BatchSampler` (rank-aware, ``set_epoch``, same length
             on every rank, ``state_dict``/``load_state_dict``). It owns the epoch and the resume point: the loader
             seeks it with ``load_state_dict`` at every epoch start and only counts the micro-batches it has handed
@@ -65,7 +73,7 @@ class TrainLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: DatasetSource,
         batch_sampler: BatchSampler,
         collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]],
         *,
@@ -77,14 +85,30 @@ class TrainLoader:
     ) -> None:
         if accumulate_grad_batches < 1:
             raise ValueError(f"`accumulate_grad_batches={accumulate_grad_batches}` is invalid: it must be >= 1.")
-        self.dataset, self.batch_sampler, self.count_items = dataset, batch_sampler, count_items
+        self.batch_sampler, self.count_items = batch_sampler, count_items
         self.accumulate_grad_batches, self.windows, self.seed = accumulate_grad_batches, windows, seed
         self._consumed = 0  # micro-batches of the current epoch handed to the training loop: the checkpointed position
         self._restoring = False  # load_state_dict was called: the next iteration starts at the sampler's position
         self._generator = torch.Generator()
-        self._inner = inner_loader(
-            dataset, collate_fn, loader_options, batch_sampler=batch_sampler, generator=self._generator
-        )
+        self._source = _source(dataset)
+
+        def build(data: Dataset) -> DataLoader:
+            return inner_loader(
+                data, collate_fn, loader_options, batch_sampler=batch_sampler, generator=self._generator
+            )
+
+        self._build, self._collate_fn = build, collate_fn
+        self._inner = build(self._source())  # the options are checked now, not at the first batch
+
+    @property
+    def dataset(self) -> Dataset:
+        """The dataset the next iteration reads (the source's current one)."""
+        return self._source()
+
+    def _current_inner(self) -> DataLoader:
+        """The inner ``DataLoader`` over the source's current dataset, rebuilt when the source hands out another."""
+        self._inner = _rebuilt(self._inner, self._inner.dataset, self._source(), self._build)
+        return self._inner
 
     @property
     def sampler(self) -> TrainLoader:
@@ -110,7 +134,7 @@ class TrainLoader:
         replay = start - self._current_windows().bounds(start)[0] if self.count_items is not None and start else 0
         self.batch_sampler.load_state_dict({"epoch": epoch, "position": start - replay})  # seek
         self._consumed = start - replay
-        batches = iter(self._inner)
+        batches = iter(self._current_inner())
         while True:
             # the window is read when it starts (after Lightning's epoch-start hooks)
             _, stop = self._current_windows().bounds(self._consumed)
@@ -135,7 +159,8 @@ class TrainLoader:
         indices = locate(epoch, index) if locate is not None else None
         if indices is None:
             return None
-        return self._inner.collate_fn([self.dataset[i] for i in indices])
+        dataset = self.dataset
+        return self._collate_fn([dataset[i] for i in indices])
 
     def _start(self) -> tuple[int, int]:
         """``(epoch, first micro-batch)`` of the iteration that begins: the sampler's loaded position after
@@ -161,6 +186,29 @@ class TrainLoader:
         """
         self.batch_sampler.load_state_dict({"epoch": int(state["epoch"]), "position": int(state["position"])})
         self._restoring = True
+
+
+def _source(dataset: DatasetSource) -> Callable[[], Dataset]:
+    """A loader's dataset as a function: a function is kept, a dataset is wrapped (a list or a dataset object is not
+    callable)."""
+    return dataset if callable(dataset) else lambda: dataset
+
+
+def _rebuilt(inner: DataLoader, old: Any, new: Dataset, build: Callable[[Dataset], DataLoader]) -> DataLoader:
+    """``inner`` when it still reads ``new`` (``old`` is what it reads), else ``build(new)``.
+
+    Raises:
+        ValueError: when ``new`` has another number of rows: the loader's batches were laid out for ``len(old)``.
+    """
+    if new is old:
+        return inner
+    if len(new) != len(old):
+        raise ValueError(
+            f"The loader's dataset changed from {len(old)} to {len(new)} rows after the loader was built: its batches "
+            "were laid out for the old rows. Build a new loader (`trainer.fit` asks the data module again with "
+            "`reload_dataloaders_every_n_epochs`), or keep the rows and change only their columns."
+        )
+    return build(new)
 
 
 def window_count(counts: list[int | torch.Tensor]) -> torch.Tensor:
@@ -229,11 +277,13 @@ class EvalLoader:
     Like :class:`TrainLoader`, it is not a ``DataLoader``, so Lightning does not inject a ``DistributedSampler``
     (which would repeat samples to even out ranks and bias the metrics). Ranks may get one batch more or less; the
     evaluation loop has no gradient sync, and the metrics are reduced once at the end.
+
+    ``dataset`` may be a function returning the dataset, called when each iteration starts (as :class:`TrainLoader`).
     """
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: DatasetSource,
         batch_size: int,
         collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]],
         *,
@@ -241,11 +291,28 @@ class EvalLoader:
         rank: int = 0,
         **loader_options: Unpack[LoaderOptions],
     ) -> None:
-        self.dataset = Subset(dataset, range(rank, len(dataset), num_replicas))
-        self._inner = inner_loader(self.dataset, collate_fn, loader_options, batch_size=batch_size, shuffle=False)
+        self._source = _source(dataset)
+
+        def build(data: Dataset) -> DataLoader:
+            shard = Subset(data, range(rank, len(data), num_replicas))
+            return inner_loader(shard, collate_fn, loader_options, batch_size=batch_size, shuffle=False)
+
+        self._build = build
+        self._inner = build(self._source())
+
+    def _current_inner(self) -> DataLoader:
+        self._inner = _rebuilt(self._inner, self._inner.dataset.dataset, self._source(), self._build)
+        return self._inner
+
+    @property
+    def dataset(self) -> Subset:
+        """This rank's rows of the source's current dataset."""
+        return self._current_inner().dataset
 
     def __len__(self) -> int:
-        return len(self._inner)
+        return len(self._current_inner())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self._inner)
+        # a generator: the dataset is read (and workers start) at the first batch, after the hooks that run between
+        # Lightning's `iter()` and it (`on_validation_start` precomputes the reference log-probs of a `validate`)
+        yield from self._current_inner()

@@ -337,7 +337,7 @@ class PromptDataModule(BaseDataModule):
         )  # fmt: skip
         batches = GenerationBatchSampler(sampler, geometry.generation_batch_size // num_replicas)
         return TrainLoader(
-            self.train_dataset,
+            self._current("train"),
             batches,
             lambda rows: self._collate(rows, True),
             count_items=None,

@@ -1,7 +1,8 @@
 """DPOModule on 2 CPU ranks (gloo): a live-reference run and a precomputed-reference run with the same seed, then a
 LoRA run (reference = adapters disabled) that saves a checkpoint.
 
-21 training pairs (uneven shards for the precompute pass: 11 + 10 rows), 5 validation pairs, batch 4, 3 steps.
+21 training pairs (uneven shards for the precompute pass: 11 + 10 rows), 5 validation pairs, batch 4, 3 steps (one
+epoch: ``max_steps`` and ``max_epochs`` both set).
 Usage: python ddp_dpo.py OUT_DIR  (writes OUT_DIR/rank{0,1}.json, OUT_DIR/lora_rank{0,1}.json, OUT_DIR/lora.ckpt,
 checked by tests/test_dpo_module.py::test_ddp_two_ranks_precompute_gathers_every_shard_and_matches_live)
 """
@@ -43,12 +44,15 @@ def datamodule() -> PreferenceDataModule:
 
 
 def ddp_trainer(**kw) -> pl.Trainer:
-    """3 steps on 2 CPU ranks, no logger, checkpointing, progress bar, summary or sanity check; ``kw`` adds to it."""
+    """3 steps (one epoch) on 2 CPU ranks, no logger, checkpointing, progress bar, summary or sanity check; ``kw``
+    adds to it. ``max_epochs`` set: ``estimated_stepping_batches`` builds the training loader before the precompute
+    pass, whose columns must still reach every batch."""
     return pl.Trainer(
         accelerator="cpu",
         strategy="ddp",
         devices=2,
         max_steps=3,
+        max_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
