@@ -105,6 +105,33 @@ def missing_or_not_text_or_conversation(prompt: Any) -> str | None:
     return vision_rows.conversation_problem(prompt) if is_conversation(prompt) else missing_or_not_text(prompt)
 
 
+def appends_eos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` ends every encoding with an EOS it adds itself (ByT5 does)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return False
+    return tokenizer("a")["input_ids"] == tokenizer("a", add_special_tokens=False)["input_ids"] + [eos]
+
+
+def prompt_token_ids(tokenizer: Any, prompts: list[Any], *, conversational: bool, drop_eos: bool) -> list[list[int]]:
+    """The ids of ``prompts``: the chat template with the generation prompt for conversations, else the tokenizer's
+    default special tokens, without the EOS it appends when ``drop_eos``."""
+    if conversational:
+        return [render(tokenizer, p, add_generation_prompt=True) for p in prompts]
+    ids = tokenizer(prompts)["input_ids"]
+    return [row[:-1] for row in ids] if drop_eos else ids
+
+
+def tokenize_prompts(
+    batch: dict[str, list], *, tokenizer: Any, column: str, conversational: bool, drop_eos: bool
+) -> dict[str, list]:
+    """A batch of prompts tokenized: ``prompt_input_ids`` and ``length``. Module-level and given its options as
+    ``fn_kwargs``: ``datasets`` pickles the mapped function for its cache fingerprint, and a closure over the data
+    module pickled the module with its trainer and model (issue 48)."""
+    ids = prompt_token_ids(tokenizer, batch[column], conversational=conversational, drop_eos=drop_eos)
+    return {PROMPT_IDS: ids, "length": [len(i) for i in ids]}
+
+
 class PromptDataModule(BaseDataModule):
     """Prompts for GRPO: a prompt column, plus any other columns, passed to the reward functions row by row.
 
@@ -169,19 +196,13 @@ class PromptDataModule(BaseDataModule):
 
     # ------------------------------------------------------------------------------------------- preprocessing
     def _prompt_ids(self, prompts: list[Any]) -> list[list[int]]:
-        tok = self.tokenizer
-        if self.conversational:
-            return [render(tok, p, add_generation_prompt=True) for p in prompts]
-        ids = tok(prompts)["input_ids"]
-        return [row[:-1] for row in ids] if self._appends_eos() else ids
+        return prompt_token_ids(
+            self.tokenizer, prompts, conversational=self.conversational, drop_eos=self._appends_eos()
+        )
 
     def _appends_eos(self) -> bool:
-        """Whether the tokenizer ends every encoding with an EOS it adds itself (ByT5 does): probed once."""
-        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
-        if eos is None:
-            return False
-        with_special, plain = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
-        return with_special == plain + [eos]
+        """Whether the tokenizer ends every encoding with an EOS it adds itself (ByT5 does)."""
+        return appends_eos(self.tokenizer)
 
     @override
     def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
@@ -228,12 +249,13 @@ class PromptDataModule(BaseDataModule):
             rows = vision_rows.undecoded(rows, images)
             data = vision_rows.keep_rows(rows, self._image_prompt_length(images), split)
         else:
-
-            def tokenize(batch: dict[str, list]) -> dict[str, list]:
-                ids = self._prompt_ids(batch[column])
-                return {PROMPT_IDS: ids, "length": [len(i) for i in ids]}
-
-            data = rows.map(tokenize, batched=True, desc=f"Tokenizing {split} prompts")
+            options = {"column": column, "conversational": self.conversational, "drop_eos": self._appends_eos()}
+            data = rows.map(
+                tokenize_prompts,
+                batched=True,
+                fn_kwargs={"tokenizer": self.tokenizer, **options},
+                desc=f"Tokenizing {split} prompts",
+            )
         lengths = data["length"]
         self.stats[f"{split}_prompts_too_long"] = sum(n > limit for n in lengths)
         self.stats[f"{split}_prompts_empty"] = sum(n == 0 for n in lengths)

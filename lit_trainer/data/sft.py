@@ -31,6 +31,91 @@ RowFormat = Literal["text", "prompt_completion", "messages", "chat_prompt_comple
 CHAT_FORMATS = ("messages", "chat_prompt_completion")
 
 
+def _encode_chat(
+    tok: Any, row: dict[str, Any], fmt: str, columns: dict[str, str], assistant_only_loss: bool
+) -> tuple[list[int], int, list[int]]:
+    """``(ids, prompt_length, loss_mask)`` of one conversation; ``prompt_length`` is where the last assistant
+    turn's text starts (the exact-match prompt), 0 when the conversation does not end with the assistant."""
+    options = template_options(row)
+    if fmt == "messages":
+        messages = list(row[columns["messages"]])
+        ends_with_answer = messages[-1].get("role") == "assistant"
+        prompt = render(tok, messages[:-1], add_generation_prompt=True, **options) if ends_with_answer else []
+    else:  # conversational prompt/completion: the completion's tokens only, as for string rows
+        messages = list(row[columns["prompt"]]) + list(row[columns["completion"]])
+        prompt = render(tok, row[columns["prompt"]], add_generation_prompt=True, **options)
+    ids, mask = (
+        assistant_tokens(tok, messages, options) if assistant_only_loss else (render(tok, messages, **options), None)
+    )
+    plen = common_prefix_len(prompt, ids)
+    mask = [1] * len(ids) if mask is None else mask
+    if fmt == "chat_prompt_completion":
+        mask = [0] * plen + mask[plen:]
+    return ids, plen, mask
+
+
+def _encode_text(
+    tok: Any, batch: dict[str, list], fmt: str, columns: dict[str, str]
+) -> list[tuple[list[int], int, None]]:
+    eos = tok.eos_token_id
+    if fmt == "text":
+        full = tok(batch[columns["text"]])["input_ids"]
+        prompt_lengths = [0] * len(full)
+    else:
+        prompts = batch[columns["prompt"]]
+        full = tok([p + c for p, c in zip(prompts, batch[columns["completion"]])])["input_ids"]
+        prompt_ids = tok(prompts)["input_ids"]
+        prompt_lengths = [common_prefix_len(p, f) for p, f in zip(prompt_ids, full)]
+    full = [ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids for ids in full]
+    return [(ids, plen, None) for ids, plen in zip(full, prompt_lengths)]
+
+
+def _empty_completions(
+    batch: dict[str, list], fmt: str, columns: dict[str, str], masks: list[list[int] | None]
+) -> list[bool]:
+    """Per row: nothing of its own to learn (an empty text or completion string; a chat row without a trained
+    token before truncation, i.e. without an assistant message under ``assistant_only_loss``)."""
+    if fmt in CHAT_FORMATS:
+        return [sum(mask) == 0 for mask in masks]
+    return [value == "" for value in batch[columns["text" if fmt == "text" else "completion"]]]
+
+
+def tokenize_rows(
+    batch: dict[str, list],
+    *,
+    tokenizer: Any,
+    fmt: RowFormat,
+    columns: dict[str, str],
+    assistant_only_loss: bool,
+    max_length: int,
+) -> dict[str, list]:
+    """A batch of SFT rows tokenized: ``input_ids``, ``prompt_length``, ``length``, ``truncated``, ``targets``,
+    ``empty`` (and ``loss_mask`` for chat rows), each row cut to ``max_length``.
+
+    A module-level function, given its options as ``Dataset.map``'s ``fn_kwargs``: ``datasets`` pickles the mapped
+    function and its arguments for the cache fingerprint, and a closure over the data module would pickle the
+    module, its trainer and the model with it (issue 48). ``columns`` maps ``text``/``prompt``/``completion``/
+    ``messages`` to the column names.
+    """
+    if fmt in CHAT_FORMATS:
+        rows = [{key: values[i] for key, values in batch.items()} for i in range(len(next(iter(batch.values()))))]
+        encoded = [_encode_chat(tokenizer, row, fmt, columns, assistant_only_loss) for row in rows]
+    else:
+        encoded = _encode_text(tokenizer, batch, fmt, columns)
+    out: dict[str, list] = {"input_ids": [], "prompt_length": [], "length": [], "truncated": [], "targets": []}
+    out["empty"] = _empty_completions(batch, fmt, columns, [mask for _, _, mask in encoded])
+    if fmt in CHAT_FORMATS:
+        out["loss_mask"] = [mask[:max_length] for _, _, mask in encoded]
+    for ids, plen, mask in encoded:
+        out["truncated"].append(len(ids) > max_length)
+        ids = ids[:max_length]
+        out["input_ids"].append(ids)
+        out["prompt_length"].append(min(plen, len(ids)))
+        out["length"].append(len(ids))
+        out["targets"].append(sum(mask[:max_length]) if mask is not None else len(ids) - plen)
+    return out
+
+
 class SFTDataModule(BaseDataModule):
     """Supervised fine-tuning data: a ``text`` column, ``prompt`` + ``completion`` columns, or a ``messages`` column.
 
@@ -131,6 +216,14 @@ class SFTDataModule(BaseDataModule):
             )
         return fmt
 
+    def _column_names(self) -> dict[str, str]:
+        """``text``/``prompt``/``completion``/``messages`` -> the column names of this data module."""
+        hp = self.hparams
+        return {
+            "text": hp.text_column, "prompt": hp.prompt_column, "completion": hp.completion_column,
+            "messages": hp.messages_column,
+        }  # fmt: skip
+
     def _columns(self, fmt: RowFormat) -> tuple[str, ...]:
         hp = self.hparams
         return {"text": (hp.text_column,), "messages": (hp.messages_column,)}.get(
@@ -151,71 +244,6 @@ class SFTDataModule(BaseDataModule):
             require_chat_template(self.tokenizer, f"The SFT {split} data")
         else:
             check_cells(rows, columns, where, missing_or_not_text, "SFT row")
-
-    def _encode_chat(self, row: dict[str, Any], fmt: str) -> tuple[list[int], int, list[int]]:
-        """``(ids, prompt_length, loss_mask)`` of one conversation; ``prompt_length`` is where the last assistant
-        turn's text starts (the exact-match prompt), 0 when the conversation does not end with the assistant."""
-        tok, hp, options = self.tokenizer, self.hparams, template_options(row)
-        if fmt == "messages":
-            messages = list(row[hp.messages_column])
-            ends_with_answer = messages[-1].get("role") == "assistant"
-            prompt = render(tok, messages[:-1], add_generation_prompt=True, **options) if ends_with_answer else []
-        else:  # conversational prompt/completion: the completion's tokens only, as for string rows
-            messages = list(row[hp.prompt_column]) + list(row[hp.completion_column])
-            prompt = render(tok, row[hp.prompt_column], add_generation_prompt=True, **options)
-        ids, mask = (
-            assistant_tokens(tok, messages, options)
-            if hp.assistant_only_loss
-            else (render(tok, messages, **options), None)
-        )
-        plen = common_prefix_len(prompt, ids)
-        mask = [1] * len(ids) if mask is None else mask
-        if fmt == "chat_prompt_completion":
-            mask = [0] * plen + mask[plen:]
-        return ids, plen, mask
-
-    def _encode_text(self, batch: dict[str, list], fmt: str) -> list[tuple[list[int], int, None]]:
-        tok, hp = self.tokenizer, self.hparams
-        eos = tok.eos_token_id
-        if fmt == "text":
-            full = tok(batch[hp.text_column])["input_ids"]
-            prompt_lengths = [0] * len(full)
-        else:
-            prompts = batch[hp.prompt_column]
-            full = tok([p + c for p, c in zip(prompts, batch[hp.completion_column])])["input_ids"]
-            prompt_ids = tok(prompts)["input_ids"]
-            prompt_lengths = [common_prefix_len(p, f) for p, f in zip(prompt_ids, full)]
-        full = [ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids for ids in full]
-        return [(ids, plen, None) for ids, plen in zip(full, prompt_lengths)]
-
-    def _tokenize(self, batch: dict[str, list], fmt: str) -> dict[str, list]:
-        if fmt in CHAT_FORMATS:
-            rows = [{key: values[i] for key, values in batch.items()} for i in range(len(next(iter(batch.values()))))]
-            encoded = [self._encode_chat(row, fmt) for row in rows]
-        else:
-            encoded = self._encode_text(batch, fmt)
-        limit = self.hparams.max_length
-        out: dict[str, list] = {"input_ids": [], "prompt_length": [], "length": [], "truncated": [], "targets": []}
-        out["empty"] = self._empty_completions(batch, fmt, [mask for _, _, mask in encoded])
-        if fmt in CHAT_FORMATS:
-            out["loss_mask"] = [mask[:limit] for _, _, mask in encoded]
-        for ids, plen, mask in encoded:
-            out["truncated"].append(len(ids) > limit)
-            ids = ids[:limit]
-            out["input_ids"].append(ids)
-            out["prompt_length"].append(min(plen, len(ids)))
-            out["length"].append(len(ids))
-            out["targets"].append(sum(mask[:limit]) if mask is not None else len(ids) - plen)
-        return out
-
-    def _empty_completions(self, batch: dict[str, list], fmt: str, masks: list[list[int] | None]) -> list[bool]:
-        """Per row: nothing of its own to learn (an empty text or completion string; a chat row without a trained
-        token before truncation, i.e. without an assistant message under ``assistant_only_loss``)."""
-        hp = self.hparams
-        if fmt in CHAT_FORMATS:
-            return [sum(mask) == 0 for mask in masks]
-        column = hp.text_column if fmt == "text" else hp.completion_column
-        return [value == "" for value in batch[column]]
 
     def _check_empty(self, data: Dataset, split: str, fmt: str) -> None:
         """Refuse a split whose every row has nothing to learn; count the rows that have nothing and warn."""
@@ -252,9 +280,12 @@ class SFTDataModule(BaseDataModule):
             self._vision = (fmt, images)
             return self._keep_image_rows(rows, split, images, fmt)
         keep = ["answer"] if "answer" in rows.column_names else []
+        hp = self.hparams
+        options = {"fmt": fmt, "columns": self._column_names(), "assistant_only_loss": hp.assistant_only_loss}
         data = rows.map(
-            lambda b: self._tokenize(b, fmt),
+            tokenize_rows,
             batched=True,
+            fn_kwargs={"tokenizer": self.tokenizer, "max_length": hp.max_length, **options},
             remove_columns=[c for c in rows.column_names if c not in keep],
             desc=f"Tokenizing {split}",
         )
@@ -331,11 +362,9 @@ class SFTDataModule(BaseDataModule):
             fmt, images = self._vision
             hp = self.hparams
             return VisionSFTCollator(
-                self.processor, fmt,
-                {"text": hp.text_column, "prompt": hp.prompt_column, "completion": hp.completion_column,
-                 "messages": hp.messages_column},
-                images, hp.max_length, "train" if train else "validation", hp.assistant_only_loss,
-                hp.pad_to_multiple_of, generation_inputs=not train,
+                self.processor, fmt, self._column_names(), images, hp.max_length,
+                "train" if train else "validation", hp.assistant_only_loss, hp.pad_to_multiple_of,
+                generation_inputs=not train,
             )(rows)  # fmt: skip
         if train and self.hparams.packing != "none":
             return PackedCollator(self.pad_token_id)(rows)

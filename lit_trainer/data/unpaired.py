@@ -114,6 +114,35 @@ def addition_unpaired_rows(split: builtin.Split, num_validation: int = 500) -> D
     return unpair_rows(builtin.preference_rows(split, num_validation))
 
 
+def _encode(tok: Any, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, completion_ids)``: prompt and prompt+completion tokenized, split at their common prefix."""
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(completion, list):
+        require_chat_template(tok, "The unpaired preference data")
+        options = template_options(row)
+        prompt_ids = render(tok, prompt, add_generation_prompt=True, **options)
+        full = render(tok, prompt + completion, **options)
+    else:
+        prompt_ids, full = tok([prompt, prompt + end_with_eos(completion, tok.eos_token)])["input_ids"]
+    cut = common_prefix_len(prompt_ids, full)
+    return prompt_ids[:cut], full[cut:]
+
+
+def tokenize_unpaired(batch: dict[str, list], *, tokenizer: Any) -> dict[str, list]:
+    """A batch of unpaired rows tokenized: ``prompt_ids``, ``completion_ids``, ``label``, ``length`` (uncapped).
+
+    Module-level and given the tokenizer as ``fn_kwargs``: ``datasets`` pickles the mapped function for its cache
+    fingerprint, and a method of the data module pickled the module with its trainer and model (issue 48)."""
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "label": [], "length": []}
+    for i in range(len(batch["completion"])):
+        prompt_ids, completion_ids = _encode(tokenizer, {key: values[i] for key, values in batch.items()})
+        out["prompt_ids"].append(prompt_ids)
+        out["completion_ids"].append(completion_ids)
+        out["label"].append(bool(batch["label"][i]))
+        out["length"].append(len(prompt_ids) + len(completion_ids))
+    return out
+
+
 def _label_problem(value: Any) -> str | None:
     if not isinstance(value, bool):
         got = f"{type(value).__name__} {value!r:.40}"
@@ -264,29 +293,6 @@ class UnpairedPreferenceDataModule(ReferenceColumns, BaseDataModule):
         except RowProblem as bad:  # the paired check names the completion "chosen"
             raise RowProblem("completion" if bad.column != "prompt" else "prompt", bad.problem) from None
 
-    def _encode(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """``(prompt_ids, completion_ids)``: prompt and prompt+completion tokenized, split at their common prefix."""
-        tok, prompt, completion = self.tokenizer, row["prompt"], row["completion"]
-        if isinstance(completion, list):
-            require_chat_template(tok, "The unpaired preference data")
-            options = template_options(row)
-            prompt_ids = render(tok, prompt, add_generation_prompt=True, **options)
-            full = render(tok, prompt + completion, **options)
-        else:
-            prompt_ids, full = tok([prompt, prompt + end_with_eos(completion, tok.eos_token)])["input_ids"]
-        cut = common_prefix_len(prompt_ids, full)
-        return prompt_ids[:cut], full[cut:]
-
-    def _tokenize(self, batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "label": [], "length": []}
-        for i in range(len(batch["completion"])):
-            prompt_ids, completion_ids = self._encode({key: values[i] for key, values in batch.items()})
-            out["prompt_ids"].append(prompt_ids)
-            out["completion_ids"].append(completion_ids)
-            out["label"].append(bool(batch["label"][i]))
-            out["length"].append(len(prompt_ids) + len(completion_ids))
-        return out
-
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         self._require_rows(rows, split)
@@ -304,8 +310,9 @@ class UnpairedPreferenceDataModule(ReferenceColumns, BaseDataModule):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
             data = rows.map(
-                self._tokenize,
+                tokenize_unpaired,
                 batched=True,
+                fn_kwargs={"tokenizer": self.tokenizer},
                 remove_columns=[c for c in rows.column_names if c not in keep],
                 desc=f"Tokenizing {split}",
             )

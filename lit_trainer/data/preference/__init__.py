@@ -11,8 +11,9 @@ dropped with ``drop_identical_pairs=True``.
 
 Collation: :class:`~lit_trainer.data.preference.collate.PreferenceCollator`; precomputed reference log-probs are
 stored as dataset columns by :meth:`PreferenceDataModule.set_reference_logps`.
-The row checks (``_checks``) and the pair collation (``collate``, which DPO's scoring also reads) are beside this
-file in the package.
+The row checks (``_checks``), the functions mapped over the rows (``_tokenize``: module-level, so that ``datasets``
+fingerprints them without pickling the data module) and the pair collation (``collate``, which DPO's scoring also
+reads) are beside this file in the package.
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ from typing_extensions import override
 
 from lit_trainer.data import builtin, builtin_shapes, vision
 from lit_trainer.data.base import BaseDataModule, BuiltinSources
-from lit_trainer.data.chat import render, require_chat_template, template_options
-from lit_trainer.data.collate import common_prefix_len
 from lit_trainer.data.loader import EvalLoader
 from lit_trainer.data.packing import check_packing_options, row_completion_mask
 from lit_trainer.data.preference._checks import RowProblem, check_row, value_problem
+from lit_trainer.data.preference._tokenize import TOKEN_COLUMNS, extract_prompt, measure_image_pair, tokenize_pairs
 from lit_trainer.data.preference.collate import (
     MARGIN_KEY,
     REF_CHOSEN_KEY,
@@ -41,39 +41,17 @@ from lit_trainer.data.preference.collate import (
     PreferenceCollator,
     TruncationMode,
     end_with_eos,
-    same_model_inputs,
 )
 from lit_trainer.data.reference_columns import ReferenceColumns
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, locate_problem, missing_or_not_text
 from lit_trainer.data.vision import rows as vision_rows
 from lit_trainer.data.vision.messages import count_placeholders
 from lit_trainer.data.vision.preference import VisionPreferenceCollator
-from lit_trainer.data.vision.rows import ROW_KEY
+
+__all__ = ["TOKEN_COLUMNS", "PreferenceDataModule", "PreferencePacking", "end_with_eos", "extract_prompt"]
 
 PreferencePacking = Literal["none", "padding_free"]  # packing values that apply to pairs ("bfd" is for SFT rows)
-TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _DOUBLE_EOS_WARNING = r"This sequence already has"  # ByT5's notice when the text already ends with "</s>"
-
-
-def extract_prompt(chosen: str | list, rejected: str | list) -> tuple[str | list, str | list, str | list]:
-    """Split an implicit prompt off a pair: ``(prompt, chosen, rejected)`` (reference 1.2 step 1).
-
-    Walks ``min(len)`` elements (characters or messages) to the first mismatch ``i``; when ``chosen[i-1]`` is a space
-    the split moves one left, so the space goes to the completions. When nothing differs, ``i`` stops at the last
-    compared element, which stays in the completions (as TRL: no completion is left empty). Fixed from TRL: a
-    mismatch at ``i = 0`` does not look at ``chosen[-1]``.
-
-    Example:
-        >>> extract_prompt("The sky is blue", "The sky is green")
-        ('The sky is', ' blue', ' green')
-    """
-    i = 0
-    for i in range(min(len(chosen), len(rejected))):
-        if chosen[i] != rejected[i]:
-            if i > 0 and chosen[i - 1] == " ":
-                i -= 1
-            break
-    return chosen[:i], chosen[i:], rejected[i:]
 
 
 def _check_margins(margins: list[Any], split: str) -> None:
@@ -194,14 +172,6 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         self._images: str | None = None  # the image column of rows with images (processed per batch)
 
     # ------------------------------------------------------------------------------------------------ preprocessing
-    @staticmethod
-    def _normalise(row: dict[str, Any], explicit: bool) -> tuple[Any, Any, Any, bool]:
-        """``(prompt, chosen, rejected, is_conversation)`` of a checked row, with the prompt made explicit."""
-        is_chat = isinstance(row["chosen"], list)
-        if explicit:
-            return row["prompt"], row["chosen"], row["rejected"], is_chat
-        return (*extract_prompt(row["chosen"], row["rejected"]), is_chat)
-
     @override
     def _check_rows(self, rows: Dataset, split: str, where: Locator) -> None:
         columns = [c for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
@@ -222,41 +192,6 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
                 )
                 raise ValueError(message) from None
 
-    def _encode_text(self, prompt: str, chosen: str, rejected: str) -> list[list[int]]:
-        tok, eos = self.tokenizer, self.tokenizer.eos_token
-        chosen, rejected = end_with_eos(chosen, eos), end_with_eos(rejected, eos)
-        return tok([prompt, prompt + chosen, prompt + rejected])["input_ids"]  # one call: ~3x faster than three
-
-    def _encode_chat(self, row: dict[str, Any], prompt: list, chosen: list, rejected: list) -> list[list[int]]:
-        tok, options = self.tokenizer, template_options(row)
-        require_chat_template(tok, "The preference data")
-        return [
-            render(tok, prompt, add_generation_prompt=True, **options),
-            render(tok, prompt + chosen, **options),
-            render(tok, prompt + rejected, **options),
-        ]
-
-    def _tokenize(self, batch: dict[str, list], explicit: bool) -> dict[str, list]:
-        out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, "length", "truncated", "identical")}
-        max_length, mode = self.hparams.max_length, self.hparams.truncation_mode
-        for i in range(len(batch["chosen"])):
-            row = {key: values[i] for key, values in batch.items()}
-            prompt, chosen, rejected, is_chat = self._normalise(row, explicit)
-            encode = (
-                self._encode_chat(row, prompt, chosen, rejected)
-                if is_chat
-                else self._encode_text(prompt, chosen, rejected)
-            )
-            prompt_ids, pc, pr = encode
-            cut = min(common_prefix_len(prompt_ids, pc), common_prefix_len(prompt_ids, pr))
-            longest = cut + max(len(pc) - cut, len(pr) - cut)
-            for name, value in zip(TOKEN_COLUMNS, (prompt_ids[:cut], pc[cut:], pr[cut:])):
-                out[name].append(value)
-            out["length"].append(min(longest, max_length))
-            out["truncated"].append(longest > max_length)
-            out["identical"].append(same_model_inputs(prompt_ids[:cut], pc[cut:], pr[cut:], max_length, mode))
-        return out
-
     @override
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
         missing = [c for c in ("chosen", "rejected") if c not in rows.column_names]
@@ -272,13 +207,15 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
             return self._filter_pairs(self._keep_image_rows(rows, split, images), split)
         if MARGIN_KEY in rows.column_names:
             _check_margins(rows[MARGIN_KEY], split)
-        explicit = "prompt" in rows.column_names
+        explicit, hp = "prompt" in rows.column_names, self.hparams
         keep = [c for c in ("answer", MARGIN_KEY) if c in rows.column_names]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DOUBLE_EOS_WARNING)
+            options = {"explicit": explicit, "max_length": hp.max_length, "truncation_mode": hp.truncation_mode}
             data = rows.map(
-                lambda b: self._tokenize(b, explicit),
+                tokenize_pairs,
                 batched=True,
+                fn_kwargs={"tokenizer": self.tokenizer, **options},
                 remove_columns=[c for c in rows.column_names if c not in keep],
                 desc=f"Tokenizing {split}",
             )
@@ -384,23 +321,12 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
                 "each image's tokens kept whole and every image of the 2B rows passed with it in order, which no "
                 "vision-language model's forward checks. Set packing='none' (TRL does not pack images either)."
             )
-        tok, limit = self.tokenizer, self.hparams.max_length
-        per_image = vision_rows.image_tokens_per_image(self.processor)
-        texts = VisionPreferenceCollator(self.processor, images, limit, split).texts
-
-        def measure(row: dict[str, Any], index: int) -> dict[str, Any]:
-            count = len(vision.row_images(row, images))
-            prompt, chosen, rejected = texts(row, [None] * count, f"row {index} of the {split} data")
-            encoded = tok([prompt, chosen, rejected], add_special_tokens=False)["input_ids"]
-            prompt_ids, chosen_ids, rejected_ids = encoded
-            prompt_tokens = len(prompt_ids) + count * (per_image - 1)
-            longest = prompt_tokens + max(len(chosen_ids), len(rejected_ids))
-            same = same_model_inputs([0] * prompt_tokens, chosen_ids, rejected_ids, limit, "keep_start")
-            return {ROW_KEY: index, "length": min(longest, limit), "prompt_tokens": prompt_tokens,
-                    "truncated": longest > limit, "identical": same}  # fmt: skip
-
+        options = {
+            "collator": VisionPreferenceCollator(self.processor, images, self.hparams.max_length, split),
+            "per_image": vision_rows.image_tokens_per_image(self.processor),
+        }
         rows = vision_rows.undecoded(rows, images)
-        return rows.map(measure, with_indices=True, desc=f"Measuring {split} rows")
+        return rows.map(measure_image_pair, with_indices=True, fn_kwargs=options, desc=f"Measuring {split} rows")
 
     def _refuse_precomputed_images(self) -> None:
         if self._images is not None:
