@@ -320,8 +320,27 @@ def run(mode: str, setting: dict[str, Any], start: Any, args: argparse.Namespace
     )
 
 
-def report(name: str, setting: dict[str, Any], results: list[RunResult], args: argparse.Namespace) -> float:
-    """Print one setting's table, generation share, async waits and reward curves; the first async run's ratio."""
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def report(
+    name: str, setting: dict[str, Any], results: list[RunResult], args: argparse.Namespace
+) -> tuple[float, tuple[float, float]]:
+    """Print one setting's table, generation share, async waits and reward curves.
+
+    Returns the first async run's ratio to the baseline and the 1-minute load average range over the runs compared
+    (the lowest and highest of the values read before and after each run's fit)."""
     skip, steps = args.skip, args.steps
     sync = results[0]
     rows = 2 * setting["batch_size"]
@@ -367,7 +386,8 @@ def report(name: str, setting: dict[str, Any], results: list[RunResult], args: a
         cells = " | ".join(f"{v:.3f}" for v in r.rewards)
         print(f"| {r.mode} | {cells} | {statistics.mean(r.rewards):.3f} |")
     first = asynchronous[0] if asynchronous else sync
-    return first.per_step(skip) / sync.per_step(skip)
+    loads = [value for r in (sync, first) for value in r.load]
+    return first.per_step(skip) / sync.per_step(skip), (min(loads), max(loads))
 
 
 def main() -> None:
@@ -386,9 +406,13 @@ def main() -> None:
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
     default_threads = torch.get_num_threads()
-    print(f"cores: {os.cpu_count()}, torch default threads: {default_threads}, OpenMP waits: {chosen or 'as set'}")
+    print(
+        f"CPU: {cpu_model()}, cores: {os.cpu_count()}, torch default threads: {default_threads}, "
+        f"OpenMP waits: {chosen or 'as set'}, load average (1/5/15 min): "
+        + " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
     starts: dict[str, Any] = {}
-    ratios: dict[str, float] = {}
+    ratios: dict[str, tuple[float, tuple[float, float]]] = {}
     for name in args.settings:
         setting = SETTINGS[name]
         sft_steps = args.sft_steps if setting.get("warm_start", True) else 0
@@ -404,8 +428,13 @@ def main() -> None:
         results = [run(mode, setting, start, args, default_threads) for mode in args.runs]
         ratios[name] = report(name, setting, results, args)
     first_async = next((m for m in args.runs if VARIANTS[m][0]), args.runs[0])
-    ratio = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+    ratio = ", ".join(f"{k} {v:.2f}x (load {lo:.1f}-{hi:.1f})" for k, (v, (lo, hi)) in ratios.items())
     print(f"\n{first_async}/{args.runs[0]} wall time per optimizer step: {ratio} (target <= 0.65x)")
+    print(
+        f"on {cpu_model()}, {os.cpu_count()} cores, torch default threads {default_threads}; load: the 1-minute load "
+        "average before and after the two runs compared. Above 1.00x the asynchronous run is slower. On a shared "
+        "machine the ratio depends on the load: the async runs need the second core to themselves."
+    )
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
 
 
