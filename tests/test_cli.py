@@ -82,7 +82,7 @@ def test_print_config_is_valid_input(tmp_path, monkeypatch, capsys):
     assert "tokenizer" not in config["data"]["init_args"]  # a link target: derived from model.init_args.model
     assert config["seed_everything"] == 1234
     (tmp_path / "printed.yaml").write_text(printed)
-    assert config["trainer"]["max_steps"] == 3000 and config["trainer"]["gradient_clip_val"] == 1.0
+    assert config["trainer"]["max_steps"] == 2000 and config["trainer"]["gradient_clip_val"] == 1.0
     cli = LitTrainerCLI(
         args=["fit", "--config", "printed.yaml", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"]
     )
