@@ -18,29 +18,35 @@ Columns:
     not memory) and with the code books shared by several layers counted once;
   * optimizer MiB: tensors in ``optimizer.state`` after the steps (moments, step counters, the uint8 states with their
     absmax; bitsandbytes' two 256-entry code books are one tensor shared by every parameter, counted once);
-  * peak RSS MiB: the subprocess's VmHWM after building and the steps, minus its VmRSS before loading (Python, torch,
-    bitsandbytes and the batch); then, sampled every 5 ms, the peak anonymous part (RssAnon) and the file-backed
-    pages of the memory-mapped checkpoint (RssFile at the end), both above the baseline. On CPU, transformers loads a
-    safetensors file memory-mapped and the weights it does not convert stay views of that mapping: the whole frozen
-    base of ``lora`` is file-backed (clean pages the kernel may drop under pressure), not anonymous. A quantized load
-    copies its unquantized weights (embeddings, head, norms) out of the mapping (``lit_trainer.quantization``): before
-    it did, they kept the whole float32 file mapped with every page read while quantizing resident, 711 MiB here, and
-    QLoRA's peak was above LoRA's (1,399 vs 1,339 MiB).
-    The subprocesses run with ``MALLOC_MMAP_THRESHOLD_=1048576``: glibc then returns every freed block of 1 MiB or
-    more to the system at once, so the peaks follow the live tensors (repeat runs within ~5 MiB). With its default
-    adaptive threshold (``--malloc-default``) glibc keeps freed activation buffers in its heap: peaks ~400 MiB higher
-    and ±150 MiB from run to run, more than the differences between the adapter variants.
-Step time: the ``lora`` and ``qlora`` modules side by side in this process, one step of each per round, alternating
-which goes first, after one warm-up step each (load from another process hits both alike); medians, the median of
-the per-round QLoRA / LoRA ratios, and the ratio of the fastest steps (the least disturbed by other load). Then one
-more step of each under ``torch.profiler``: the time QLoRA spends in bitsandbytes' dequantization (each 4-bit weight
-is dequantized in the forward and again in the backward for the input gradient, since only the packed weight is
-kept) and in the matrix products of both.
+  * peak RSS MiB: the subprocess's VmHWM at the end, as ``/usr/bin/time -v`` or a job's memory limit sees it: what a
+    user of ``CausalLMModule(path, quantization=...)`` gets with default settings (glibc's default allocator, the
+    interpreter and imports included); then the baseline, its VmRSS before the module is built (Python, torch,
+    transformers, bitsandbytes, peft, lit_trainer and the batch), the peak above it, and, sampled every 5 ms, the
+    peak anonymous part (RssAnon) and the file-backed pages of the memory-mapped checkpoint (RssFile at the end),
+    both above the baseline. On CPU, transformers loads a safetensors file memory-mapped and the weights it does not
+    convert stay views of that mapping: the whole frozen base of ``lora`` is file-backed (clean pages the kernel may
+    drop under pressure), not anonymous. A quantized load copies its unquantized weights (embeddings, head, norms)
+    out of the mapping (``lit_trainer.quantization``): before it did, they kept the whole float32 file mapped with
+    every page read while quantizing resident, 711 MiB here, and QLoRA's peak was above LoRA's.
+    Nothing else stays referenced: after the quantized load the live tensors outside the module are the 1.6 MiB of
+    quantization constants. What the peak holds beyond the live tensors is glibc's: with its default adaptive mmap
+    threshold (raised up to 32 MiB by the first large frees), activation buffers come from the heap and freed ones
+    stay resident there, 400-700 MiB here (the process's anonymous memory after the backward stays at the forward's
+    level). ``--malloc-threshold`` runs the subprocesses with ``MALLOC_MMAP_THRESHOLD_=1048576`` instead: every freed
+    block of 1 MiB or more goes back to the system at once, so the peaks follow the live tensors (repeat runs within
+    ~5 MiB; glibc's default moves them by ±150 MiB), at the cost of page faults on every large allocation (2-4x the
+    minor faults, 0.3-0.7 s more system time per step and a 5-7% slower step here).
+Step time (none with ``--rounds 0``): the ``lora`` and ``qlora`` modules side by side in this process (glibc's
+default allocator), one step of each per round, alternating which goes first, after one warm-up step each (load from
+another process hits both alike); medians, the median of the per-round QLoRA / LoRA ratios, and the ratio of the
+fastest steps (the least disturbed by other load). Then one more step of each under ``torch.profiler``: the time
+QLoRA spends in bitsandbytes' dequantization (each 4-bit weight is dequantized in the forward and again in the
+backward for the input gradient, since only the packed weight is kept) and in the matrix products of both.
 
 Usage: python benchmarks/qlora_memory.py [--hidden 1024] [--intermediate 2816] [--layers 8] [--heads 16]
                                          [--vocab 32000] [--tied] [--dtype float32] [--batch 4] [--seq 128]
                                          [--steps 3] [--rounds 10] [--rank 16] [--threads 2]
-                                         [--malloc-default]
+                                         [--malloc-threshold]
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ LABELS = {
     "qlora_adam8": "QLoRA + 8-bit AdamW",
 }
 MIB = 2**20
-MMAP_THRESHOLD = 2**20  # glibc: blocks from 1 MiB up are mmapped and unmapped when freed (see the docstring)
+MMAP_THRESHOLD = 2**20  # --malloc-threshold: blocks from 1 MiB up are mmapped and unmapped when freed (docstring)
 
 
 def parse() -> argparse.Namespace:
@@ -85,13 +91,14 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="rows per step")
     parser.add_argument("--seq", type=int, default=128, help="tokens per row")
     parser.add_argument("--steps", type=int, default=3, help="training steps per memory subprocess")
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved LoRA/QLoRA step-time rounds")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved LoRA/QLoRA step-time rounds (0: none)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA r (lora_alpha = 2r)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--malloc-default",
+        "--malloc-threshold",
         action="store_true",
-        help="keep glibc's adaptive mmap threshold in the memory subprocesses (peaks include retained heap)",
+        help=f"run the memory subprocesses with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (peaks follow the live "
+        "tensors) instead of glibc's default (what a user gets: freed buffers stay in the heap)",
     )
     parser.add_argument("--only", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant's memory
     parser.add_argument("--folder", help=argparse.SUPPRESS)  # internal: the saved model
@@ -237,11 +244,11 @@ def one_variant(args: argparse.Namespace) -> None:
 
     quiet()
     torch.set_num_threads(args.threads)
+    import lit_trainer.modules.causal_lm  # noqa: F401  (the rest of the imports: in the baseline, as for a user)
+
     batch = make_batch(args)
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset VmHWM to the current RSS
-    base = proc_status()
+    base = proc_status()  # the high-water mark is not reset: the peak is the whole process's, as a user measures it
     sampler = Sampler()
     sampler.start()
     module = build(args.folder, args.only, args.rank)
@@ -254,6 +261,7 @@ def one_variant(args: argparse.Namespace) -> None:
     sampler.join()
     report = memory_report(module, optimizer)
     report |= {
+        "peak_process": end["VmHWM"],
         "peak_rss": end["VmHWM"] - base["VmRSS"],
         "peak_anon": max(sampler.peak_anon, end["RssAnon"]) - base["RssAnon"],
         "file_pages": end["RssFile"] - base["RssFile"],
@@ -265,8 +273,9 @@ def one_variant(args: argparse.Namespace) -> None:
 def run_variant(args: argparse.Namespace, variant: str, folder: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, *sys.argv[1:], "--only", variant, "--folder", folder]
     env = dict(os.environ)
-    if not args.malloc_default:
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # glibc's default unless asked: what a user gets
+    if args.malloc_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-4000:]}")
@@ -311,19 +320,37 @@ def step_times(args: argparse.Namespace, folder: str) -> tuple[dict[str, list[fl
     return times, {v: profiled_step(modules[v], optimizers[v], batch) for v in modules}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
 def main() -> None:
     args = parse()
     if args.only:
         one_variant(args)
         return
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()
     quiet()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="qlora_memory_") as folder:
         params = save_model(args, folder)
+        file_bytes = sum(
+            os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors")
+        )
         gc.collect()
         results = {v: run_variant(args, v, folder) for v in VARIANTS}
-        times, profiles = step_times(args, folder)
+        load_memory = os.getloadavg()
+        times, profiles = step_times(args, folder) if args.rounds > 0 else ({}, {})
     total = time.perf_counter() - start
 
     print(f"command: python benchmarks/{' '.join(sys.argv)}".replace("benchmarks/benchmarks/", "benchmarks/"))
@@ -332,23 +359,34 @@ def main() -> None:
         f"model: Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, {args.heads} "
         f"heads, vocab {args.vocab}, {head}), {params / 1e6:.1f}M parameters, saved in {args.dtype}; batch "
         f"{args.batch} x {args.seq} random tokens, {args.steps} steps per variant, LoRA r={args.rank} on all linear "
-        f"layers, {args.threads} thread(s), CPU; baseline RSS (Python + torch + bitsandbytes) "
-        f"{results['full']['baseline_rss'] / MIB:.0f} MiB; memory subprocesses with "
-        + ("glibc's default malloc" if args.malloc_default else f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}")
+        f"layers, {args.threads} thread(s); checkpoint file {file_bytes / MIB:.0f} MiB; memory subprocesses with "
+        + (f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}" if args.malloc_threshold else "glibc's default malloc")
+    )
+    print(
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores; 1-minute load average {load_before[0]:.2f} at the start, "
+        f"{load_memory[0]:.2f} after the memory subprocesses, {os.getloadavg()[0]:.2f} at the end"
     )
     print()
     print(
-        "| variant | trainable params | parameters MiB | optimizer MiB | peak RSS MiB | peak anonymous MiB | "
-        "mapped checkpoint MiB |"
+        "| variant | trainable params | parameters MiB | optimizer MiB | peak RSS MiB | of it the baseline | "
+        "above the baseline | of it anonymous | mapped checkpoint MiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for v in VARIANTS:
         r = results[v]
         print(
             f"| {LABELS[v].format(dtype=args.dtype)} | {r['trainable'] / 1e6:.2f}M | {r['param_bytes'] / MIB:.1f} | "
-            f"{r['optimizer_bytes'] / MIB:.2f} | {r['peak_rss'] / MIB:.0f} | {r['peak_anon'] / MIB:.0f} | "
-            f"{r['file_pages'] / MIB:.0f} |"
+            f"{r['optimizer_bytes'] / MIB:.2f} | {r['peak_process'] / MIB:.0f} | {r['baseline_rss'] / MIB:.0f} | "
+            f"{r['peak_rss'] / MIB:.0f} | {r['peak_anon'] / MIB:.0f} | {r['file_pages'] / MIB:.0f} |"
         )
+    print(
+        f"- peaks: QLoRA / LoRA x{results['qlora']['peak_process'] / results['lora']['peak_process']:.2f}, "
+        f"QLoRA + 8-bit AdamW / LoRA x{results['qlora_adam8']['peak_process'] / results['lora']['peak_process']:.2f}, "
+        f"QLoRA / full x{results['qlora']['peak_process'] / results['full']['peak_process']:.2f} (above the "
+        f"baseline: x{results['qlora']['peak_rss'] / results['lora']['peak_rss']:.2f}, "
+        f"x{results['qlora_adam8']['peak_rss'] / results['lora']['peak_rss']:.2f}, "
+        f"x{results['qlora']['peak_rss'] / results['full']['peak_rss']:.2f})"
+    )
     print()
     full, lora, qlora, adam8 = (results[v] for v in VARIANTS)
     values = qlora["quantized_values"]
@@ -373,6 +411,9 @@ def main() -> None:
         f"moments {adam8['state_bytes_uint8'] / MIB:.2f} MiB of {adam8['optimizer_bytes'] / MIB:.2f} MiB); "
         f"full / LoRA = x{full['optimizer_bytes'] / lora['optimizer_bytes']:.1f}"
     )
+    if not times:
+        print(f"- total run time: {total:.0f} s (no step times: --rounds 0)")
+        return
     med = {v: statistics.median(t) for v, t in times.items()}
     ratios = [q / lo for q, lo in zip(times["qlora"], times["lora"])]
     print(

@@ -1,12 +1,12 @@
-"""QLoRA: a bitsandbytes-quantized base (NF4/FP4 4-bit, LLM.int8) with LoRA adapters, and bitsandbytes' 8-bit and
-paged AdamW, on CPU (bitsandbytes >= 0.50 has a CPU backend).
+"""QLoRA: a bitsandbytes-quantized base (NF4/FP4 4-bit, LLM.int8) with LoRA adapters, and bitsandbytes' 8-bit and paged
+AdamW, on CPU (bitsandbytes >= 0.50 has a CPU backend).
 
 What is pinned: the ``quantization`` forms and every refusal (bitsandbytes missing, an unknown type or key, 4-bit
 without an adapter, a model object with ``quantization``, sharding); the base really is packed 4-bit and stays
-bit-identical while the adapters train; DPO's reference is the quantized base itself; checkpoints hold the adapter
-and the 8-bit optimizer state only and a JIT resume is bit-exact; the merged export is a plain transformers model in
-the base's dtype whose logits equal the QLoRA model's to the merge's rounding; the reward model's score head trains;
-2-rank DDP matches one process.
+bit-identical while the adapters train; a quantized load keeps no full-precision copy nor the checkpoint's mapping;
+DPO's reference is the quantized base itself; checkpoints hold the adapter and the 8-bit optimizer state only and a JIT
+resume is bit-exact; the merged export is a plain transformers model in the base's dtype whose logits equal the QLoRA
+model's to the merge's rounding; the reward model's score head trains; 2-rank DDP matches one process.
 """
 
 from __future__ import annotations
@@ -231,6 +231,40 @@ def test_reward_model_on_a_quantized_base_trains_its_score_head() -> None:
     assert isinstance(score.modules_to_save["default"], torch.nn.Linear)  # not quantized, trained whole
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     assert any("score" in n for n in trainable) and any(".lora_" in n for n in trainable)
+
+
+def test_a_quantized_load_keeps_no_full_precision_copy_nor_the_checkpoint_mapping(tmp_path: Path) -> None:
+    """After ``load_model(path, quantization=...)`` the process holds the model and nothing else of the checkpoint: no
+    float tensor beside the module's own (a full-precision weight kept alive after quantization would be one), and
+    no mapping of the safetensors file (views of it kept every page read while quantizing resident: docs/qlora.md)."""
+    import gc
+
+    pl.seed_everything(0)
+    load_model("tiny-64").save_pretrained(tmp_path / "base")
+    checkpoint = str(tmp_path / "base" / "model.safetensors")
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if torch.is_tensor(o)}
+    model = load_model(str(tmp_path / "base"), quantization="nf4")
+    gc.collect()
+    states = [m.weight.quant_state for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    constants = [getattr(q, n, None) for s in states for q in (s, s.state2) for n in ("absmax", "code", "offset")]
+    constants = [t for t in constants if torch.is_tensor(t)]
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *constants]}
+    new_floats = [
+        o
+        for o in gc.get_objects()
+        if torch.is_tensor(o)
+        and id(o) not in before
+        and o.is_floating_point()
+        and o.untyped_storage().data_ptr() not in own
+    ]
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    smallest = min(m.in_features * m.out_features for m in quantized) * 4  # one float32 weight's bytes
+    stray = sum(o.untyped_storage().nbytes() for o in new_floats)
+    assert quantized and stray < smallest, [(tuple(o.shape), o.dtype) for o in new_floats if o.numel() > 256]
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            assert checkpoint not in maps.read()
 
 
 def test_int8_base_trains_the_adapter() -> None:
