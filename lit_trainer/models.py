@@ -157,12 +157,11 @@ def _llama_config(preset: Preset, tokenizer: Any, **overrides: Any) -> LlamaConf
         num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_attention_heads,
         max_position_embeddings=preset.max_position_embeddings,
-        initializer_range=preset.initializer_range,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        **overrides,
+        **{"initializer_range": preset.initializer_range, **overrides},
     )
 
 
