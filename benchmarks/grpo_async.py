@@ -56,6 +56,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from _machine import cpu_model
+
 #: the settings: model preset, completions per micro-batch, max_completion_length, extra GRPOModule options
 SETTINGS: dict[str, dict[str, Any]] = {
     "recipe": {"preset": "tiny", "batch_size": 128, "max_completion_length": 8, "extra": {}},
@@ -318,20 +320,6 @@ def run(mode: str, setting: dict[str, Any], start: Any, args: argparse.Namespace
         off_policy_s=off_policy_s,
         load=(load_before, os.getloadavg()[0]),
     )
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 def report(

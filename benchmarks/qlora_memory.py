@@ -67,6 +67,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from _machine import cpu_model
 
 VARIANTS = ("full", "lora", "qlora", "qlora_adam8")
 LABELS = {
@@ -318,20 +319,6 @@ def step_times(args: argparse.Namespace, folder: str) -> tuple[dict[str, list[fl
         for v in ("lora", "qlora") if r % 2 == 0 else ("qlora", "lora"):
             times[v].append(train_step(modules[v], optimizers[v], batch))
     return times, {v: profiled_step(modules[v], optimizers[v], batch) for v in modules}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
