@@ -4,7 +4,8 @@ CI also runs ``mkdocs build --strict``; these checks are the cheap part of it th
 page of the nav exists and every page is in the nav, every relative link of the README and of the docs pages reaches
 an existing file and, for a ``#anchor``, a heading or ``<a id>`` of that file (the same slug on GitHub and on the
 site), the ``docs/<page>.md#anchor`` references in code comments and docstrings resolve, every public name has an
-API reference entry, and the code blocks of the pages are valid code whose ``lit_trainer`` names exist.
+API reference entry, the code blocks of the pages are valid code whose ``lit_trainer`` names exist, and the files and
+pip extras that their shell commands name exist. (``tests/test_docs_snippets.py`` runs the Python blocks.)
 """
 
 from __future__ import annotations
@@ -174,6 +175,56 @@ def test_python_blocks_are_valid_and_their_lit_trainer_imports_exist():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lit_trainer"):
                 for alias in node.names:
                     assert hasattr(importlib.import_module(node.module), alias.name), f"{page}: {alias.name}"
+
+
+_SHELL_FENCE = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_INLINE_CODE = re.compile(r"`([^`\n]+)`")
+# a repository file named literally (a `$algo` or `<recipe>` placeholder is no path to check)
+_REPO_PATH = re.compile(r"(?<![\w./$<{-])((?:configs|benchmarks|examples|tests|notebooks)/[\w./-]*\w)")
+_EXTRAS = re.compile(r"pip install (?:-e )?[\"']?(?:\.|lit_trainer)\[([\w,-]+)\]")
+
+
+def _commands(markdown: str) -> list[str]:
+    """The shell blocks of a page and the inline code of its prose (`python benchmarks/x.py`)."""
+    return _SHELL_FENCE.findall(markdown) + _INLINE_CODE.findall(_without_code(markdown))
+
+
+def _missing_paths_and_extras(markdown: str) -> list[str]:
+    extras = set(_pyproject()["project"]["optional-dependencies"])
+    missing = []
+    for command in _commands(markdown):
+        missing += [f"no file {path}" for path in _REPO_PATH.findall(command) if not (ROOT / path).exists()]
+        for names in _EXTRAS.findall(command):
+            missing += [f"no extra [{name}] in pyproject.toml" for name in names.split(",") if name not in extras]
+    return missing
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_shell_commands_name_files_and_extras_that_exist():
+    """The configs, scripts and tests that shell blocks and inline commands name exist, and so do the pip extras."""
+    sources = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(DOCS / page for page in PAGES)]
+    missing = {s.name: m for s in sources if (m := _missing_paths_and_extras(s.read_text(encoding="utf-8")))}
+    assert not missing, missing
+    named = {p for s in sources for c in _commands(s.read_text(encoding="utf-8")) for p in _REPO_PATH.findall(c)}
+    assert len(named) >= 30, f"only {len(named)} paths found: the scan missed the pages' commands"
+
+
+def test_the_shell_check_catches_a_missing_config_script_and_extra():
+    page = (
+        "```bash\nlit-trainer fit --config configs/sft.yaml\nlit-trainer fit --config configs/nope.yaml\n"
+        'for a in rloo grpo; do lit-trainer fit --config configs/$a.yaml; done\npip install -e ".[peft,nope]"\n```\n'
+        "Run `python benchmarks/missing.py` or `python benchmarks/sampling.py`."
+    )
+    assert _missing_paths_and_extras(page) == [
+        "no file configs/nope.yaml",
+        "no extra [nope] in pyproject.toml",
+        "no file benchmarks/missing.py",
+    ]
 
 
 def test_yaml_blocks_parse_and_their_lit_trainer_class_paths_exist():
