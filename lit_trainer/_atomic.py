@@ -16,7 +16,10 @@ file for a complete one. Every helper here follows one protocol:
    file system, and the parent folder is flushed so the rename itself survives a power loss.
 
 A crash before step 3 leaves only the partial name behind; :func:`is_partial` recognises it, so resume logic can
-skip it, and :func:`remove_partials` cleans such leftovers up.
+skip it, and :func:`remove_partials` cleans such leftovers up. A write that *fails* (an ``OSError``: a full disk, an
+I/O error) removes its partial file or folder at once; when the file system is full (``ENOSPC``, or ``EDQUOT`` for a
+quota) the caller turns the error into a :class:`NoSpaceError` (:func:`no_space_error`), one line that names what
+could not be written, the folder, the space needed when known and the space free.
 
 Folders (an HF ``save_pretrained`` export, a sharded checkpoint) cannot be renamed over a non-empty folder in
 one step. :func:`commit` therefore moves the old folder aside to ``.<name>.old`` first, renames the new one into
@@ -44,9 +47,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +61,101 @@ PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
 
 _PathLike = str | os.PathLike
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class NoSpaceError(OSError):
+    """A checkpoint or export could not be written because its file system is full (or over quota).
+
+    Raised from the ``OSError`` the write met (``raise ... from error``); its partial file or folder was removed, so
+    nothing under the target name changed. ``str(error)`` is one line (no ``[Errno 28]`` prefix) naming the target,
+    the folder, the space needed when known and the space free; callers that know how to continue (the
+    ``lit-trainer`` command) add it.
+
+    Attributes:
+        target: the path that was being written.
+        needed: about how many bytes it needs (``None``: unknown).
+    """
+
+    def __init__(self, message: str, target: Path, needed: int | None, code: int = errno.ENOSPC) -> None:
+        super().__init__(code, message)
+        self.target = target
+        self.needed = needed
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def is_out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` is a write that found its file system full (``ENOSPC``) or its quota used up (``EDQUOT``)."""
+    return isinstance(error, OSError) and error.errno in _NO_SPACE
+
+
+def format_bytes(size: int) -> str:
+    """``size`` in the largest binary unit below it, one decimal.
+
+    Example:
+        >>> format_bytes(512), format_bytes(7_340_032), format_bytes(3 * 2**30)
+        ('512 bytes', '7.0 MiB', '3.0 GiB')
+    """
+    if size < 1024:
+        return f"{size} bytes"
+    value, units = size / 1024, ["KiB", "MiB", "GiB", "TiB"]
+    while value >= 1024 and len(units) > 1:
+        value, units = value / 1024, units[1:]
+    return f"{value:.1f} {units[0]}"
+
+
+def _free(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _device(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
+
+
+def no_space_error(error: OSError, what: str, target: _PathLike, needed: int | None = None) -> NoSpaceError:
+    """The one-line :class:`NoSpaceError` for ``error``, met while writing ``what`` (e.g. ``"the checkpoint"``) to
+    ``target``, after its partial file or folder was removed.
+
+    The folder named is the target's, or the one the failing write was in when the error names it elsewhere
+    (Lightning stages a checkpoint in the system's temporary folder, ``$TMPDIR``, before it moves it into place).
+
+    Args:
+        error: the ``OSError`` (``ENOSPC`` or ``EDQUOT``).
+        what: what was being written, for the message.
+        target: the path it was being written to.
+        needed: about how many bytes it needs, when known.
+
+    Example:
+        >>> import errno, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> full = OSError(errno.ENOSPC, "No space left on device")
+        >>> print(no_space_error(full, "the checkpoint", f"{folder}/last.ckpt", 2**20))  # doctest: +ELLIPSIS
+        Could not write the checkpoint .../last.ckpt: no space left on device in ... (about 1.0 MiB needed, ... free)...
+    """
+    target = Path(target)
+    written = error.filename2 or error.filename  # shutil's copy names its source and its destination
+    folder = Path(os.fsdecode(written)).parent if written else target.parent
+    if folder.resolve().is_relative_to(target.parent.resolve()):  # the target's partial name (or folder) beside it
+        folder = target.parent
+    reason = "disk quota exceeded" if error.errno == errno.EDQUOT else "no space left on device"
+    free = _free(folder)
+    sizes = [f"about {format_bytes(needed)} needed"] if needed else []
+    sizes += [f"{format_bytes(free)} free"] if free is not None else []
+    where = str(folder) if folder == target.parent else f"{folder}, where it is written before it is moved into place"
+    message = f"Could not write {what} {target}: {reason} in {where}" + (f" ({', '.join(sizes)})" if sizes else "")
+    temp = Path(tempfile.gettempdir())
+    if not written and _device(temp) not in (None, _device(folder)) and (temp_free := _free(temp)) is not None:
+        message += f" (it may be staged in {temp} first, which has {format_bytes(temp_free)} free)"
+    message += f". The partial write was removed; nothing was written under {target.name}."
+    return NoSpaceError(message, target, needed, error.errno or errno.ENOSPC)
 
 
 def is_local_path(path: _PathLike) -> bool:
@@ -167,6 +267,11 @@ def apply_umask(path: _PathLike) -> None:
         for root, dirs, files in os.walk(path):
             for name in dirs + files:
                 chmod(Path(root) / name)
+
+
+def discard(path: _PathLike) -> None:
+    """Delete a file, link or folder (with its content); nothing happens when it does not exist."""
+    _remove(Path(path))
 
 
 def _remove(path: Path) -> None:

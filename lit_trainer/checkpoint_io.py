@@ -15,7 +15,10 @@ under the final name even after a rename.
 wrapped plugin writes ``<dir>/.<name>.partial`` (same folder, so same file system), the file is flushed, renamed
 onto ``<dir>/<name>`` with ``os.replace`` and the folder entry is flushed. A crash at any point leaves either the
 previous file or no file under the final name, never part of one; the hidden partial name matches no checkpoint
-glob and ``lit_trainer._atomic.remove_partials`` cleans it up. Paths with a protocol (``s3://``, ``gs://``) go to
+glob and ``lit_trainer._atomic.remove_partials`` cleans it up. A write that fails with an ``OSError`` (a full disk, an
+I/O error) removes its partial file before the error goes on; a full disk (or quota) is reported as a one-line
+:class:`lit_trainer._atomic.NoSpaceError` naming the file, its folder, about how many bytes the checkpoint needs (its
+tensors' sizes) and the space free. Paths with a protocol (``s3://``, ``gs://``) go to
 the wrapped plugin unchanged (object stores publish an upload only once it is complete).
 
 Use it directly (``Trainer(plugins=[AtomicCheckpointIO()])``, or around your own plugin:
@@ -48,10 +51,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
-from lit_trainer._atomic import commit, is_local_path, partial_path
+from lit_trainer._atomic import commit, discard, is_local_path, is_out_of_space, no_space_error, partial_path
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 _TARGET_PREFIX = "target: "
@@ -99,6 +103,35 @@ def incomplete_reason(path: Path, pending: str | None) -> str | None:
     return None
 
 
+def checkpoint_bytes(checkpoint: Any) -> int:
+    """About how many bytes ``torch.save`` writes for ``checkpoint``: the sizes of the tensors' storages it holds,
+    each storage once (a checkpoint is almost all tensors; the rest is a few kilobytes of pickle).
+
+    Example:
+        >>> checkpoint_bytes({"state_dict": {"w": torch.zeros(256, 256)}, "step": 3})
+        262144
+    """
+    seen: set[int] = set()
+    total = 0
+    stack = [checkpoint]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            try:
+                storage = item.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, some subclasses)
+                continue
+            key = storage.data_ptr() or id(storage)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
 def is_async(checkpoint_io: Any) -> bool:
     """Whether ``checkpoint_io`` is an ``AsyncCheckpointIO`` (of either Lightning package) writing in a thread."""
     modules = [sys.modules.get(name) for name in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")]
@@ -132,15 +165,25 @@ class _AtomicCheckpointIO:
             checkpoint: The checkpoint dict (as built by ``Trainer.save_checkpoint``).
             path: The final path; the data appears under it only once completely written.
             storage_options: Passed to the wrapped plugin.
+
+        Raises:
+            NoSpaceError: The file system is full (or over quota); the partial file was removed and ``path`` is as
+                it was. Any other ``OSError`` of the write also removes the partial file, then goes on unchanged.
         """
         if not is_local_path(path):
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         tmp = partial_path(path)
-        self.checkpoint_io.save_checkpoint(
-            checkpoint, str(tmp) if isinstance(path, str) else tmp, storage_options=storage_options
-        )
-        commit(tmp, path, fsync=self.fsync)
+        try:
+            self.checkpoint_io.save_checkpoint(
+                checkpoint, str(tmp) if isinstance(path, str) else tmp, storage_options=storage_options
+            )
+            commit(tmp, path, fsync=self.fsync)
+        except OSError as error:  # a failed write (a killed process leaves the partial file to remove_partials)
+            discard(tmp)
+            if is_out_of_space(error):
+                raise no_space_error(error, "the checkpoint", path, checkpoint_bytes(checkpoint)) from error
+            raise
 
     @override
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -170,6 +213,14 @@ class AtomicCheckpointIO(_AtomicCheckpointIO, CheckpointIO):
     Raises:
         TypeError: If ``checkpoint_io`` is not a ``CheckpointIO`` or writes in the background.
     """
+
+
+def with_atomic_writes(checkpoint_io: Any) -> Any:
+    """``checkpoint_io`` wrapped in :class:`AtomicCheckpointIO`, or itself when it is already atomic or writes in the
+    background (``AsyncCheckpointIO``: its file is still being written when ``save_checkpoint`` returns)."""
+    if isinstance(checkpoint_io, _AtomicCheckpointIO) or is_async(checkpoint_io):
+        return checkpoint_io
+    return AtomicCheckpointIO(checkpoint_io)
 
 
 def atomic_checkpoint_io_class(checkpoint_io_base: type) -> type:

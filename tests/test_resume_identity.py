@@ -13,9 +13,10 @@ import torch
 import yaml
 
 from helpers.cli import CONFIGS, QUIET_FIT
+from helpers.refusals import RefuseResume
 from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
-from lit_trainer.cli import LitTrainerCLI
+from lit_trainer.cli import LitTrainerCLI, main
 from lit_trainer.cli.run_identity import RECORD_KEY
 
 QUIET = [*QUIET_FIT, "--trainer.log_every_n_steps=1"]
@@ -146,3 +147,34 @@ def test_a_run_refused_while_its_classes_are_built_leaves_no_reserved_folder(sft
     assert not any((tmp_path / "runs" / "sft").iterdir())
     _fit(sft_config, 1)
     assert sorted(p.name for p in (tmp_path / "runs" / "sft").iterdir()) == ["version_0"]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "refusal",
+    ["an argument refused when the module is built", "a data file refused before setup", "a refused checkpoint"],
+)
+def test_a_refused_resume_writes_nothing_in_the_run_folder(sft_config, tmp_path, capsys, refusal):
+    jit = _interrupted(sft_config, 6, 2)  # an unfinished run: `--ckpt_path last` continues it
+    run = tmp_path / "runs" / "sft" / "version_0"
+    before = _files(run)
+    assert {"config.yaml", "hparams.yaml", "metrics.csv"} <= set(before)
+    capsys.readouterr()
+    if refusal == "a refused checkpoint":  # by a callback, after the run's setup has written its records
+        with pytest.raises(ValueError, match="RefuseResume: this checkpoint is refused"):
+            _fit(sft_config, 6, "--ckpt_path", "last", trainer_defaults={"callbacks": [RefuseResume()]})
+    else:
+        (tmp_path / "empty.jsonl").write_text("")
+        changed, shown = {
+            "an argument refused when the module is built": ("--model.init_args.max_grad_norm=-1", "max_grad_norm=-1"),
+            "a data file refused before setup": ("--data.init_args.dataset=empty.jsonl", "empty.jsonl is empty"),
+        }[refusal]
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", sft_config, "--trainer.max_steps", "6", *QUIET, changed, "--ckpt_path", str(jit)])
+        assert shown in capsys.readouterr().err
+    assert _files(run) == before  # config.yaml and every other file byte for byte, and no new file
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]

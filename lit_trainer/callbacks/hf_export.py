@@ -27,8 +27,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lit_trainer._atomic import atomic_directory
+from lit_trainer._atomic import atomic_directory, is_out_of_space, no_space_error
 from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.checkpoint_io import checkpoint_bytes
 from lit_trainer.modules.base._sharding import full_state_dict, is_sharded
 from lit_trainer.quantization import is_quantized, merged_full_precision
 
@@ -83,7 +84,7 @@ def export_hf(
 
     Everything is written into a temporary sibling directory that replaces ``target`` only once complete
     (:func:`~lit_trainer._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
-    finished export.
+    finished export; a write that fails (a full disk) removes the temporary directory and leaves ``target`` as it was.
 
     Args:
         model: a transformers model.
@@ -95,16 +96,25 @@ def export_hf(
 
     Raises:
         TypeError: when ``model`` has no ``save_pretrained``.
+        NoSpaceError: when the disk is full (or over quota): one line naming the folder, about how many bytes the
+            weights need (not known for an adapter alone) and the space free.
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"Cannot export {type(model).__name__} in HF format: it has no `save_pretrained`.")
-    with atomic_directory(target) as tmp:
-        if is_adapter_model(model):
-            save_adapter_model(model, tmp, state_dict, merge_adapters)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
+    try:
+        with atomic_directory(target) as tmp:
+            if is_adapter_model(model):
+                save_adapter_model(model, tmp, state_dict, merge_adapters)
+            else:
+                model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp)
+    except OSError as error:
+        if not is_out_of_space(error):
+            raise
+        weights = state_dict if state_dict is not None else model.state_dict()
+        needed = None if is_adapter_model(model) and not merge_adapters else checkpoint_bytes(weights)
+        raise no_space_error(error, "the HF export", Path(target), needed) from error
     return Path(target)
 
 

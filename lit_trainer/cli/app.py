@@ -14,7 +14,12 @@ What it changes from a plain ``LightningCLI``:
   model and data arguments (:class:`~lit_trainer.callbacks.RunIdentity`); a checkpoint of another module, data
   module or run name is refused even as an explicit path; a resumed part never overwrites the records of the earlier
   parts (:func:`lit_trainer.cli.runs.keep_part_records`);
-* a fresh run that fails before its first optimizer step removes the run folder it made;
+* a fresh run that fails before its first optimizer step removes the run folder it made; a resume refused before
+  its first optimizer step leaves the run folder as it was: ``config.yaml`` and the other records byte for byte, no
+  new file (:class:`lit_trainer.cli.runs.RunFolderState`);
+* every checkpoint is written atomically (:class:`lit_trainer.checkpoint_io.AtomicCheckpointIO`); a checkpoint or
+  export that does not fit on the disk is reported in one line with the folder, the space needed and free, and the
+  command that continues the run (:func:`main`);
 * ``--report_to trackio,tensorboard`` chooses experiment trackers by name next to the run's CSV log
   (:mod:`lit_trainer.cli.trackers`); a resumed run continues its Trackio run without duplicated steps;
 * every ``fit`` draws its curves to ``curves.png`` in the run folder
@@ -41,9 +46,11 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from lit_trainer._atomic import NoSpaceError
 from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
+from lit_trainer.checkpoint_io import with_atomic_writes
 from lit_trainer.cli.checkpoints import checked_checkpoint, complete_checkpoints, resolve_resume
 from lit_trainer.cli.cpu_threads import CPUThreadCheck
 from lit_trainer.cli.errors import (
@@ -70,6 +77,7 @@ from lit_trainer.cli.run_identity import (
 from lit_trainer.cli.runs import (
     DEFAULT_ROOT,
     RUN_DIR_ENV,
+    RunFolderState,
     default_run_name,
     fresh_version,
     keep_part_records,
@@ -176,6 +184,8 @@ class LitTrainerCLI(LightningCLI):
         self._resume_from: str | None = None
         self._identity_config: dict[str, Any] | None = None
         self._fresh_run_dir: Path | None = None
+        self._resumed_run: RunFolderState | None = None  # the run folder as it was before this resumed part
+        self._resume_step = 0  # the global step of the checkpoint resumed from
         quiet_startup_noise()
         quiet_progress_bars_off_terminal()
         with warnings.catch_warnings():
@@ -261,6 +271,7 @@ class LitTrainerCLI(LightningCLI):
             if self.subcommand == "fit":
                 self._fresh_run_dir = run_root / version_folder(version)
         elif self.subcommand == "fit" and rank_zero_only.rank == 0:
+            self._resumed_run = RunFolderState(run_root / version_folder(version))
             kept = keep_part_records(run_root / version_folder(version))
             if kept is not None:
                 rank_zero_info(f"[lit_trainer] the records of the run's earlier part are kept in {kept}")
@@ -291,6 +302,7 @@ class LitTrainerCLI(LightningCLI):
             super().instantiate_classes()
         except BaseException as error:
             self._remove_fresh_run_dir()
+            self._restore_resumed_run()
             friendly = friendly_value_error(error) if isinstance(error, ValueError) else None
             if friendly is None:
                 raise
@@ -302,20 +314,35 @@ class LitTrainerCLI(LightningCLI):
         if fresh is not None and rank_zero_only.rank == 0 and remove_unused_run_folder(fresh):
             rank_zero_info(f"[lit_trainer] removed {self._fresh_run_dir}: the run failed before it trained")
 
-    def _resume_target(self, config: Any, run_root: Path) -> tuple[str | None, int | str | None]:
-        """The checkpoint to resume (``None``: fresh start) and the version folder the run continues in."""
-        requested = str(config["ckpt_path"])
+    def _restore_resumed_run(self) -> None:
+        """Put the run folder back as it was, on rank 0, when a resumed part fails before its first optimizer step
+        (a refused resume): it trained nothing, so its records must not replace those of the run that trained."""
+        state, self._resumed_run = self._resumed_run, None
+        if state is not None and rank_zero_only.rank == 0 and state.restore():
+            rank_zero_info(f"[lit_trainer] {state.run_dir} is left as it was: the resumed part stopped before training")
+
+    def _current_run(self, config: Any, run_root: Path) -> dict[str, Any]:
+        """This run's identity, as :func:`~lit_trainer.cli.run_identity.pick_last` compares it with checkpoints."""
         data = config.get("data")
-        current = {
+        return {
             "module": class_path(_import(config["model"]["class_path"])),
             "datamodule": class_path(_import(data["class_path"])) if data else None,
             "run_name": run_root.name,
             "config": self._identity_config,
         }
+
+    @staticmethod
+    def _checkpoint_dirs(config: Any, run_root: Path) -> list[str]:
+        """The folders ``--ckpt_path last`` searches: the callbacks' ``dirpath`` and every run's ``checkpoints``."""
+        dirs = [str(d) for cb in _as_list(config["trainer"].get("callbacks")) if (d := _init_arg(cb, "dirpath"))]
+        return dirs + sorted(str(p) for p in run_root.glob("*/checkpoints"))
+
+    def _resume_target(self, config: Any, run_root: Path) -> tuple[str | None, int | str | None]:
+        """The checkpoint to resume (``None``: fresh start) and the version folder the run continues in."""
+        requested = str(config["ckpt_path"])
+        current = self._current_run(config, run_root)
         if requested in ("last", "auto"):
-            dirs = [str(d) for cb in _as_list(config["trainer"].get("callbacks")) if (d := _init_arg(cb, "dirpath"))]
-            dirs += sorted(str(p) for p in run_root.glob("*/checkpoints"))
-            path, skipped = pick_last(complete_checkpoints(dirs), current)
+            path, skipped = pick_last(complete_checkpoints(self._checkpoint_dirs(config, run_root)), current)
             if path is None and skipped:
                 rank_zero_warn(_nothing_to_continue(requested, run_root, skipped))
             elif path is None:
@@ -328,6 +355,7 @@ class LitTrainerCLI(LightningCLI):
         else:
             path = checked_checkpoint(requested, given=f"--ckpt_path {requested}", instead=CKPT_PATH_INSTEAD)
         record = read_record(path) or {}
+        self._resume_step = int(record.get("global_step") or 0)
         message = identity_mismatch(record, current, path) if record else None
         if message:
             raise ValueError(message)
@@ -357,18 +385,41 @@ class LitTrainerCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
-        """Run it; a fresh ``fit`` that fails before its first optimizer step leaves no run folder behind."""
+        """Run it; a fresh ``fit`` that fails before its first optimizer step leaves no run folder behind, a resumed
+        one leaves its run folder as it was; a full disk says which checkpoint ``--ckpt_path`` continues from."""
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as error:
             trainer = getattr(self, "trainer", None)
             if trainer is None or trainer.global_step == 0:
                 self._remove_fresh_run_dir()
+            if trainer is None or trainer.global_step <= self._resume_step:
+                self._restore_resumed_run()
+            if isinstance(error, NoSpaceError) and subcommand == "fit":
+                error.continue_from = self._continue_from()
             raise
 
+    def _continue_from(self) -> tuple[str, str] | None:
+        """After a failed write: ``(the --ckpt_path value that continues this run, what it does)``, or ``None`` when
+        the run has no complete checkpoint to continue from."""
+        config = self.config[self.subcommand]
+        run_root = Path(config["trainer"]["default_root_dir"]) / config["run_name"]
+        run_dir = Path(self.trainer.log_dir) if self.trainer.log_dir else None
+        found = complete_checkpoints(self._checkpoint_dirs(config, run_root))
+        path, _ = pick_last(found, self._current_run(config, run_root))
+        if path is not None:
+            step = (read_record(path) or {}).get("global_step")
+            return "last", f"resumes from {path}" + (f" at step {step}" if step is not None else "")
+        own = [p for p in found if run_dir is not None and run_dir.resolve() in Path(p).resolve().parents]
+        if own:  # the run's newest checkpoint is its end (the failed write came after it): finish from it
+            return own[0], "trains nothing more and writes what is missing (the HF export)"
+        return None
+
     def before_fit(self) -> None:
-        """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises."""
+        """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises.
+        Every checkpoint of the run is written atomically (a partial name, renamed once complete)."""
         config = self.config_init[self.config_init.subcommand]
+        self.trainer.strategy.checkpoint_io = with_atomic_writes(self.trainer.strategy.checkpoint_io)
         quiet_frozen_eval_mode_warning(self.model)
         rank_zero_info(f"[lit_trainer] run folder: {self.trainer.log_dir}")
         if self._resume_from is None:
@@ -404,8 +455,9 @@ def _nothing_to_continue(requested: str, run_root: Path, skipped: list[tuple[str
     )
 
 
-def resume_hint(argv: list[str], checkpoint_path: str) -> str:
-    """The command that continues a run stopped by ``JITCheckpoint``: the same arguments with ``--ckpt_path last``.
+def resume_hint(argv: list[str], checkpoint_path: str, ckpt_path: str = "last") -> str:
+    """The command that continues a run stopped by ``JITCheckpoint``: the same arguments with ``--ckpt_path last``
+    (or ``ckpt_path``).
 
     Example:
         >>> resume_hint(["fit", "--config", "configs/sft.yaml"], "runs/sft/version_0/checkpoints/jit.ckpt")
@@ -420,7 +472,30 @@ def resume_hint(argv: list[str], checkpoint_path: str) -> str:
             skip = True
         elif not arg.startswith("--ckpt_path="):
             kept.append(arg)
-    return "To continue this run: " + shlex.join(["lit-trainer", *kept, "--ckpt_path", "last"])
+    return "To continue this run: " + shlex.join(["lit-trainer", *kept, "--ckpt_path", ckpt_path])
+
+
+def no_space_message(error: NoSpaceError, argv: list[str]) -> str:
+    """The one line ``lit-trainer`` prints when a checkpoint or export did not fit on the disk: what failed, and how
+    to continue once space is freed (``error.continue_from``, set by ``LitTrainerCLI``).
+
+    Example:
+        >>> from pathlib import Path
+        >>> error = NoSpaceError("Could not write the checkpoint c/last.ckpt: no space left on device in c.", Path(), 0)
+        >>> error.continue_from = ("last", "resumes from c/step=2.ckpt at step 2")
+        >>> no_space_message(error, ["fit", "--config", "configs/sft.yaml"])  # doctest: +NORMALIZE_WHITESPACE
+        'Could not write the checkpoint c/last.ckpt: no space left on device in c. Free space, then continue:
+        lit-trainer fit --config configs/sft.yaml --ckpt_path last (resumes from c/step=2.ckpt at step 2).'
+    """
+    text = str(error)
+    target = getattr(error, "continue_from", None)
+    if target is None:
+        return f"{text} No complete checkpoint of this run is left to continue from: free space and start it again."
+    ckpt_path, what = target
+    command = resume_hint(argv, "", ckpt_path).removeprefix("To continue this run: ") if argv else None
+    if command is None:
+        return f"{text} Free space, then continue with --ckpt_path {ckpt_path} ({what})."
+    return f"{text} Free space, then continue: {command} ({what})."
 
 
 def main(args: Any = None) -> None:
@@ -428,7 +503,8 @@ def main(args: Any = None) -> None:
 
     An error raised by one of lit_trainer's own input checks during the run (an empty data file, a checkpoint of
     another run, ...) is printed as one message without the traceback, exit status 1; ``LIT_TRAINER_TRACEBACK=1``
-    shows the traceback. Other errors propagate unchanged.
+    shows the traceback. So is a checkpoint or export that did not fit on the disk (:func:`no_space_message`: the
+    folder, the space needed and free, and the command that continues the run). Other errors propagate unchanged.
     """
     try:
         if args is None:
@@ -443,6 +519,11 @@ def main(args: Any = None) -> None:
             if argv:
                 print(f"[lit_trainer] {resume_hint(argv, stop.checkpoint_path)}", file=sys.stderr)
         raise
+    except NoSpaceError as full:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        argv = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, list) else []
+        exit_with_message(no_space_message(full, argv))
     except Exception as error:
         if os.environ.get(TRACEBACK_ENV) or not raised_by_our_checks(error):
             raise

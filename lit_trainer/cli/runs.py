@@ -283,6 +283,57 @@ def keep_part_records(run_dir: str | os.PathLike) -> Path | None:
     return target
 
 
+class RunFolderState:
+    """What a run folder holds before a resumed part writes into it, to put it back if that part is refused.
+
+    A resumed part rewrites the run's records (:data:`PART_RECORDS`: ``config.yaml``, ``hparams.yaml``, the rewound
+    ``metrics.csv``), copies the earlier ones to ``parts/part_<k>/`` and opens new logs (a TensorBoard events file).
+    When the resume is refused before the part trains its first step (another run's checkpoint, an argument or a file
+    a check refuses, a callback that refuses the checkpoint), :meth:`restore` undoes all of it: the records get their
+    bytes and modification times back, and every file and folder that was not there is removed, so the folder still
+    describes the run that trained.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp())
+        >>> _ = (run / "config.yaml").write_text("lr: 0.1")
+        >>> state = RunFolderState(run)
+        >>> _ = (run / "config.yaml").write_text("lr: 0.2"); (run / "parts").mkdir()
+        >>> state.restore(), (run / "config.yaml").read_text(), sorted(p.name for p in run.iterdir())
+        (True, 'lr: 0.1', ['config.yaml'])
+    """
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.paths = {p.relative_to(self.run_dir) for p in self.run_dir.rglob("*")}
+        self.records: dict[str, tuple[bytes, int, int]] = {}
+        for name in PART_RECORDS:
+            path = self.run_dir / name
+            if path.is_file():
+                info = path.stat()
+                self.records[name] = (path.read_bytes(), info.st_atime_ns, info.st_mtime_ns)
+
+    def restore(self) -> bool:
+        """Put the records back and remove what was added; returns whether anything had changed."""
+        changed = False
+        for name, (data, atime, mtime) in self.records.items():
+            path = self.run_dir / name
+            if path.is_file() and path.read_bytes() == data and path.stat().st_mtime_ns == mtime:
+                continue
+            with atomic_write(path) as partial:
+                partial.write_bytes(data)
+            os.utime(path, ns=(atime, mtime))
+            changed = True
+        added = [p for p in self.run_dir.rglob("*") if p.relative_to(self.run_dir) not in self.paths]
+        for path in sorted(added, key=lambda p: len(p.parts)):  # a new folder goes with its content
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+            changed = True
+        return changed
+
+
 def remove_unused_run_folder(run_dir: str | os.PathLike) -> bool:
     """Delete a fresh run's folder after it failed before its first optimizer step, unless it holds a checkpoint.
 

@@ -74,7 +74,7 @@ from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpointing._evaluated_weights import EVALUATED_WEIGHTS_KEY, weight_scorers
 from lit_trainer.callbacks.checkpointing._files import load_checkpoint_state_dict, removable
 from lit_trainer.callbacks.hf_export import export_hf, saved_tokenizer
-from lit_trainer.checkpoint_io import AtomicCheckpointIO, _AtomicCheckpointIO, is_async, write_sentinel
+from lit_trainer.checkpoint_io import with_atomic_writes, write_sentinel
 from lit_trainer.modules.base._sharding import load_full_state_dict
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
@@ -207,9 +207,8 @@ class _BestCheckpoint(PackageBound):
                 "method (a transformers model); set export_hf=False for other modules."
             )
         self._check_scorers(trainer)
-        io = trainer.strategy.checkpoint_io  # atomic writes for every checkpoint file (see lit_trainer.checkpoint_io)
-        if stage == "fit" and is_local_path(self.dirpath) and not (isinstance(io, _AtomicCheckpointIO) or is_async(io)):
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO(io)
+        if stage == "fit" and is_local_path(self.dirpath):  # atomic writes for every checkpoint file of the run
+            trainer.strategy.checkpoint_io = with_atomic_writes(trainer.strategy.checkpoint_io)
 
     def _writes_folders(self, strategy: Any) -> bool:
         """Strategies that can write a distributed checkpoint folder themselves, not through ``checkpoint_io``."""
