@@ -5,9 +5,10 @@ Lightning logs the last micro-batch's value; we keep device-side sums over the l
 and log, on the steps Lightning writes logs, the mean step loss of the window, the subclass's metrics averaged over the
 window's micro-steps, the learning rate, the pre-clipping gradient norm, real (non-padding) tokens per second and the
 padding fraction, reduced over ranks once per logging step; with the data module's ``skip_bad_rows=True`` also
-``data/skipped_rows`` (the training rows skipped since the fit started, over all ranks). The learning rate is the one the last optimizer step used
-(read in :meth:`~lit_trainer.modules.base._optimization.OptimizationMixin.optimizer_step`, before Lightning steps the
-scheduler), as the HF Trainer logs it.
+``data/skipped_rows`` (the training rows skipped since the fit started, over all ranks). The learning rate is the one
+the last optimizer step used (read in
+:meth:`~lit_trainer.modules.base._optimization.OptimizationMixin.optimizer_step`, before Lightning steps the scheduler),
+as the HF Trainer logs it.
 """
 
 from __future__ import annotations
