@@ -10,6 +10,11 @@ A *stop requester* is a trainer callback with
   nothing yet (no backward since the last optimizer step): if any rank's request is due (a collective), the callback
   saves the state of the last finished optimizer step and raises; otherwise it returns.
 
+A stop requester may also offer ``stop_for_failure(trainer, reason)``: code that meets a failure where the training
+state is whole on this rank (the last optimizer step finished, nothing of the next one applied) calls it to have the
+last finished step saved before the run stops with ``reason`` (it raises then; it returns when it cannot save, and
+the caller raises its own error).
+
 A module that may be asked to stop implements ``write_pending_logs()`` when it keeps logs for a later logging step
 (:class:`~lit_trainer.modules.base.BaseModule`'s logging window): the requester calls it before saving, so the last
 steps of a stopped run are logged once.
@@ -42,3 +47,14 @@ def stop_in_step(trainer: Any) -> None:
     requester = stop_requester(trainer)
     if requester is not None:
         requester.stop_in_step(trainer)
+
+
+def stop_for_failure(trainer: Any, reason: str) -> None:
+    """Let the first callback of ``trainer`` that saves on failures (``stop_for_failure``) save the last finished
+    optimizer step and stop the run with ``reason``; returns when there is none or it cannot save (the caller then
+    raises its own error)."""
+    for callback in getattr(trainer, "callbacks", None) or []:
+        save = getattr(callback, "stop_for_failure", None)
+        if callable(save):
+            save(trainer, reason)
+            return

@@ -153,12 +153,17 @@ def test_a_worker_that_cannot_import_a_class_says_why(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------- without a worker
-def test_only_a_worker_killed_by_sigkill_may_have_run_out_of_memory():
-    """A worker that dies without reporting an error: the OOM killer's SIGKILL is the one case that suggests memory."""
-    assert "SIGKILL (out of memory?)" in death_message(7, -signal.SIGKILL)
-    for code, how in [(1, "exited with code 1"), (-signal.SIGSEGV, "killed by SIGSEGV"), (None, "code None")]:
-        message = death_message(7, code)
-        assert how in message and "out of memory" not in message, message
+def test_a_dead_worker_is_described_by_its_exit_status_without_a_guess():
+    """A worker that dies without reporting an error is described by its signal or exit code and the round, in one
+    line. SIGKILL names the kernel's out-of-memory killer only as one of its possible senders (the report: "(out of
+    memory?)" was printed as the cause); no other exit mentions memory."""
+    message = death_message(7, -signal.SIGKILL, 3)
+    assert message.startswith("The GRPO rollout worker (pid 7) was killed by signal 9 (SIGKILL) at round 3 ")
+    assert "\n" not in message and "?" not in message and "out-of-memory killer" in message, message
+    others = [(1, "exited with code 1"), (-signal.SIGSEGV, "killed by signal 11 (SIGSEGV)"), (None, "code None")]
+    for code, how in others:
+        message = death_message(7, code, 0)
+        assert f"{how} at round 0" in message and "memory" not in message, message
 
 
 def test_shared_weight_slots_hold_one_version_each():

@@ -18,8 +18,10 @@ check.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -128,6 +130,47 @@ def test_a_stopped_trainer_leaves_no_rollout_worker(tmp_path: Path, signum: sign
     folder = tmp_path / "checkpoints"
     saved = sorted(p.name for p in folder.glob("*.ckpt")) if folder.exists() else []
     assert len(saved) == 1 and saved[0].startswith("last-jit-epoch="), saved  # the step after the signal
+
+
+def test_a_killed_worker_saves_the_last_step_says_why_in_one_line_and_the_run_continues(tmp_path: Path):
+    """The worker SIGKILLed while the trainer waits for its round (issue 47, item 4: the run stopped with a 70-line
+    traceback, "out of memory?" and no checkpoint): the last finished optimizer step is saved, the run stops with one
+    line naming the worker, the signal and the round (exit status 1, no traceback), and the checkpoint continues."""
+    log = tmp_path / "fit.log"
+    proc = _launch(tmp_path, log, "slow")  # the trainer waits for the worker nearly all the time
+    try:
+        started = wait_json(tmp_path / "started.json", proc, log, START_GUARD)
+        os.kill(started["worker"], signal.SIGKILL)
+        try:
+            code = proc.wait(EXIT_GUARD)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the trainer did not exit within {EXIT_GUARD} s:\n{log.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    pid = started["worker"]
+    cause = [line for line in text.splitlines() if f"The GRPO rollout worker (pid {pid})" in line]
+    assert len(cause) == 1, text[-3000:]
+    found = re.search(r"was killed by signal 9 \(SIGKILL\) at round (\d+) without reporting an error", cause[0])
+    assert found is not None, cause[0]
+    saved = sorted((tmp_path / "checkpoints").glob("last-jit-*.ckpt"))
+    assert len(saved) == 1, saved
+    step = torch.load(saved[0], weights_only=False)["global_step"]
+    assert step == int(found.group(1)) >= 1  # round r starts optimizer step r: steps 0..r-1 finished and were saved
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    proc = _launch(resumed, tmp_path / "resumed.log", f"steps={step + 2}", f"ckpt={saved[0]}")
+    try:
+        assert proc.wait(START_GUARD) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert json.loads((resumed / "done.json").read_text()) == {"global_step": step + 2}
 
 
 def _start_worker_then_sleep(spec: Any, requests: Any, results: Any, weights: Any) -> None:

@@ -9,7 +9,7 @@ from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.hf_export import HFExport
-from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit, JITCheckpointFailure
 from lit_trainer.callbacks.neftune import NEFTune
 from lit_trainer.callbacks.resume import ExactResume
 from lit_trainer.cli.checkpoints import resolve_resume, resolve_resume_checkpoint
@@ -24,6 +24,7 @@ __all__ = [
     "HFExport",
     "JITCheckpoint",
     "JITCheckpointExit",
+    "JITCheckpointFailure",
     "NEFTune",
     "RunIdentity",
     "resolve_resume",

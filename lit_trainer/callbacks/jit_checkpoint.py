@@ -32,6 +32,11 @@ recorded, a save starts ``kill_wait`` seconds after the signal at the earliest, 
 * **Atomic.** The file is written under a hidden partial name and renamed into place (``_atomic.commit``), so a
   reader never sees half a checkpoint; ``lit_trainer.callbacks.resolve_resume_checkpoint`` skips the one a
   left-over sentinel names. An ``AsyncCheckpointIO`` is flushed before the rename.
+* **Failures.** Code that meets a failure where the training state is whole (a training row that cannot be
+  loaded, a GRPO rollout worker that died) calls :meth:`stop_for_failure`: the last finished optimizer step is saved
+  as for a signal, then :class:`JITCheckpointFailure` stops the run with the cause in one line (exit status 1). One
+  process only: under DDP the other ranks are already inside the step, so the failing rank raises its error without
+  a save.
 * **Exit status.** After the save every rank raises :class:`JITCheckpointExit`, a ``SystemExit`` with
   ``exit_code``. The default ``"signal"`` is what a shell reports for a process killed by that signal, 128 + its
   number: 143 for SIGTERM (so Slurm, Kubernetes ``OnFailure`` and torchrun treat the job as failed/preempted and
@@ -101,9 +106,22 @@ class JITCheckpointExit(SystemExit):
     process exits with ``code``. ``checkpoint_path`` is the saved checkpoint.
     """
 
-    def __init__(self, code: int, checkpoint_path: str) -> None:
+    def __init__(self, code: int | str, checkpoint_path: str) -> None:
         super().__init__(code)
         self.checkpoint_path = checkpoint_path
+
+
+class JITCheckpointFailure(JITCheckpointExit):
+    """Raised after a just-in-time checkpoint was saved because training failed where its state was whole: a
+    training row that cannot be loaded (``lit_trainer.data.bad_rows``), a GRPO rollout worker that died.
+
+    ``code`` is ``reason``, the one-line cause: uncaught, Python prints it on stderr and the process exits with
+    status 1 (no traceback). ``checkpoint_path`` holds the last finished optimizer step.
+    """
+
+    def __init__(self, reason: str, checkpoint_path: str) -> None:
+        super().__init__(reason, checkpoint_path)
+        self.reason = reason
 
 
 def _signal_numbers(signals: Sequence[str]) -> list[signal.Signals]:
@@ -262,6 +280,26 @@ class _JITCheckpoint(PackageBound):
         with logger_step_for_a_save_inside_a_batch(trainer):
             path = self._save_and_say(trainer)
         raise JITCheckpointExit(self._exit_status(trainer), path)
+
+    def stop_for_failure(self, trainer: pl.Trainer, reason: str) -> None:
+        """Called by the code that met a failure where the training state is whole on this rank: the last optimizer
+        step finished and nothing of the next one is applied (a training row that cannot be loaded, met when its
+        window's batches are built; a rollout worker found dead at the start of a round). Saves the last finished
+        optimizer step as a signal's stop does, then raises :class:`JITCheckpointFailure` with ``reason``.
+
+        Returns without saving, and the caller raises its own error, when there is nothing to save (no optimizer step
+        finished in this run), when ``fit`` is not training, when this callback already stopped the run, or with
+        several processes: the other ranks are inside the step by then and cannot join a save (all ranks must).
+        """
+        if self._done or not trainer.training or trainer.world_size > 1 or trainer.global_step == 0:
+            return
+        self._done = True
+        write_pending_logs(trainer.lightning_module)
+        progress = trainer.fit_loop.epoch_loop.batch_progress.total
+        inside_a_batch = progress.ready > progress.completed  # a training step had started (a round's first batch)
+        with logger_step_for_a_save_inside_a_batch(trainer) if inside_a_batch else contextlib.nullcontext():
+            path = self._save_and_say(trainer)
+        raise JITCheckpointFailure(reason, path)
 
     def _install(self) -> None:
         if self._previous:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from lit_trainer.callbacks import bema, checkpointing, curves, eval_on_start, hf_export, jit_checkpoint, neftune, resume
 from lit_trainer.callbacks._namespace import namespace, twin
-from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit, JITCheckpointFailure
 from lit_trainer.checkpoint_io import atomic_checkpoint_io_class
 
 namespace("pytorch_lightning")  # a clear error when the package is missing
@@ -46,5 +46,6 @@ __all__ = [
     "HFExport",
     "JITCheckpoint",
     "JITCheckpointExit",
+    "JITCheckpointFailure",
     "NEFTune",
 ]

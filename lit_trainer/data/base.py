@@ -6,7 +6,7 @@ a batch (``_collate``) and what a loss item is (``count_items``). Everything els
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar
 
@@ -16,6 +16,8 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_trainer._stop_request import stop_for_failure
+from lit_trainer.data.bad_rows import BadRows, GuardedCollate
 from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
 from lit_trainer.data.packing import PACKED_ROWS
 from lit_trainer.data.samplers.batch_sampler import BatchSampler
@@ -23,6 +25,8 @@ from lit_trainer.data.samplers.lengths import require_lengths
 from lit_trainer.data.samplers.rebalance import CostModel
 from lit_trainer.data.samplers.sampling import Sampling, check_sampling, make_batch_sampler
 from lit_trainer.data.sources import Locator, any_to_str, load_located_rows, split_validation
+from lit_trainer.data.vision.images import image_column
+from lit_trainer.data.vision.rows import ROW_KEY
 from lit_trainer.data.windows import StepWindows, step_windows
 from lit_trainer.models import is_processor, is_vision_source, load_processor, load_tokenizer
 
@@ -55,6 +59,11 @@ class BaseDataModule(pl.LightningDataModule):
         pin_memory: pin host memory for faster host-to-GPU copies.
         seed: data order seed (epoch ``e`` uses ``seed + e``).
         trust_remote_code: passed to ``AutoTokenizer``; False unless set.
+        skip_bad_rows: a training row that cannot be loaded during training (a picture that does not decode) is
+            skipped: replaced in its batch by a good row, counted in ``data/skipped_rows`` and named in a warning
+            (:mod:`lit_trainer.data.bad_rows`). False (default): the run stops with one line naming the row (its file
+            and line, or its index in the dataset as given), after a ``JITCheckpoint`` callback saved the last
+            finished optimizer step. Text rows are tokenized at setup, where a bad row always stops the run.
 
     Raises:
         ValueError: on ``max_length <= 0``, ``batch_size < 1``, an unknown ``sampling``, or invalid DataLoader options
@@ -83,6 +92,7 @@ class BaseDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         seed: int = 1234,
         trust_remote_code: bool = False,
+        skip_bad_rows: bool = False,
     ) -> None:
         super().__init__()
         if max_length <= 0:
@@ -104,6 +114,8 @@ class BaseDataModule(pl.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.stats: dict[str, int] = {}
+        # split -> where a row of it is in its source, by the index in ROW_KEY (the index before the validation split)
+        self.locators: dict[str, Locator] = {}
 
     # ----------------------------------------------------------------------------------------------- subclass API
     def _preprocess(self, rows: Dataset, split: str) -> Dataset:
@@ -151,11 +163,15 @@ class BaseDataModule(pl.LightningDataModule):
         if self.validation_source is not None:
             located_validation = load_located_rows(self.validation_source, self.builtin)[0]
         for split, part in (("train", located), ("validation", located_validation)):
+            if part is not None:
+                self.locators[split] = part.where or partial(_row_of, split)
             if part is not None and len(part.rows):
-                self._check_rows(part.rows, split, part.where or (lambda i, s=split: f"row {i} of the {s} data"))
-        train, validation = located.rows, located_validation.rows if located_validation is not None else None
+                self._check_rows(part.rows, split, self.locators[split])
+        train = _indexed(located.rows)
+        validation = _indexed(located_validation.rows) if located_validation is not None else None
         if validation is None:
             train, validation = split_validation(train, self.hparams.val_size, self.hparams.seed)
+            self.locators["validation"] = self.locators["train"]  # held out of the training source
         if len(train) == 0:
             raise ValueError(f"The training data from {any_to_str(self.dataset_source)} is empty: nothing to train on.")
         self.train_dataset = self._preprocess(train, "train")
@@ -263,13 +279,36 @@ class BaseDataModule(pl.LightningDataModule):
         return TrainLoader(
             self._current("train"),
             self.train_batch_sampler(),
-            lambda rows: self._collate(rows, True),
+            self._guarded_collate(),
             count_items=self.count_items,
             accumulate_grad_batches=accumulate,
             windows=self._step_windows(),
             seed=hp.seed,
+            bad_rows=self._bad_rows(),
             **self._loader_options(),
         )
+
+    def row_place(self, row: Mapping[str, Any], split: str = "train") -> str:
+        """Where ``row`` (a row of the ``split`` dataset) is in its source: ``"line 7 of data/train.jsonl"``, or
+        ``"row 12 of the train data"`` (its index in the dataset as given, before the validation split) for rows not
+        read from a JSON-lines/CSV file. Rows with images carry that index (``_row``); other rows are tokenized at
+        setup and have none (``"a train row"``)."""
+        index = row.get(ROW_KEY)
+        if index is None:
+            return f"a {split} row"
+        return self.locators.get(split, partial(_row_of, split))(int(index))
+
+    def _guarded_collate(self) -> GuardedCollate:
+        """The training collate function, naming (or with ``skip_bad_rows`` replacing) the rows it cannot load."""
+        return GuardedCollate(
+            lambda rows: self._collate(rows, True), self.row_place, self.hparams.skip_bad_rows, self._current("train")
+        )
+
+    def _bad_rows(self) -> BadRows:
+        """The training loader's handling of bad rows: skip them, or save the last finished step and stop."""
+        trainer = self.trainer
+        stop = partial(stop_for_failure, trainer) if trainer is not None else None
+        return BadRows(self.hparams.skip_bad_rows, stop)
 
     @override
     def val_dataloader(self) -> EvalLoader | list:
@@ -293,3 +332,15 @@ class BaseDataModule(pl.LightningDataModule):
         """The tokenizer's pad id (EOS when it has none)."""
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id
+
+
+def _row_of(split: str, index: int) -> str:
+    return f"row {index} of the {split} data"
+
+
+def _indexed(rows: Dataset) -> Dataset:
+    """``rows`` with images get their index (``_row``, kept through the validation split and shuffling), by which a
+    bad picture met during training is named in its source; text rows are tokenized at setup and need none."""
+    if image_column(rows.column_names) is None or ROW_KEY in rows.column_names:
+        return rows
+    return rows.add_column(ROW_KEY, list(range(len(rows))))

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import Unpack
 
+from lit_trainer.data.bad_rows import SKIPPED_KEY, BadRowError, BadRows
 from lit_trainer.data.samplers.batch_sampler import BatchSampler
 from lit_trainer.data.windows import StepWindows
 
@@ -60,6 +61,10 @@ class TrainLoader:
             pass ``partial(step_windows, trainer)``; a ``BaseModule`` sets it on a loader that has none when
             training starts). Read at the start of every window.
         seed: base seed of the worker seeds (epoch ``e`` uses ``seed + e``), so no global RNG draw happens.
+        bad_rows: what to do with a row the collate function cannot load (:mod:`lit_trainer.data.bad_rows`: the
+            collate function is then a ``GuardedCollate``): a window's batches are built before its first one is
+            yielded, so a bad row stops the run at an optimizer-step boundary (``BadRows.fail``), and the rows a
+            batch skipped are counted in :attr:`skipped_rows`. None: errors are raised as they are.
         **loader_options: the inner ``DataLoader``'s :class:`LoaderOptions`: ``num_workers`` (workers),
             ``pin_memory`` (pin host memory), ``persistent_workers`` (keep workers alive between epochs) and
             ``prefetch_factor`` (batches prefetched per worker), the last two requiring ``num_workers > 0``.
@@ -81,6 +86,7 @@ class TrainLoader:
         accumulate_grad_batches: int = 1,
         windows: Callable[[], StepWindows] | None = None,
         seed: int = 0,
+        bad_rows: BadRows | None = None,
         **loader_options: Unpack[LoaderOptions],
     ) -> None:
         if accumulate_grad_batches < 1:
@@ -91,6 +97,7 @@ class TrainLoader:
         self._restoring = False  # load_state_dict was called: the next iteration starts at the sampler's position
         self._generator = torch.Generator()
         self._source = _source(dataset)
+        self.bad_rows = bad_rows
 
         def build(data: Dataset) -> DataLoader:
             return inner_loader(
@@ -109,6 +116,11 @@ class TrainLoader:
         """The inner ``DataLoader`` over the source's current dataset, rebuilt when the source hands out another."""
         self._inner = _rebuilt(self._inner, self._inner.dataset, self._source(), self._build)
         return self._inner
+
+    @property
+    def skipped_rows(self) -> int | None:
+        """Rows skipped since this loader was built (``skip_bad_rows=True``), None when bad rows are not skipped."""
+        return self.bad_rows.skipped_rows if self.bad_rows is not None else None
 
     @property
     def sampler(self) -> TrainLoader:
@@ -138,7 +150,7 @@ class TrainLoader:
         while True:
             # the window is read when it starts (after Lightning's epoch-start hooks)
             _, stop = self._current_windows().bounds(self._consumed)
-            chunk = list(islice(batches, stop - self._consumed))
+            chunk = self._window(batches, stop - self._consumed)
             if not chunk:
                 return
             if self.count_items is not None:
@@ -151,6 +163,17 @@ class TrainLoader:
                 yield batch
             replay = 0
 
+    def _window(self, batches: Iterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+        """The next ``count`` batches, built before the first of them trains: a bad row found here stops the run
+        where the last optimizer step is finished and nothing of the next one is applied."""
+        try:
+            chunk = list(islice(batches, count))
+        except Exception as error:
+            if self.bad_rows is None or not isinstance(error, BadRowError):
+                raise
+            self.bad_rows.fail(error)
+        return [self.bad_rows.take(batch) for batch in chunk] if self.bad_rows is not None else chunk
+
     def peek(self, epoch: int, index: int) -> dict[str, Any] | None:
         """The micro-batch this loader yields at position ``index`` of ``epoch``, collated in this process without
         moving the loader; None past the epoch's end or when the batch sampler cannot tell (it needs a
@@ -160,7 +183,10 @@ class TrainLoader:
         if indices is None:
             return None
         dataset = self.dataset
-        return self._collate_fn([dataset[i] for i in indices])
+        batch = self._collate_fn([dataset[i] for i in indices])
+        if isinstance(batch, dict):
+            batch.pop(SKIPPED_KEY, None)  # counted when the loader yields it
+        return batch
 
     def _start(self) -> tuple[int, int]:
         """``(epoch, first micro-batch)`` of the iteration that begins: the sampler's loaded position after

@@ -17,6 +17,7 @@ in the reference's ``GRPOConfig``): :meth:`PromptDataModule.train_dataloader` re
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal, NamedTuple, get_args
 
@@ -247,7 +248,7 @@ class PromptDataModule(BaseDataModule):
         if (images := vision.image_column(rows.column_names)) is not None:
             self.image_column = images
             rows = vision_rows.undecoded(rows, images)
-            data = vision_rows.keep_rows(rows, self._image_prompt_length(images), split)
+            data = vision_rows.keep_rows(rows, self._image_prompt_length(images), split, self.locators.get(split))
         else:
             options = {"column": column, "conversational": self.conversational, "drop_eos": self._appends_eos()}
             data = rows.map(
@@ -300,9 +301,10 @@ class PromptDataModule(BaseDataModule):
         rewards = {c: [row[c] for row in rows] for c in extras}
         image_inputs: dict[str, Any] = {}
         if self.image_column is not None:
+            split = "train" if train else "validation"
             encoded = VisionPromptEncoder(
-                self.processor, self.image_column, column, self.conversational,
-                "train" if train else "validation", drop_eos=self._appends_eos(),
+                self.processor, self.image_column, column, self.conversational, split, drop_eos=self._appends_eos(),
+                place=functools.partial(self.row_place, split=split),
             )(rows)  # fmt: skip
             ids, prompts = [e.ids for e in encoded], [e.prompt for e in encoded]
             rewards[self.image_column] = reward_images(encoded, self.image_column)
@@ -361,11 +363,12 @@ class PromptDataModule(BaseDataModule):
         return TrainLoader(
             self._current("train"),
             batches,
-            lambda rows: self._collate(rows, True),
+            self._guarded_collate(),
             count_items=None,
             accumulate_grad_batches=accumulate_grad_batches,
             windows=self._step_windows(),
             seed=hp.seed,
+            bad_rows=self._bad_rows(),
             **self._loader_options(),
         )
 

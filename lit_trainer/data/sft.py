@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -354,17 +355,18 @@ class SFTDataModule(BaseDataModule):
 
     def _keep_image_rows(self, rows: Dataset, split: str, images: str, fmt: RowFormat) -> Dataset:
         rows = vision_rows.undecoded(rows, images)
-        return vision_rows.keep_rows(rows, self._image_row_length(fmt, images), split)
+        return vision_rows.keep_rows(rows, self._image_row_length(fmt, images), split, self.locators.get(split))
 
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:
         if self._vision is not None:
             fmt, images = self._vision
             hp = self.hparams
+            split = "train" if train else "validation"
+            place = functools.partial(self.row_place, split=split)
             return VisionSFTCollator(
-                self.processor, fmt, self._column_names(), images, hp.max_length,
-                "train" if train else "validation", hp.assistant_only_loss, hp.pad_to_multiple_of,
-                generation_inputs=not train,
+                self.processor, fmt, self._column_names(), images, hp.max_length, split, hp.assistant_only_loss,
+                hp.pad_to_multiple_of, generation_inputs=not train, place=place,
             )(rows)  # fmt: skip
         if train and self.hparams.packing != "none":
             return PackedCollator(self.pad_token_id)(rows)

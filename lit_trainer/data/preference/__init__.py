@@ -350,9 +350,10 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         hp = self.hparams
         if self._images is not None:
             split = "train" if train else "validation"
-            return VisionPreferenceCollator(self.processor, self._images, hp.max_length, split, hp.pad_to_multiple_of)(
-                rows
-            )
+            place = functools.partial(self.row_place, split=split)
+            return VisionPreferenceCollator(
+                self.processor, self._images, hp.max_length, split, hp.pad_to_multiple_of, place
+            )(rows)
         return PreferenceCollator(
             self.pad_token_id,
             hp.max_length,

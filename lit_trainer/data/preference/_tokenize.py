@@ -97,6 +97,7 @@ def measure_image_pair(
     """``row`` (index), ``length``, ``prompt_tokens``, ``truncated`` and ``identical`` of a pair with images, estimated
     from its rendered texts without decoding an image: each image placeholder counts as the ``per_image`` tokens it
     expands to. ``collator`` renders the texts (its processor, image column, ``max_length`` and split)."""
+    index = row.get(ROW_KEY, index)  # the index in the dataset as given (before the validation split)
     count = len(row_images(row, collator.image_column))
     prompt, chosen, rejected = collator.texts(row, [None] * count, f"row {index} of the {collator.split} data")
     tok, limit = collator.processor.tokenizer, collator.max_length

@@ -8,7 +8,7 @@ with ``assistant_only_loss``, a token the assistant did not write.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,7 @@ class RowCollator:
 
     processor: Any
     split: str
+    place: Callable[[Mapping[str, Any]], str] | None  # where a row is in its source (the data module's row_place)
 
     def __post_init__(self) -> None:
         self.image_ids = image_token_ids(self.processor)
@@ -156,7 +157,8 @@ class RowCollator:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def where(self, row: Mapping[str, Any]) -> str:
-        return f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
+        """The row in its source (``place``), else by its index (``_row``: before the validation split)."""
+        return self.place(row) if self.place is not None else f"row {row.get(ROW_KEY, '?')} of the {self.split} data"
 
 
 @dataclass
@@ -171,7 +173,8 @@ class VisionSFTCollator(RowCollator):
     * ``text`` / ``prompt_completion``: strings that hold the processor's image token once per image (``<image>``
       for ``tiny-vl``); an EOS ends each row as for text rows.
 
-    Each row carries ``_row`` (its index, for errors) and its undecoded images in ``image_column``.
+    Each row carries ``_row`` (its index in the dataset as given, named in errors by ``place``) and its undecoded
+    images in ``image_column``.
     """
 
     processor: Any
@@ -183,6 +186,7 @@ class VisionSFTCollator(RowCollator):
     assistant_only_loss: bool = False
     pad_to_multiple_of: int | None = None
     generation_inputs: bool = False
+    place: Callable[[Mapping[str, Any]], str] | None = None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         encoded = [self.encode(row) for row in rows]

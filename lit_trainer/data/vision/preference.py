@@ -13,7 +13,7 @@ rule) goes through the processor with the images, each completion through it as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,7 @@ class VisionPreferenceCollator(RowCollator):
         image_column: ``"images"`` (a list per row) or ``"image"`` (one per row), or None.
         max_length: per-row token budget, applied to each of the 2B rows.
         split: named in errors.
+        place: where a row is in its source, named in errors (default: its ``_row`` index and ``split``).
         pad_to_multiple_of: round the padded length up.
     """
 
@@ -69,6 +70,7 @@ class VisionPreferenceCollator(RowCollator):
     max_length: int
     split: str = "train"
     pad_to_multiple_of: int | None = None
+    place: Callable[[Mapping[str, Any]], str] | None = None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         pairs = [self.encode(row) for row in rows]

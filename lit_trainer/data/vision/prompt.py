@@ -15,7 +15,7 @@ completion, as TRL's GRPOTrainer extends them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,7 @@ class VisionPromptEncoder:
             strings holding the image token.
         split: for error messages.
         drop_eos: drop an EOS the tokenizer appends to a string prompt (as the text prompts do).
+        place: where a row is in its source, named in errors (default: its ``_row`` index and ``split``).
     """
 
     processor: Any
@@ -68,8 +69,12 @@ class VisionPromptEncoder:
     conversational: bool
     split: str = "train"
     drop_eos: bool = False
+    place: Callable[[Mapping[str, Any]], str] | None = None
 
     def where(self, row: Mapping[str, Any]) -> str:
+        """The row in its source (``place``), else by its index (``_row``: before the validation split)."""
+        if self.place is not None:
+            return self.place(row)
         return f"row {row.get(ROW_KEY, '?')} of the {self.split} prompt data"
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> list[EncodedPrompt]:

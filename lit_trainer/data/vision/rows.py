@@ -124,8 +124,12 @@ def undecoded(rows: Dataset, column: str) -> Dataset:
     return rows
 
 
-def keep_rows(rows: Dataset, lengths: Callable[[Mapping[str, Any]], int], split: str) -> Dataset:
-    """``rows`` as they are, plus ``row`` (the index) and ``length`` (``lengths(row)``), computed once.
+def keep_rows(
+    rows: Dataset, lengths: Callable[[Mapping[str, Any]], int], split: str, where: Callable[[int], str] | None = None
+) -> Dataset:
+    """``rows`` as they are, plus ``_row`` (the index, unless the rows carry their index in the dataset as given,
+    before the validation split) and ``length`` (``lengths(row)``), computed once; ``where(index)`` names a row in its
+    source.
 
     A plain loop and two added columns rather than ``Dataset.map``: ``map`` would hash the length function, and with it
     the processor, for its cache fingerprint (seconds per call), and rewrite every image into a new cache file.
@@ -138,5 +142,9 @@ def keep_rows(rows: Dataset, lengths: Callable[[Mapping[str, Any]], int], split:
         try:
             measured.append(lengths(row))
         except ValueError as error:
-            raise ValueError(f"row {index} of the {split} data: {error}") from error
-    return rows.add_column(ROW_KEY, list(range(len(rows)))).add_column("length", measured)
+            source = row.get(ROW_KEY, index)
+            place = where(source) if where is not None else f"row {source} of the {split} data"
+            raise ValueError(f"{place}: {error}") from error
+    if ROW_KEY not in rows.column_names:
+        rows = rows.add_column(ROW_KEY, list(range(len(rows))))
+    return rows.add_column("length", measured)

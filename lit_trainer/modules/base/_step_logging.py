@@ -4,9 +4,11 @@ and what is written on the steps Lightning writes logs.
 Lightning logs the last micro-batch's value; we keep device-side sums over the logging window (no per-step ``.item()``)
 and log, on the steps Lightning writes logs, the mean step loss of the window, the subclass's metrics averaged over the
 window's micro-steps, the learning rate, the pre-clipping gradient norm, real (non-padding) tokens per second and the
-padding fraction, reduced over ranks once per logging step. The learning rate is the one the last optimizer step used
-(read in :meth:`~lit_trainer.modules.base._optimization.OptimizationMixin.optimizer_step`, before Lightning steps the
-scheduler), as the HF Trainer logs it.
+padding fraction, reduced over ranks once per logging step; with the data module's ``skip_bad_rows=True`` also
+``data/skipped_rows`` (the training rows skipped since the fit started, over all ranks). The learning rate is the one
+the last optimizer step used (read in
+:meth:`~lit_trainer.modules.base._optimization.OptimizationMixin.optimizer_step`, before Lightning steps the scheduler),
+as the HF Trainer logs it.
 """
 
 from __future__ import annotations
@@ -83,11 +85,13 @@ class StepLoggingMixin:
         world = self.trainer.world_size
         device = self.device
         names = sorted(self._log_metrics)
+        skipped = getattr(self.trainer.train_dataloader, "skipped_rows", None)  # the data module's skip_bad_rows
         local = torch.stack(
             [
                 torch.as_tensor(self._log_loss, dtype=torch.float32, device=device),
                 torch.as_tensor(self._log_real, dtype=torch.float32, device=device),
                 torch.as_tensor(float(self._log_padded), device=device),
+                torch.as_tensor(float(skipped or 0), device=device),
                 *[
                     torch.as_tensor(self._log_metrics[n], dtype=torch.float32, device=device) / self._log_micro_steps
                     for n in names
@@ -100,7 +104,9 @@ class StepLoggingMixin:
             "tokens_per_sec": total[1] / elapsed,
             "padding_fraction": 1.0 - total[1] / total[2].clamp(min=1.0),
         }
-        values.update({name: total[3 + i] / world for i, name in enumerate(names)})
+        values.update({name: total[4 + i] / world for i, name in enumerate(names)})
+        if skipped is not None:
+            values["data/skipped_rows"] = total[3]  # rows skipped since the fit started, summed over ranks
         if self._step_lr is not None:
             values["learning_rate"] = self._step_lr
         if self._grad_norm is not None:

@@ -26,6 +26,10 @@ the seed of ``(generation_seed, q, rank)``); only the weights that sample it cha
 * **Resume.** Rounds in flight are not checkpointed: a resumed run regenerates them from their seeds with the resumed
   weights (with ``k = 0`` that is exactly the uninterrupted run; with ``k > 0`` the first ``k`` rounds after a resume
   are fresher than they would have been).
+* **Death.** A worker that dies without reporting an error (killed by a signal, e.g. SIGKILL) is noticed while the
+  trainer waits for its round, at the start of an optimizer step: a ``JITCheckpoint`` among the callbacks saves the
+  last finished step and the run stops with one line naming the worker, its signal or exit code and the round
+  (:class:`~lit_trainer.callbacks.JITCheckpointFailure`); ``--ckpt_path last`` continues with a new worker.
 * **Shutdown.** The worker is stopped when fitting ends or fails (``on_exception``, Ctrl-C, a signal); it ignores
   Ctrl-C and SIGTERM itself (a scheduler that signals every process of a job must reach the trainer's
   ``JITCheckpoint`` first) and exits on its own as soon as the training process dies, in any phase of a round.
@@ -48,12 +52,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lit_trainer._stop_request import stop_check, stop_in_step
+from lit_trainer._stop_request import stop_check, stop_for_failure, stop_in_step
+from lit_trainer.data.bad_rows import BadRowError
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS
 from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_metrics
 from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
-from lit_trainer.modules.grpo._async._errors import death_message, failure_message
+from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
 from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
 
@@ -112,8 +117,9 @@ class RolloutWorker:
         waiting.
 
         Raises:
-            RuntimeError: the worker failed to start or failed on a round (the cause first, then its traceback), or
-                died without saying why (:func:`~lit_trainer.modules.grpo._async._errors.death_message`).
+            RuntimeError: the worker failed to start or failed on a round (the cause first, then its traceback).
+            WorkerDied: (a ``RuntimeError``) the worker died without saying why; the message, one line, says how
+                (:func:`~lit_trainer.modules.grpo._async._errors.death_message`).
         """
         while round_index not in self.ready:
             if should_stop is not None and should_stop():
@@ -126,7 +132,7 @@ class RolloutWorker:
                 try:  # what it put just before it exited may have arrived since
                     index, status, payload = self.results.get(timeout=1.0)
                 except queue.Empty:
-                    raise RuntimeError(death_message(self.pid, self.process.exitcode)) from None
+                    raise WorkerDied(death_message(self.pid, self.process.exitcode, round_index)) from None
             if status == "error":
                 raise RuntimeError(failure_message(self.pid, index, payload))
             if status == "ok":
@@ -291,16 +297,24 @@ class AsyncRolloutMixin:
             q = r + offset
             if q in worker.pending or q in worker.ready:
                 continue
-            future = peek(epoch, index)
+            try:
+                future = peek(epoch, index)
+            except BadRowError:  # a bad row ahead: stop reading ahead, the loader stops the run when it gets there
+                break
             if future is None:
                 break
             worker.submit(self._request(q, future))
         started = time.perf_counter()
         should_stop = stop_check(self.trainer) if can_stop else None
-        received = worker.receive(r, should_stop)
-        if received is None:  # a stop request came while waiting: the run stops here (the round is dropped)
-            stop_in_step(self.trainer)
-            received = worker.receive(r)  # the stop was not due on every rank: keep waiting
+        try:
+            received = worker.receive(r, should_stop)
+            if received is None:  # a stop request came while waiting: the run stops here (the round is dropped)
+                stop_in_step(self.trainer)
+                received = worker.receive(r)  # the stop was not due on every rank: keep waiting
+        except WorkerDied as died:
+            if can_stop:  # nothing of this optimizer step is applied: the last finished one is saved, then stop
+                stop_for_failure(self.trainer, str(died))
+            raise
         waited = time.perf_counter() - started
         request, result = received
         resampled = not _same_prompts(request.batch, batch)

@@ -18,21 +18,30 @@ def failure_message(pid: int | None, round_index: int, worker_traceback: str) ->
     return f"The GRPO rollout worker (pid {pid}) {where}: {cause}\n\nThe worker's traceback:\n{worker_traceback}"
 
 
-def death_message(pid: int | None, exitcode: int | None) -> str:
-    """The error of a worker that died without reporting an error. Only a SIGKILL, which leaves no traceback, suggests
-    running out of memory (the kernel's OOM killer sends it); any other exit points at what the worker printed."""
-    if exitcode == -signal.SIGKILL:
-        return (
-            f"The GRPO rollout worker (pid {pid}) was killed by SIGKILL (out of memory?): rerun with a smaller "
-            "generation batch, or without max_staleness."
-        )
+class WorkerDied(RuntimeError):
+    """The rollout worker process ended without reporting an error; the message (one line) says how, from its exit
+    status (:func:`death_message`)."""
+
+
+def death_message(pid: int | None, exitcode: int | None, round_index: int) -> str:
+    """One line on a worker that died without reporting an error, from its exit status alone: the signal that killed
+    it, or its exit code. SIGKILL leaves no traceback and comes from outside the worker (``kill -9``, a scheduler, or
+    the kernel's out-of-memory killer, whose kill the kernel log records): the message says so, without guessing.
+
+    Example: ``death_message(7, -9, 3)`` starts ``"The GRPO rollout worker (pid 7) was killed by signal 9 (SIGKILL)
+    at round 3"``.
+    """
     if exitcode is not None and exitcode < 0:
-        how = f"was killed by signal {-exitcode}"
-        if -exitcode in signal.valid_signals():
-            how = f"was killed by {signal.Signals(-exitcode).name}"
+        number = -exitcode
+        name = signal.Signals(number).name if number in signal.valid_signals() else "unknown signal"
+        how = f"was killed by signal {number} ({name})"
     else:
         how = f"exited with code {exitcode}"
-    return (
-        f"The GRPO rollout worker (pid {pid}) {how} without reporting an error: the traceback it printed, if any, is "
-        "in the training process's error output (stderr)."
-    )
+    if exitcode == -signal.SIGKILL:
+        why = (
+            "SIGKILL leaves no traceback and comes from outside the worker: `kill -9`, a scheduler, or the kernel's "
+            "out-of-memory killer (the kernel log, `dmesg`, records its kills)"
+        )
+    else:
+        why = "the traceback it printed, if any, is above on stderr"
+    return f"The GRPO rollout worker (pid {pid}) {how} at round {round_index} without reporting an error; {why}."
