@@ -42,7 +42,6 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_trainer.callbacks.curves import CurvesPlot
-from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
 from lit_trainer.cli.checkpoints import checked_checkpoint, complete_checkpoints, resolve_resume
 from lit_trainer.cli.cpu_threads import CPUThreadCheck
@@ -176,6 +175,8 @@ class LitTrainerCLI(LightningCLI):
         self._resume_from: str | None = None
         self._identity_config: dict[str, Any] | None = None
         self._fresh_run_dir: Path | None = None
+        # the command line, for the one instruction a JITCheckpoint stop prints (none for a dict of arguments)
+        self._argv = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, list) else None
         quiet_startup_noise()
         quiet_progress_bars_off_terminal()
         with warnings.catch_warnings():
@@ -370,6 +371,10 @@ class LitTrainerCLI(LightningCLI):
         """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises."""
         config = self.config_init[self.config_init.subcommand]
         quiet_frozen_eval_mode_warning(self.model)
+        if self._argv:  # a JITCheckpoint stop says how to continue with this command, not with `trainer.fit`
+            for callback in self.trainer.callbacks:
+                if hasattr(callback, "resume_instruction"):
+                    callback.resume_instruction = resume_hint(self._argv)
         rank_zero_info(f"[lit_trainer] run folder: {self.trainer.log_dir}")
         if self._resume_from is None:
             resolve_resume("never", [], self.trainer)
@@ -404,11 +409,13 @@ def _nothing_to_continue(requested: str, run_root: Path, skipped: list[tuple[str
     )
 
 
-def resume_hint(argv: list[str], checkpoint_path: str) -> str:
-    """The command that continues a run stopped by ``JITCheckpoint``: the same arguments with ``--ckpt_path last``.
+def resume_hint(argv: list[str]) -> str:
+    """The command that continues a run stopped by ``JITCheckpoint``: the same arguments with ``--ckpt_path last``
+    (which picks the run's newest complete checkpoint: the one the stop wrote). The CLI hands it to the callback, which
+    prints it once, after the save.
 
     Example:
-        >>> resume_hint(["fit", "--config", "configs/sft.yaml"], "runs/sft/version_0/checkpoints/jit.ckpt")
+        >>> resume_hint(["fit", "--config", "configs/sft.yaml"])
         'To continue this run: lit-trainer fit --config configs/sft.yaml --ckpt_path last'
     """
     kept: list[str] = []
@@ -436,13 +443,6 @@ def main(args: Any = None) -> None:
             LitTrainerCLI()
         else:
             LitTrainerCLI(args=args)
-    except JITCheckpointExit as stop:
-        if rank_zero_only.rank == 0:
-            argv = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, list) else []
-            print(f"[lit_trainer] checkpoint saved: {stop.checkpoint_path}", file=sys.stderr)
-            if argv:
-                print(f"[lit_trainer] {resume_hint(argv, stop.checkpoint_path)}", file=sys.stderr)
-        raise
     except Exception as error:
         if os.environ.get(TRACEBACK_ENV) or not raised_by_our_checks(error):
             raise
