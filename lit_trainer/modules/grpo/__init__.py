@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -253,6 +253,9 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
     """
 
     uses_reference_adapter = True
+    #: the bar shows the window's mean reward: the policy loss of a round is near 0 by construction (advantages are
+    #: centred per group), so the reward is what says whether the policy improves
+    PROGRESS_BAR_METRICS: ClassVar[dict[str, str]] = {"reward": "reward"}
 
     def __init__(
         self,
