@@ -54,6 +54,7 @@ from lit_trainer.cli.errors import (
     raised_by_our_checks,
 )
 from lit_trainer.cli.noise import (
+    hub_kernel_note,
     quiet_frozen_eval_mode_warning,
     quiet_progress_bars_off_terminal,
     quiet_startup_noise,
@@ -371,6 +372,8 @@ class LitTrainerCLI(LightningCLI):
         """Hand the resolved checkpoint to ``fit``; a fresh start that Lightning would turn into a resume raises."""
         config = self.config_init[self.config_init.subcommand]
         quiet_frozen_eval_mode_warning(self.model)
+        if (note := hub_kernel_note(bool(getattr(self.model, "is_quantized", False)))) is not None:
+            rank_zero_info(note)
         if self._argv:  # a JITCheckpoint stop says how to continue with this command, not with `trainer.fit`
             for callback in self.trainer.callbacks:
                 if hasattr(callback, "resume_instruction"):
