@@ -94,7 +94,9 @@ class DistillationModule(BaseModule):
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
-        ValueError: an option out of range, a teacher with another vocabulary, the student object as the teacher.
+        ValueError: an option out of range, a teacher with another vocabulary, the student object as the teacher; at
+            setup, a sequence (the longest row, or when sampling the longest prompt + ``max_new_tokens``) past the
+            student's or the teacher's learned position table (warned for rotary positions).
 
     Example::
 

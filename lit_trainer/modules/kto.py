@@ -107,6 +107,10 @@ class KTOModule(DPOModule):
             policy object itself; at setup, ``loss_type="kto"`` with a batch size below 2 (a chunk of one row has no
             mismatched partner).
 
+    Warns:
+        UserWarning: at setup, once, when the training labels are one kind only, or unequal with weights that do not
+            balance them (:func:`~lit_trainer.losses.kto.label_balance_problem`).
+
     Example::
 
         module = KTOModule("runs/sft_partial/version_0/hf_model", learning_rate=3e-4)
