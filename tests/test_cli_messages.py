@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_trainer.callbacks.progress import RunProgressBar, format_metrics, metrics_table
+from lit_trainer.callbacks.progress import RunProgressBar, format_metrics, metrics_table, render_text
 from lit_trainer.cli.app import LitTrainerCLI, unbounded_run_error
 from lit_trainer.cli.cpu_threads import oversubscription_warning
 from lit_trainer.cli.errors import join_negative_numbers, lead_message, suggest
@@ -117,7 +117,7 @@ def test_oversubscription_decision():
 
 def test_progress_text():
     assert format_metrics({"train_loss": torch.tensor(1.23456), "lr": 0.003}) == "train_loss 1.235 | lr 0.003"
-    assert metrics_table({"val_loss": 0.5, "val_exact_match": 0.956}).splitlines() == [
+    assert render_text(metrics_table({"val_loss": 0.5, "val_exact_match": 0.956}), 80).splitlines() == [
         "  val_exact_match  0.956",
         "  val_loss         0.5",
     ]

@@ -16,6 +16,7 @@ from helpers.ddp import output_tail, run_lit_trainer, script_env
 from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.cli import LitTrainerCLI
+from lit_trainer.cli.app import main
 
 SFT = str(Path(__file__).resolve().parents[1] / "configs" / "sft.yaml")
 QUIET = QUIET_FIT
@@ -51,6 +52,29 @@ def test_first_ctrl_c_saves_at_the_next_step_exits_130_and_the_resume_is_bit_exa
     ours, reference = _weights(Path(resumed.trainer.log_dir)), _weights(Path(uninterrupted.trainer.log_dir))
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_a_stop_prints_one_instruction_and_it_continues_the_run(tmp_path, monkeypatch, capfd, caplog):
+    # the callback used to say `fit(..., ckpt_path=...)` and the CLI `--ckpt_path last`: one instruction now, the CLI's
+    # (SIGINT: the same save and message as SIGTERM, without the recipe's 3 s kill_wait, which outlasts this short run)
+    monkeypatch.chdir(tmp_path)
+    signal_at = ["--trainer.callbacks+=helpers.signals.SignalAt", "--trainer.callbacks.step=2"]
+    signal_at += ["--trainer.callbacks.signal_name=SIGINT"]
+    with pytest.raises(JITCheckpointExit) as stopped:
+        main(["fit", "--config", SFT, "--trainer.max_steps", "6", *QUIET, *signal_at])
+    assert stopped.value.code == 130
+    output = capfd.readouterr()
+    lines = (output.out + output.err).splitlines() + [record.getMessage() for record in caplog.records]
+    told = [line for line in lines if "continue" in line.lower() or "ckpt_path" in line]
+    assert len(told) == 1, told
+    assert "fit(..., ckpt_path" not in told[0]
+    saved = stopped.value.checkpoint_path
+    assert told[0].startswith(f"JITCheckpoint: saved step 2 to {saved} in ")
+    command = shlex.split(told[0].split("To continue this run: ", 1)[1])
+    assert command[:2] == ["lit-trainer", "fit"] and command[-2:] == ["--ckpt_path", "last"]
+    resumed = LitTrainerCLI(args=command[1:])  # the printed command, as a person would paste it
+    assert Path(resumed.trainer.ckpt_path).resolve() == Path(saved).resolve()
+    assert resumed.trainer.global_step == 6
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch):

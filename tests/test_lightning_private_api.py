@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["lightning.pytorch", "pytorch_lightning"]  # the callbacks serve both (lit_trainer.callbacks._namespace)
 
+STEP_BAR = "RunProgressBar counts optimizer steps and stops its display when training ends"
 # (feature, module under the package, class, method, parameter names) - methods lit_trainer overrides or calls
 METHODS = [
     (
@@ -38,6 +39,21 @@ METHODS = [
         "_get_train_description",
         ["self", "current_epoch"],
     ),
+    *[
+        (
+            "RunProgressBar counts optimizer steps and stops its display when training ends",
+            "callbacks",
+            "RichProgressBar",
+            name,
+            params,
+        )
+        for name, params in (
+            ("_update", ["self", "progress_bar_id", "current", "visible", "hard"]),
+            ("_initialize_train_progress_bar_id", ["self"]),
+            ("_update_metrics", ["self", "trainer", "pl_module"]),
+            ("_stop_progress", ["self"]),
+        )
+    ],
     ("LitTrainerCLI (lit_trainer.cli) overrides it", "cli", "LightningCLI", "_parse_ckpt_path", ["self"]),
     (
         "LitTrainerCLI (lit_trainer.cli) overrides it",

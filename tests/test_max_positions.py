@@ -14,10 +14,10 @@ from typing import Any
 import lightning as L
 import pytest
 from datasets import Dataset
-from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
 from helpers.models import tiny_llama
-from lit_trainer import CausalLMModule, DPOModule, GRPOModule, RewardModule
+from lit_trainer import CausalLMModule, DistillationModule, DPOModule, GRPOModule, RewardModule
 from lit_trainer.data import PreferenceDataModule, PromptDataModule, SFTDataModule
 from lit_trainer.models import build_tokenizer
 from lit_trainer.rewards import arithmetic_reward
@@ -118,3 +118,52 @@ def test_packed_rows_count_one_by_one():
         warnings.simplefilter("always")
         fit(CausalLMModule(gpt2(15), tokenizer=build_tokenizer()), data)
     assert ours(record) == []
+
+
+def test_distillation_counts_the_sampled_completions_against_the_positions():
+    # on-policy distillation samples max_new_tokens after each prompt: the 10-token prompt + 8 = 18 > 16 positions,
+    # although every dataset row (15 tokens) fits
+    with pytest.raises(
+        ValueError, match=r"(?s)10 tokens.*max_new_tokens=8 = 18.*max_position_embeddings=16.*at most 6"
+    ):
+        fit(
+            DistillationModule(gpt2(16), teacher_model=gpt2(16), tokenizer=build_tokenizer(), max_new_tokens=8),
+            sft_data(),
+            steps=0,
+        )
+    # dataset completions only (lmbda=0, no seq_kd): the rows are what the models see, and they fit
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(DistillationModule(gpt2(16), teacher_model=gpt2(16), tokenizer=build_tokenizer(), lmbda=0.0), sft_data())
+    assert ours(record) == []
+
+
+def test_distillation_checks_the_teachers_positions_too():
+    student = tiny_llama(positions=64)
+    with pytest.raises(
+        ValueError, match=r"(?s)DistillationModule \(teacher\): the longest row of the data has 15 tokens.*=14"
+    ):
+        fit(
+            DistillationModule(student, teacher_model=gpt2(14), tokenizer=build_tokenizer(), lmbda=0.0),
+            sft_data(),
+            steps=0,
+        )
+
+
+def mistral(positions: int, window: int | None) -> Any:
+    config = MistralConfig(
+        vocab_size=384, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=positions, sliding_window=window, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    return MistralForCausalLM(config)
+
+
+def test_a_sliding_window_on_every_layer_has_no_position_limit():
+    # each token attends to the last 8 only: relative distances stay within the 14 positions the model knows
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(CausalLMModule(mistral(14, window=8), tokenizer=build_tokenizer()), sft_data())
+    assert ours(record) == []
+    with pytest.warns(UserWarning, match=r"(?s)15 tokens.*max_position_embeddings=14.*rotary"):  # full attention
+        fit(CausalLMModule(mistral(14, window=None), tokenizer=build_tokenizer()), sft_data())

@@ -216,6 +216,9 @@ class _JITCheckpoint(PackageBound):
         self._board = StopBoard()  # one process until setup opens the run's
         self._searched: set[Path] = set()  # the folders Lightning's ckpt_path="last" searches (set in setup)
         self._versioned = False  # the checkpoints go to a logger's version folder (set in setup)
+        #: how to continue, said once after the save; None: the ``fit(..., ckpt_path=...)`` call that does (a launcher
+        #: sets its own command instead: ``lit-trainer`` sets the command line with ``--ckpt_path last``)
+        self.resume_instruction: str | None = None
 
     @property
     def requested(self) -> bool:
@@ -404,24 +407,23 @@ class _JITCheckpoint(PackageBound):
 
     def _save_and_say(self, trainer: pl.Trainer) -> str:
         path = self._save(trainer)
-        found_by_last = Path(path).name.startswith("last") and Path(path).parent.absolute() in self._searched
-        if not found_by_last:
-            how = (
-                f'continue with fit(..., ckpt_path={path!r}) (Lightning\'s ckpt_path="last" searches only the '
-                "folders of ModelCheckpoint callbacks for `last*` files)"
-            )
-        elif self._versioned:  # the folder is the logger's version folder: a relaunch logs to a new version
-            how = (
-                f'continue with fit(..., ckpt_path={path!r}) (ckpt_path="last" finds it only if the relaunch logs '
-                "to the same logger version; a new version searches its own folder)"
-            )
-        else:
-            how = 'fit(..., ckpt_path="last") continues from it'
-
-        rank_zero_info(
-            f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s; {how}."
-        )
+        how = self.resume_instruction or self._fit_instruction(path)
+        rank_zero_info(f"JITCheckpoint: saved step {trainer.global_step} to {path} in {self.save_seconds:.2f} s. {how}")
         return path
+
+    def _fit_instruction(self, path: str) -> str:
+        """The ``trainer.fit`` call that continues from the checkpoint at ``path`` (a plain Lightning project)."""
+        if not (Path(path).name.startswith("last") and Path(path).parent.absolute() in self._searched):
+            return (
+                f'Continue with fit(..., ckpt_path={path!r}) (Lightning\'s ckpt_path="last" searches only the '
+                "folders of ModelCheckpoint callbacks for `last*` files)."
+            )
+        if self._versioned:  # the folder is the logger's version folder: a relaunch logs to a new version
+            return (
+                f'Continue with fit(..., ckpt_path={path!r}) (ckpt_path="last" finds it only if the relaunch logs '
+                "to the same logger version; a new version searches its own folder)."
+            )
+        return 'fit(..., ckpt_path="last") continues from it.'
 
     def _exit_status(self, trainer: pl.Trainer) -> int:
         """``exit_code``, or 128 + the signal (the same on every rank: the highest signal number any rank got)."""

@@ -1,13 +1,19 @@
 """What ``lit-trainer`` prints while and after it trains: a progress bar or plain lines, and a final metrics table.
 
-* :class:`RunProgressBar`: Lightning's ``RichProgressBar`` without the ``Epoch 0/-2`` of a step-bounded run;
+* :class:`RunProgressBar`: Lightning's ``RichProgressBar``, counting optimizer steps toward ``max_steps`` when it is
+  set (Lightning counts micro-batches of the epoch: ``6/3`` for 3 steps of 2 accumulated micro-batches), without the
+  ``Epoch 0/-2`` of a step-bounded run, and stopped when training ends, so what is printed after it (the export, the
+  final metrics) is not interleaved with redraws of the bar;
 * :class:`LineProgressBar`: when stdout is not a terminal (a log file, a batch job) a bar prints nothing useful, so
   one plain line every ``every_n_steps`` optimizer steps and one after each validation instead;
-* :class:`FinalMetrics`: the last validation's metrics as a table when ``fit`` ends, and the run folder.
+* :class:`FinalMetrics`: the last validation's metrics as a table when ``fit`` ends, and the run folder; the table
+  fits the terminal's width (a long metric name is folded onto the next line, the value stays on its row).
 """
 
 from __future__ import annotations
 
+import io
+import shutil
 import sys
 import time
 from typing import Any
@@ -15,6 +21,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
+from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 from typing_extensions import override
 
 
@@ -33,14 +43,63 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return " | ".join(f"{key} {_fmt(value)}" for key, value in metrics.items())
 
 
-def metrics_table(metrics: dict[str, Any]) -> str:
-    """One ``key  value`` row per metric, keys aligned (empty string for no metrics)."""
-    width = max((len(k) for k in metrics), default=0)
-    return "\n".join(f"  {key:<{width}}  {_fmt(value)}" for key, value in sorted(metrics.items()))
+def metrics_table(metrics: dict[str, Any]) -> Padding:
+    """One ``key  value`` row per metric, sorted, keys aligned, indented by two: a Rich renderable that fits the width
+    it is rendered at (a name too long for it is folded onto the next lines; values are never cut)."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column("metric", overflow="fold")
+    table.add_column("value", no_wrap=True)
+    for key, value in sorted(metrics.items()):
+        table.add_row(Text(key), Text(_fmt(value)))  # Text: a name is never read as Rich markup
+    return Padding(table, (0, 0, 0, 2))
+
+
+def render_text(renderable: Any, width: int | None = None) -> str:
+    """``renderable`` as plain text (no colours or control codes) ``width`` columns wide (default: the terminal's,
+    80 when there is none), without trailing spaces."""
+    width = width or shutil.get_terminal_size().columns
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False, emoji=False)
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 class RunProgressBar(RichProgressBar):
-    """``RichProgressBar`` that writes ``Epoch 3`` rather than ``Epoch 3/-2`` when the run is bounded by steps."""
+    """``RichProgressBar`` for step-bounded runs: with ``max_steps`` set the bar counts optimizer steps (resumed runs
+    start at the step they resume from) rather than the epoch's micro-batches; it writes ``Epoch 3`` rather than
+    ``Epoch 3/-2``, shows its metrics with 4 significant digits and without ``v_num``, and stops its live display
+    when training ends (Lightning stops it after ``on_fit_end``, so the lines printed there would be interleaved
+    with redraws of the bar)."""
+
+    def _counts_steps(self) -> bool:
+        return bool(self.trainer.max_steps and self.trainer.max_steps > 0)
+
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._counts_steps() else super().total_train_batches
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._counts_steps():
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        if not self.is_disabled and self.train_progress_bar_id is None:  # a resume in the middle of an epoch
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, trainer.global_step)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module).items()
+        return {k: _fmt(v) for k, v in metrics if k != "v_num"}  # 4 significant digits: tok/s 2543, not 2542.640
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._update_metrics(trainer, pl_module)
+        self._stop_progress()
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
@@ -158,7 +217,8 @@ class FinalMetrics(Callback):
         if not trainer.is_global_zero:
             return
         if self.metrics:
-            print(f"\nFinal validation metrics (step {self.step}):\n{metrics_table(self.metrics)}", flush=True)
+            table = render_text(metrics_table(self.metrics))
+            print(f"\nFinal validation metrics (step {self.step}):\n{table}", flush=True)
         else:
             print("\nNo validation ran during fit (see trainer.val_check_interval / limit_val_batches).", flush=True)
         print(f"Run folder: {log_dir}", flush=True)

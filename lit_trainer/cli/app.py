@@ -48,7 +48,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from lit_trainer._atomic import NoSpaceError
 from lit_trainer.callbacks.curves import CurvesPlot
-from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
 from lit_trainer.checkpoint_io import with_atomic_writes
 from lit_trainer.cli.checkpoints import checked_checkpoint, complete_checkpoints, resolve_resume
@@ -62,6 +61,7 @@ from lit_trainer.cli.errors import (
     raised_by_our_checks,
 )
 from lit_trainer.cli.noise import (
+    hub_kernel_note,
     quiet_frozen_eval_mode_warning,
     quiet_progress_bars_off_terminal,
     quiet_startup_noise,
@@ -186,6 +186,8 @@ class LitTrainerCLI(LightningCLI):
         self._fresh_run_dir: Path | None = None
         self._resumed_run: RunFolderState | None = None  # the run folder as it was before this resumed part
         self._resume_step = 0  # the global step of the checkpoint resumed from
+        # the command line, for the one instruction a JITCheckpoint stop prints (none for a dict of arguments)
+        self._argv = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, list) else None
         quiet_startup_noise()
         quiet_progress_bars_off_terminal()
         with warnings.catch_warnings():
@@ -421,6 +423,12 @@ class LitTrainerCLI(LightningCLI):
         config = self.config_init[self.config_init.subcommand]
         self.trainer.strategy.checkpoint_io = with_atomic_writes(self.trainer.strategy.checkpoint_io)
         quiet_frozen_eval_mode_warning(self.model)
+        if (note := hub_kernel_note(bool(getattr(self.model, "is_quantized", False)))) is not None:
+            rank_zero_info(note)
+        if self._argv:  # a JITCheckpoint stop says how to continue with this command, not with `trainer.fit`
+            for callback in self.trainer.callbacks:
+                if hasattr(callback, "resume_instruction"):
+                    callback.resume_instruction = resume_hint(self._argv)
         rank_zero_info(f"[lit_trainer] run folder: {self.trainer.log_dir}")
         if self._resume_from is None:
             resolve_resume("never", [], self.trainer)
@@ -455,12 +463,13 @@ def _nothing_to_continue(requested: str, run_root: Path, skipped: list[tuple[str
     )
 
 
-def resume_hint(argv: list[str], checkpoint_path: str, ckpt_path: str = "last") -> str:
+def resume_hint(argv: list[str], ckpt_path: str = "last") -> str:
     """The command that continues a run stopped by ``JITCheckpoint``: the same arguments with ``--ckpt_path last``
-    (or ``ckpt_path``).
+    (which picks the run's newest complete checkpoint: the one the stop wrote), or ``ckpt_path``. The CLI hands it to
+    the callback, which prints it once, after the save.
 
     Example:
-        >>> resume_hint(["fit", "--config", "configs/sft.yaml"], "runs/sft/version_0/checkpoints/jit.ckpt")
+        >>> resume_hint(["fit", "--config", "configs/sft.yaml"])
         'To continue this run: lit-trainer fit --config configs/sft.yaml --ckpt_path last'
     """
     kept: list[str] = []
@@ -492,7 +501,7 @@ def no_space_message(error: NoSpaceError, argv: list[str]) -> str:
     if target is None:
         return f"{text} No complete checkpoint of this run is left to continue from: free space and start it again."
     ckpt_path, what = target
-    command = resume_hint(argv, "", ckpt_path).removeprefix("To continue this run: ") if argv else None
+    command = resume_hint(argv, ckpt_path).removeprefix("To continue this run: ") if argv else None
     if command is None:
         return f"{text} Free space, then continue with --ckpt_path {ckpt_path} ({what})."
     return f"{text} Free space, then continue: {command} ({what})."
@@ -512,13 +521,6 @@ def main(args: Any = None) -> None:
             LitTrainerCLI()
         else:
             LitTrainerCLI(args=args)
-    except JITCheckpointExit as stop:
-        if rank_zero_only.rank == 0:
-            argv = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, list) else []
-            print(f"[lit_trainer] checkpoint saved: {stop.checkpoint_path}", file=sys.stderr)
-            if argv:
-                print(f"[lit_trainer] {resume_hint(argv, stop.checkpoint_path)}", file=sys.stderr)
-        raise
     except NoSpaceError as full:
         if os.environ.get(TRACEBACK_ENV):
             raise

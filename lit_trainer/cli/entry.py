@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(quick_help())
         return
     apply_openmp_defaults()
+    from lit_trainer.cli.noise import quiet_hub_kernel_failures
+
+    quiet_hub_kernel_failures()  # before the app imports transformers (which imports bitsandbytes)
     from lit_trainer.cli.app import main as cli_main
 
     cli_main(None if argv is None else args)

@@ -373,6 +373,17 @@ class SFTDataModule(BaseDataModule):
         collator = SFTCollator(self.pad_token_id, self.hparams.pad_to_multiple_of, generation_inputs=not train)
         return collator(rows)
 
+    def longest_prompt(self) -> int | None:
+        """Tokens of the longest prompt (before the first trained token) over the training and validation rows; None
+        before setup or for rows without a ``prompt_length`` column (packed bins). On-policy distillation samples
+        completions after the prompts and compares this plus its budget with the model's positions."""
+        lengths = [
+            max(data["prompt_length"])
+            for data in (self.train_dataset, self.val_dataset)
+            if data is not None and len(data) and "prompt_length" in data.column_names
+        ]
+        return max(lengths) if lengths else None
+
     @override
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Target tokens after the causal shift."""

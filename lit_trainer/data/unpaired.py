@@ -336,6 +336,14 @@ class UnpairedPreferenceDataModule(ReferenceColumns, BaseDataModule):
         partners = kl_partner_completions(usable["completion_ids"], self.hparams.batch_size)
         return usable.add_column(KL_COMPLETION_KEY, partners)
 
+    def label_counts(self) -> tuple[int, int] | None:
+        """``(desirable, undesirable)`` rows of the training data (after filtering); None before setup.
+        :class:`~lit_trainer.modules.kto.KTOModule` checks them against its weights at setup."""
+        if self.train_dataset is None:
+            return None
+        desirable = sum(bool(label) for label in self.train_dataset["label"])
+        return desirable, len(self.train_dataset) - desirable
+
     # ------------------------------------------------------------------------------------------------- batches
     @override
     def _collate(self, rows: list[dict[str, Any]], train: bool) -> dict[str, torch.Tensor]:

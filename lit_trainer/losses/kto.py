@@ -54,6 +54,51 @@ def check_kto_options(loss_type: str, beta: float, desirable_weight: float, unde
             raise ValueError(f"`kto_loss({name}={weight})` is invalid: use a weight >= 0 (default 1.0).")
 
 
+def label_balance_problem(
+    desirable: int, undesirable: int, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+) -> str | None:
+    """What the training data's labels break in KTO's assumptions, as a sentence naming the counts, or None.
+
+    * One kind only: KTO contrasts desirable completions (pushed above the reference point, the KL estimate ``z0``)
+      with undesirable ones (pushed below it), and ``desirable_weight``/``undesirable_weight`` balance the two kinds'
+      losses; with one kind nothing is pushed the other way and the weights have nothing to balance.
+    * Both kinds in unequal numbers: TRL 1.16's check (the KTO paper's Eq. 8, ``λ_D n_D / (λ_U n_U)`` in [1, 4/3]):
+      a problem when neither weight is in the range that balances the counts (bounds rounded to 2 decimals, as TRL).
+
+    Example:
+        >>> label_balance_problem(10, 10) is None
+        True
+        >>> label_balance_problem(40, 0)[:55]
+        'the training data has 40 desirable and 0 undesirable ro'
+    """
+    counts = f"the training data has {desirable} desirable and {undesirable} undesirable rows"
+    if desirable == 0 or undesirable == 0:
+        missing, other = ("undesirable", "down") if undesirable == 0 else ("desirable", "up")
+        return (
+            f"{counts}: KTO contrasts the two kinds around a reference point (the KL estimate z0: a desirable "
+            "completion is pushed above it, an undesirable one below it), and desirable_weight/undesirable_weight "
+            f"balance their losses; with one kind only, no completion is pushed {other} and the weights have nothing "
+            f"to balance. Add {missing} rows (label {missing == 'desirable'}), or train CausalLMModule (SFT) on the "
+            "desirable completions."
+        )
+    if desirable == undesirable:
+        return None
+    ratio = undesirable * undesirable_weight / desirable
+    des_low, des_high = round(ratio, 2), round(ratio * 1.33, 2)
+    und_low, und_high = (
+        round(desirable * desirable_weight / undesirable / 1.33, 2),
+        round(desirable * desirable_weight / undesirable, 2),
+    )
+    if des_low <= desirable_weight <= des_high or und_low <= undesirable_weight <= und_high:
+        return None
+    return (
+        f"{counts}, which desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} do not "
+        "balance: KTO (the paper's Eq. 8, as TRL checks) wants desirable_weight x desirable rows / (undesirable_weight "
+        f"x undesirable rows) in [1, 4/3]. Set desirable_weight in [{des_low}, {des_high}] or undesirable_weight in "
+        f"[{und_low}, {und_high}] (not both)."
+    )
+
+
 def kto_loss(
     logps: torch.Tensor,
     ref_logps: torch.Tensor,

@@ -32,7 +32,7 @@ from lit_trainer.losses.distillation import chunked_token_divergence, generalize
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.metrics import greedy_batch_matches
 from lit_trainer.models import load_model, load_tokenizer
-from lit_trainer.modules.base import BaseModule, _logits, _sharding
+from lit_trainer.modules.base import BaseModule, _logits, _positions, _sharding
 from lit_trainer.modules.dpo import disable_dropout_in_model
 from lit_trainer.modules.grpo import _completions as rollout
 
@@ -94,7 +94,9 @@ class DistillationModule(BaseModule):
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
-        ValueError: an option out of range, a teacher with another vocabulary, the student object as the teacher.
+        ValueError: an option out of range, a teacher with another vocabulary, the student object as the teacher; at
+            setup, a sequence (the longest row, or when sampling the longest prompt + ``max_new_tokens``) past the
+            student's or the teacher's learned position table (warned for rotary positions).
 
     Example::
 
@@ -184,8 +186,30 @@ class DistillationModule(BaseModule):
         return [self.model, self.teacher_model]
 
     @override
+    def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
+        """The longest row, or when completions are sampled (``lmbda > 0`` or ``seq_kd``) the longest prompt plus
+        ``max_new_tokens`` if that is longer (see :meth:`BaseModule.sequence_budget`)."""
+        tokens, what, fix = super().sequence_budget(longest_row, positions)
+        hp = self.hparams
+        datamodule = getattr(self.trainer, "datamodule", None)
+        prompt = datamodule.longest_prompt() if callable(getattr(datamodule, "longest_prompt", None)) else None
+        if (hp.lmbda == 0 and not hp.seq_kd) or prompt is None or prompt + hp.max_new_tokens <= longest_row:
+            return tokens, what, fix
+        budget = prompt + hp.max_new_tokens
+        what = f"the longest prompt ({prompt} tokens) + max_new_tokens={hp.max_new_tokens} = {budget} tokens (sampled)"
+        room = positions - prompt
+        fix = f"lower max_new_tokens to at most {room}, or" if room > 0 else "lower"
+        return budget, what, f"{fix} the data module's `max_length`"
+
+    @override
     def setup(self, stage: str) -> None:
-        super().setup(stage)
+        super().setup(stage)  # the student's positions (BaseModule.setup)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        longest = datamodule.longest_row() if callable(getattr(datamodule, "longest_row", None)) else None
+        positions = _positions.max_positions(self.teacher_model)
+        if stage == "fit" and longest is not None and positions is not None:  # the teacher scores the same rows
+            tokens, what, fix = self.sequence_budget(longest, positions)
+            _positions.check_positions(self.teacher_model, tokens, f"DistillationModule (teacher): {what}", fix)
         strategy = self.trainer.strategy
         if not _sharding.has_local_grads(strategy):
             raise ValueError(

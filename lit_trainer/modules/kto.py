@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
@@ -26,6 +27,7 @@ from lit_trainer.losses.kto import (
     kto_kl_terms,
     kto_loss,
     kto_rewards_metrics,
+    label_balance_problem,
 )  # fmt: skip
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base._logits import next_token_targets
@@ -104,6 +106,10 @@ class KTOModule(DPOModule):
             ``sync_ref_model``, ``precompute_ref_batch_size < 1``, invalid TR-DPO options, ``ref_model`` being the
             policy object itself; at setup, ``loss_type="kto"`` with a batch size below 2 (a chunk of one row has no
             mismatched partner).
+
+    Warns:
+        UserWarning: at setup, once, when the training labels are one kind only, or unequal with weights that do not
+            balance them (:func:`~lit_trainer.losses.kto.label_balance_problem`).
 
     Example::
 
@@ -277,3 +283,9 @@ class KTOModule(DPOModule):
                 "inside chunks of batch_size rows, so a chunk needs >= 2 rows. Raise batch_size "
                 "(e.g. 8 or more), or use loss_type='apo_zero_unpaired'."
             )
+        counts = datamodule.label_counts() if callable(getattr(datamodule, "label_counts", None)) else None
+        if stage == "fit" and counts is not None:
+            weights = (self._loss_options["desirable_weight"], self._loss_options["undesirable_weight"])
+            problem = label_balance_problem(*counts, *weights)
+            if problem is not None:
+                rank_zero_warn(f"[lit_trainer] KTOModule: {problem}")

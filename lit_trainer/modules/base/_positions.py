@@ -14,7 +14,14 @@ modules record each row's length; a packed bin counts row by row, since position
   But a pretrained model's outputs past the context it was trained for are unreliable, and the config's number is the
   only record of that context, so the user hears it once and decides.
 
+* **Silent** when every layer attends through a sliding window no wider than the positions (Mistral's
+  ``sliding_window`` without full-attention layers): no query then reaches a key farther than the window, so the
+  relative distances stay within what the model was trained on, however long the sequence. A model whose config has
+  no ``max_position_embeddings`` (no limit, e.g. ALiBi's BLOOM) is silent too.
+
 The setting alone (``max_length``) is not compared: a limit above the positions that no row reaches changes nothing.
+Modules that generate (GRPO, RLOO, distillation) count the longest prompt plus the generation budget
+(``sequence_budget``), so a budget past the positions is named before the first round, not minutes into it.
 """
 
 from __future__ import annotations
@@ -54,6 +61,19 @@ def position_table(model: torch.nn.Module, positions: int) -> str | None:
     return None
 
 
+def slides_everywhere(model: Any, positions: int) -> bool:
+    """Whether every attention layer of the model uses a sliding window of at most ``positions`` tokens (its config's
+    ``sliding_window``, with no ``layer_types`` entry other than ``"sliding_attention"``)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or not 0 < window <= positions:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return not layer_types or all(kind == "sliding_attention" for kind in layer_types)
+
+
 def check_positions(model: torch.nn.Module, tokens: int, what: str, fix: str) -> None:
     """Refuse or warn (module docstring) when a sequence of ``tokens`` tokens passes the model's positions.
 
@@ -71,6 +91,8 @@ def check_positions(model: torch.nn.Module, tokens: int, what: str, fix: str) ->
         return
     head = f"{what}, beyond the model's max_position_embeddings={positions}"
     table = position_table(model, positions)
+    if table is None and slides_everywhere(model, positions):
+        return
     if table is not None:
         raise ValueError(
             f"{head}. The model has a learned table of {positions} positions ({table}), so a longer sequence fails "

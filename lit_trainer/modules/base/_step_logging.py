@@ -14,7 +14,7 @@ as the HF Trainer logs it.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -115,12 +115,23 @@ class StepLoggingMixin:
             values["cost_spread"] = self._cost_spread()
         return values
 
+    #: what the progress bar shows besides ``loss`` and ``tok/s``: its label -> the logged metric (when logged), e.g.
+    #: GRPO's mean reward, whose loss stays near 0 whatever the policy learns
+    PROGRESS_BAR_METRICS: ClassVar[dict[str, str]] = {}
+
     def _write_logs(self) -> None:
         values = self._window_values()
-        self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        self.log(
-            "loss", values["train_loss"], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True
-        )
+        shown = {
+            label: key for label, key in {"loss": "train_loss", **self.PROGRESS_BAR_METRICS}.items() if key in values
+        }
+        logged_as_shown = {label for label, key in shown.items() if label == key}  # one `log` call per name
+        logged = {key: value for key, value in values.items() if key not in logged_as_shown}
+        self.log_dict(logged, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
+        for label, key in shown.items():
+            logger = label in logged_as_shown
+            self.log(
+                label, values[key], on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True
+            )
         self.log(
             "tok/s",
             values["tokens_per_sec"],

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -253,6 +253,9 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
     """
 
     uses_reference_adapter = True
+    #: the bar shows the window's mean reward: the policy loss of a round is near 0 by construction (advantages are
+    #: centred per group), so the reward is what says whether the policy improves
+    PROGRESS_BAR_METRICS: ClassVar[dict[str, str]] = {"reward": "reward"}
 
     def __init__(
         self,
@@ -328,18 +331,17 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         **kwargs: Any,
     ) -> None:
         options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
-        check_grpo_options(options)
+        name = type(self).__name__  # the class the user constructed (RLOOModule too): named in every message
+        check_grpo_options(options, name)
         if use_transformers_paged:
             warnings.warn(
-                "`GRPOModule(use_transformers_paged=True)` is deprecated (as in TRL 1.16): use "
+                f"`{name}(use_transformers_paged=True)` is deprecated (as in TRL 1.16): use "
                 "`use_transformers_continuous_batching=True`.",
                 FutureWarning,
                 stacklevel=2,
             )
         super().__init__(model, learning_rate=learning_rate, **kwargs)
-        check_ref_sync_options(
-            "GRPOModule", sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft
-        )
+        check_ref_sync_options(name, sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft)
         self.continuous_batching = use_transformers_continuous_batching or use_transformers_paged
         self.engine: RolloutEngine = make_engine(
             self.continuous_batching, transformers_continuous_batching_config, rollout_engine
@@ -412,7 +414,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         batch_size = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
         if batch_size is None:
             raise ValueError(
-                "GRPOModule needs a PromptDataModule passed as `trainer.fit(module, datamodule=...)`: its "
+                f"{type(self).__name__} needs a PromptDataModule passed as `trainer.fit(module, datamodule=...)`: its "
                 "`batch_size` is the per-device train batch size."
             )
         hp = self.hparams
@@ -476,18 +478,18 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
     def _check_geometry(self, spg: int) -> None:
         """Refuse what cannot be exact with this ``steps_per_generation`` and strategy (the fix in the message)."""
         hp, accumulate = self.hparams, self.trainer.accumulate_grad_batches
-        strategy = type(self.trainer.strategy).__name__
+        strategy, name = type(self.trainer.strategy).__name__, type(self).__name__
         corrected = hp.loss_type in _TOKEN_NORMALISED and spg % accumulate
         if corrected and not _sharding.has_local_grads(self.trainer.strategy):
             raise ValueError(
-                f"GRPOModule(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
+                f"{name}(loss_type={hp.loss_type!r}) with steps_per_generation={spg} not a multiple of "
                 f"accumulate_grad_batches={accumulate} corrects the step's "
                 f"gradient in `param.grad`, which {strategy} does not use: use strategy 'ddp', or make "
                 "steps_per_generation a multiple of accumulate_grad_batches."
             )
         if corrected and self._entropy.enabled:
             raise ValueError(
-                f"GRPOModule(entropy_coef={hp.entropy_coef}, use_adaptive_entropy={hp.use_adaptive_entropy}) with "
+                f"{name}(entropy_coef={hp.entropy_coef}, use_adaptive_entropy={hp.use_adaptive_entropy}) with "
                 f"loss_type={hp.loss_type!r} and steps_per_generation={spg} not a multiple of "
                 f"accumulate_grad_batches={accumulate}: the step's token normaliser is corrected by rescaling the "
                 "whole gradient, entropy bonus included. Make steps_per_generation a multiple of "
@@ -495,7 +497,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             )
         if self.continuous_batching and _sharding.is_sharded(self.model):
             raise ValueError(
-                "`GRPOModule(use_transformers_continuous_batching=True)` cannot generate with sharded weights "
+                f"`{name}(use_transformers_continuous_batching=True)` cannot generate with sharded weights "
                 f"({strategy}): every forward is a collective and the engine schedules each rank on its own. Use "
                 "strategy 'ddp', or plain `generate` (use_transformers_continuous_batching=False)."
             )

@@ -12,7 +12,7 @@ from lit_trainer.losses.grpo_options import ImportanceSamplingLevel, LossType
 from lit_trainer.rewards import RewardModelInputs
 
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "num_generations": (lambda v: v >= 2, "GRPO compares completions of a prompt: use >= 2, e.g. 8"),
+    "num_generations": (lambda v: v >= 2, "the advantages compare the completions of a prompt: use >= 2, e.g. 8"),
     "num_iterations": (lambda v: v >= 1, "use >= 1"),
     "steps_per_generation": (lambda v: v is None or v >= 1, "use >= 1, or None"),
     "generation_batch_size": (lambda v: v is None or v >= 1, "use >= 1, or None"),
@@ -77,8 +77,12 @@ OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES) | frozenset(_FLAGS)
 """The ``GRPOModule`` arguments :func:`check_grpo_options` expects."""
 
 
-def check_grpo_options(options: dict[str, Any]) -> None:
+def check_grpo_options(options: dict[str, Any], owner: str = "GRPOModule") -> None:
     """Validate GRPO options; every message names the value and a valid setting.
+
+    Args:
+        options: the option values by name (:data:`OPTION_NAMES`).
+        owner: the class the user constructed, named in the messages (``RLOOModule`` for RLOO).
 
     Raises:
         ValueError: on an out-of-range value, an unknown choice, or both ``steps_per_generation`` and
@@ -86,16 +90,16 @@ def check_grpo_options(options: dict[str, Any]) -> None:
     """
     for name, (valid, fix) in _RANGES.items():
         if not valid(options[name]):
-            raise ValueError(f"`GRPOModule({name}={options[name]!r})` is invalid: {fix}.")
+            raise ValueError(f"`{owner}({name}={options[name]!r})` is invalid: {fix}.")
     for name, literal in _CHOICES.items():
         if options[name] not in get_args(literal):
-            raise ValueError(f"`GRPOModule({name}={options[name]!r})` is invalid: choose one of {get_args(literal)}.")
+            raise ValueError(f"`{owner}({name}={options[name]!r})` is invalid: choose one of {get_args(literal)}.")
     if options["loss_type"] == "vespo" and options["importance_sampling_level"] != "token":
         raise ValueError(
-            "`GRPOModule(loss_type='vespo')` weights each sequence by its own summed log-ratio: "
+            f"`{owner}(loss_type='vespo')` weights each sequence by its own summed log-ratio: "
             "`importance_sampling_level` must be 'token'."
         )
-    _check_option_pairs(options)
+    _check_option_pairs(options, owner)
     if options["steps_per_generation"] is not None and options["generation_batch_size"] is not None:
         raise ValueError(
             "`steps_per_generation` and `generation_batch_size` are mutually exclusive: set only one "
@@ -103,45 +107,45 @@ def check_grpo_options(options: dict[str, Any]) -> None:
         )
 
 
-def _check_option_pairs(options: dict[str, Any]) -> None:
+def _check_option_pairs(options: dict[str, Any], owner: str) -> None:
     """Options that only make sense together (TRL 1.16's conditions, with the fix in the message)."""
     cache = options["cache_implementation"]
     if cache is not None and cache not in get_args(CacheImplementation):
         raise ValueError(
-            f"`GRPOModule(cache_implementation={cache!r})` is invalid: choose one of {get_args(CacheImplementation)}, "
+            f"`{owner}(cache_implementation={cache!r})` is invalid: choose one of {get_args(CacheImplementation)}, "
             "or None for the model's default cache."
         )
     if options["sync_ref_model"] and options["beta"] == 0:
         raise ValueError(
-            "`GRPOModule(sync_ref_model=True)` with beta=0.0 is invalid: without the KL term there is no reference "
+            f"`{owner}(sync_ref_model=True)` with beta=0.0 is invalid: without the KL term there is no reference "
             "model to synchronise. Set beta > 0 (e.g. 0.04), or sync_ref_model=False."
         )
     if options["entropy_coef_min"] > options["entropy_coef_max"]:
         raise ValueError(
-            f"`GRPOModule(entropy_coef_min={options['entropy_coef_min']}, entropy_coef_max="
+            f"`{owner}(entropy_coef_min={options['entropy_coef_min']}, entropy_coef_max="
             f"{options['entropy_coef_max']})` is invalid: the minimum must not exceed the maximum."
         )
     low, high = options["rollout_importance_sampling_clip_min"], options["rollout_importance_sampling_clip_max"]
     if low is not None and high is not None and low >= high:
         raise ValueError(
-            f"`GRPOModule(rollout_importance_sampling_clip_min={low}, rollout_importance_sampling_clip_max={high})` "
+            f"`{owner}(rollout_importance_sampling_clip_min={low}, rollout_importance_sampling_clip_max={high})` "
             "is invalid: the minimum must be below the maximum."
         )
     mode = options["rollout_importance_sampling_mode"]
     if options["rollout_importance_sampling_correction"] and mode.endswith("truncate") and low is None and high is None:
         raise ValueError(
-            f"`GRPOModule(rollout_importance_sampling_mode={mode!r})` clips the ratio, but both bounds are None: set "
+            f"`{owner}(rollout_importance_sampling_mode={mode!r})` clips the ratio, but both bounds are None: set "
             "rollout_importance_sampling_clip_max (e.g. 3.0) or rollout_importance_sampling_clip_min."
         )
     corrects = options["max_staleness"] is not None and options["rollout_importance_sampling_correction"]
     if options["loss_type"] == "vespo" and corrects and mode.startswith("sequence"):
         raise ValueError(
-            f"`GRPOModule(loss_type='vespo', rollout_importance_sampling_mode={mode!r})`: VESPO folds a per-token "
+            f"`{owner}(loss_type='vespo', rollout_importance_sampling_mode={mode!r})`: VESPO folds a per-token "
             "ratio into its weights (as TRL); use 'token_truncate' or 'token_mask'."
         )
     continuous = options["use_transformers_continuous_batching"] or options["use_transformers_paged"]
     if continuous and cache is not None:
         raise ValueError(
-            f"`GRPOModule(cache_implementation={cache!r})` applies to `generate`, but continuous batching uses its "
+            f"`{owner}(cache_implementation={cache!r})` applies to `generate`, but continuous batching uses its "
             "own paged cache: set cache_implementation=None, or use_transformers_continuous_batching=False."
         )

@@ -101,7 +101,7 @@ class AgenticRolloutMixin:
         prompts, row_tools, instances = self._row_tools(batch[PROMPTS], columns)
         if not prompts or isinstance(prompts[0], str):
             raise ValueError(
-                "GRPOModule(tools=... / environment_factory=...) needs conversational prompts (lists of "
+                f"{type(self).__name__}(tools=... / environment_factory=...) needs conversational prompts (lists of "
                 "{'role', 'content'} messages): tools are described to the model by the chat template."
             )
         options = dict(self.hparams.chat_template_kwargs or {})

@@ -202,7 +202,7 @@ class AsyncRolloutMixin:
             why = "the policy is quantized and the worker cannot copy it"
         if why:
             raise ValueError(
-                f"GRPOModule(max_staleness={self.hparams.max_staleness}): {why}. Use max_staleness=None "
+                f"{type(self).__name__}(max_staleness={self.hparams.max_staleness}): {why}. Use max_staleness=None "
                 "(synchronous rollouts), or an unquantized policy without rollout_func."
             )
 
