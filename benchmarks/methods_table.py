@@ -33,7 +33,7 @@ from _machine import cpu_model
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (config, extra arguments): each shipped recipe, as a user runs it from the start's export
 METHODS: dict[str, tuple[str, list[str]]] = {
-    "sft": ("configs/sft.yaml", ["--trainer.max_steps", "300"]),  # continued SFT, for scale
+    "sft": ("configs/sft.yaml", ["--trainer.max_steps", "300"]),  # continued SFT (300 steps of the recipe)
     "rpo": ("configs/dpo.yaml", []),  # sigmoid DPO + the SFT term, frozen reference
     "orpo": ("configs/orpo.yaml", []),
     "cpo_simpo": ("configs/simpo.yaml", []),  # shipped: cpo_alpha 1
@@ -71,7 +71,7 @@ def export_of(root: Path, run: str) -> Path:
     return root / run / "version_0" / "hf_model"
 
 
-def measure(seed: int, method: str, workdir: Path, start_seed: int | None) -> tuple[float, float]:
+def measure(seed: int, method: str, workdir: Path, start_seed: int | None, steps: list[str]) -> tuple[float, float]:
     """``(exact match, CPU seconds of the fit)`` of one run (``method`` "start": the main job). A run whose export is
     already under ``workdir`` is not run again (its CPU seconds are then nan)."""
     start_root = workdir / f"start{seed if start_seed is None else start_seed}"
@@ -86,7 +86,7 @@ def measure(seed: int, method: str, workdir: Path, start_seed: int | None) -> tu
             config, extra = METHODS[method]
             cpu = lit_trainer("fit", "--config", config, "--model.init_args.model", str(export_of(start_root, "sft")),
                               "--seed_everything", str(seed), "--trainer.default_root_dir", str(root),
-                              "--run_name", method, *extra)  # fmt: skip
+                              "--run_name", method, *extra, *steps)  # fmt: skip
     evaluation = workdir / f"eval_{root.name}_{run}"
     shutil.rmtree(evaluation, ignore_errors=True)
     return exact_match(export_of(root, run), evaluation), cpu
@@ -104,20 +104,23 @@ def main() -> None:
     parser.add_argument(
         "--start-seed", type=int, help="every method starts from the main job at this seed (default: at its own seed)"
     )
+    parser.add_argument("--max-steps", type=int, help="every method's --trainer.max_steps (default: its recipe's)")
     args = parser.parse_args()
+    steps = [] if args.max_steps is None else ["--trainer.max_steps", str(args.max_steps)]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = (args.workdir or Path(tmp)).resolve()
         results: dict[str, dict[int, tuple[float, float]]] = {}
-        for seed in args.seeds:
-            for method in ["start", *args.methods]:
+        for method in ["start", *args.methods]:  # method by method: a stopped run still has whole rows
+            for seed in args.seeds:
                 if method == "start" and args.start_seed is not None and seed != args.seeds[0]:
                     results["start"][seed] = results["start"][args.seeds[0]]
                     continue
-                results.setdefault(method, {})[seed] = measure(seed, method, workdir, args.start_seed)
+                results.setdefault(method, {})[seed] = measure(seed, method, workdir, args.start_seed, steps)
                 em, cpu = results[method][seed]
                 print(f"seed {seed} {method}: exact match {em:.3f} ({cpu:.0f} CPU-s)", flush=True)
     threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
     start = "its own seed" if args.start_seed is None else f"seed {args.start_seed}"
+    print(f"\nCommand: python benchmarks/methods_table.py {' '.join(sys.argv[1:])}")
     seeds = " ".join(map(str, args.seeds))
     print(f"\n{cpu_model()}, OMP_NUM_THREADS={threads}, seeds {seeds}, start: the main job at {start}")
     print("| run | exact match per seed | min / median / max | CPU s (median) |")
