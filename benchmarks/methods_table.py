@@ -2,18 +2,20 @@
 
 For each seed S: the start is the main job as shipped (``lit-trainer fit --config configs/sft.yaml --seed_everything
 S``, 2,000 steps; its greedy exact match is in one regime at every seed measured, docs/quickstart.md#at-every-seed);
-each method's shipped recipe then trains from that export (``--model.init_args.model <start> --seed_everything S``;
-``--start-seed N``: every method from the main job at seed N, one start run instead of one per seed)
-and the SFT module's validation (``lit-trainer validate --config configs/sft.yaml``) measures greedy exact match on
-the 500 held-out problems of the start and of every method's export. Every run is its own process, one at a time,
-under ``--workdir`` (a temp folder by default; with a folder, a start already there is reused, so ``--methods`` can
-add rows later). Prints one line per run, then the table: start -> end per method, minimum / median / maximum over
-the seeds, with the CPU model and the CPU seconds of the runs.
+each method's shipped recipe then trains from that export (``--model.init_args.model <start> --seed_everything S
+--data.init_args.seed S``: the data modules shuffle with their own ``seed``, so ``--seed_everything`` alone would
+repeat a pair method's run exactly at every seed), and the SFT module's validation (``lit-trainer validate --config
+configs/sft.yaml``) measures greedy exact match on the 500 held-out problems of the start and of every method's
+export. ``--start-seed N``: every method starts from the main job at seed N (one start run instead of one per seed).
+Every run is its own process, one at a time, under ``--workdir`` (a temp folder by default; with a folder, a run
+already there is reused, so ``--methods`` can add rows later). Prints one line per run, then the table: each seed and
+minimum / median / maximum per run, with the CPU model and the CPU seconds of the fits.
 
 Results move with the CPU and the thread count (rounding changes which step a run learns at): the point of several
 seeds is to give the spread. Run at one thread (``OMP_NUM_THREADS=1``) to compare with the published table.
 
-Usage: python benchmarks/methods_table.py [--seeds 1 2 3] [--methods rpo orpo ...] [--workdir DIR]
+Usage: python benchmarks/methods_table.py [--seeds 1 2 3] [--start-seed 1] [--methods rpo orpo ...] [--max-steps N]
+                                         [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def measure(seed: int, method: str, workdir: Path, start_seed: int | None, steps
         else:
             config, extra = METHODS[method]
             cpu = lit_trainer("fit", "--config", config, "--model.init_args.model", str(export_of(start_root, "sft")),
-                              "--seed_everything", str(seed), "--trainer.default_root_dir", str(root),
+                              "--seed_everything", str(seed), "--data.init_args.seed", str(seed),
+                              "--trainer.default_root_dir", str(root),
                               "--run_name", method, *extra, *steps)  # fmt: skip
     evaluation = workdir / f"eval_{root.name}_{run}"
     shutil.rmtree(evaluation, ignore_errors=True)
