@@ -23,7 +23,7 @@ Settings (the built-in GRPO recipe's numerics: ``loss_type="dapo"``, ``beta=0``,
 ``accumulate_grad_batches=2`` = one round per optimizer step, 8 completions per prompt):
 
 * ``recipe``: configs/grpo.yaml's shape at half its batch, from a short SFT start (``--sft-steps`` of the SFT recipe's
-  optimizer, timed; or ``--model``, an export such as ``runs/sft_partial/version_0/hf_model``): completions stop
+  optimizer, timed; or ``--model``, an export such as ``runs/sft/version_0/hf_model``): completions stop
   after 3.6 tokens on average whatever ``max_completion_length``, generation is about a quarter of a synchronous
   step, and the reward curves are meaningful;
 * ``balanced``: generation about as long as the rest of a synchronous step (40-60%): every completion is held at

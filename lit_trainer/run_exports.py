@@ -1,7 +1,7 @@
 """Which step writes a run's export, for the message when a chained recipe's input is missing.
 
 A recipe that starts from another run's export names it by its folder, ``runs/<run name>/version_<n>/hf_model``
-(``configs/grpo_rm.yaml`` reads ``runs/sft_partial/version_0/hf_model`` and ``runs/reward/version_0/hf_model``).
+(``configs/grpo_rm.yaml`` reads ``runs/sft/version_0/hf_model`` and ``runs/reward/version_0/hf_model``).
 When that folder does not exist, :func:`missing_export_message` says which run it belongs to, what the run folder
 holds instead, and the command that writes it (:data:`RECIPE_STEPS` for the shipped recipes' runs).
 """
@@ -13,7 +13,6 @@ from pathlib import Path, PurePath
 
 RECIPE_STEPS: dict[str, str] = {
     "sft": "lit-trainer fit --config configs/sft.yaml",
-    "sft_partial": "lit-trainer fit --config configs/sft.yaml --trainer.max_steps 300 --run_name sft_partial",
     "reward": "lit-trainer fit --config configs/reward.yaml",
     "sft_tool_chat": "lit-trainer fit --config configs/sft_tool_chat.yaml",
     "sft_vl": "lit-trainer fit --config configs/sft_vl.yaml",

@@ -43,44 +43,44 @@ def written_run(command: str) -> str:
 
 def test_every_loaded_export_has_a_step_that_writes_its_run():
     exports = loaded_exports()
-    assert {"sft", "sft_partial", "reward", "sft_tool_chat"} <= set(exports)  # the scan sees the known chains
+    assert {"sft", "reward", "sft_tool_chat"} <= set(exports)  # the scan sees the known chains
     missing = {run: files for run, files in exports.items() if run not in RECIPE_STEPS}
     assert not missing, f"exports loaded with no step in RECIPE_STEPS: {missing}"
     for run, command in RECIPE_STEPS.items():
         assert written_run(command) == run, command
 
 
-def test_the_rm_pipeline_reads_its_own_stages_not_the_main_job():
+def test_the_rm_pipeline_reads_the_main_job_and_its_reward_model():
     text = (ROOT / "configs" / "grpo_rm.yaml").read_text()
     args = yaml.safe_load(text)["model"]["init_args"]
-    assert args["model"] == "runs/sft_partial/version_0/hf_model"  # never runs/sft/: the main job's folder
+    assert args["model"] == "runs/sft/version_0/hf_model"  # the main job: a run stopped early is no reproducible start
     assert args["reward_funcs"][0] == "runs/reward/version_0/hf_model"
-    for run in ("sft_partial", "reward"):  # the header's commands are the steps the error message names
+    for run in ("sft", "reward"):  # the header's commands are the steps the error message names
         assert RECIPE_STEPS[run] in text
-    assert RECIPE_STEPS["sft_partial"] in (ROOT / "docs" / "reward.md").read_text()
+    assert RECIPE_STEPS["sft"] in (ROOT / "docs" / "reward.md").read_text()
 
 
 def test_a_missing_export_names_its_run_and_the_command_that_writes_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    path = "runs/sft_partial/version_0/hf_model"
+    path = "runs/sft/version_0/hf_model"
     for load in (load_model, load_tokenizer):
         with pytest.raises(FileNotFoundError) as error:
             load(path)
         message = str(error.value)
-        assert repr(path) in message and "run 'sft_partial'" in message and "runs/sft_partial/ has no run" in message
-        assert RECIPE_STEPS["sft_partial"] in message
+        assert repr(path) in message and "run 'sft'" in message and "runs/sft/ has no run" in message
+        assert RECIPE_STEPS["sft"] in message
     (tmp_path / "runs/reward/version_0").mkdir(parents=True)  # a run that has not finished: no hf_model/ yet
     with pytest.raises(FileNotFoundError, match=r"version_0 exists but has no hf_model/: that run has not finished"):
         load_model("runs/reward/version_0/hf_model")
     # the step was run twice (its first run failed): the export is version_1's, and re-running the step would write
     # version_2, so the message points at the export that exists and the option that names it
-    (tmp_path / "runs/sft_partial/version_0").mkdir(parents=True)
-    (tmp_path / "runs/sft_partial/version_1/hf_model").mkdir(parents=True)
+    (tmp_path / "runs/sft/version_0").mkdir(parents=True)
+    (tmp_path / "runs/sft/version_1/hf_model").mkdir(parents=True)
     with pytest.raises(FileNotFoundError) as error:
         load_model(path)
     message = str(error.value)
     assert "holds the exports of version_1" in message and "--model.init_args.model" in message
-    assert f"replace {path} by {Path('runs/sft_partial/version_1/hf_model')}" in message
+    assert f"replace {path} by {Path('runs/sft/version_1/hf_model')}" in message
     with pytest.raises(FileNotFoundError, match=r"--run_name mine --trainer.default_root_dir out"):
         load_model("out/mine/version_0/hf_model")  # an unknown run in another root: the generic step
     with pytest.raises(FileNotFoundError, match=r"a hub id such as 'org/model'"):
@@ -89,8 +89,7 @@ def test_a_missing_export_names_its_run_and_the_command_that_writes_it(tmp_path,
 
 @pytest.mark.slow  # the console script imports torch and Lightning (several seconds)
 def test_the_rm_recipe_without_its_sft_stage_stops_with_that_command(tmp_path):
-    (tmp_path / "runs/sft/version_0/hf_model").mkdir(parents=True)  # the main job's folder: must not be read
     proc = run_lit_trainer("fit", "--config", ROOT / "configs" / "grpo_rm.yaml", cwd=tmp_path)
     assert proc.returncode != 0, output_tail(proc)
-    assert RECIPE_STEPS["sft_partial"] in proc.stderr + proc.stdout, output_tail(proc)
+    assert RECIPE_STEPS["sft"] in proc.stderr + proc.stdout, output_tail(proc)
     assert "Traceback" not in proc.stderr, output_tail(proc)

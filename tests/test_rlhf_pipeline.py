@@ -2,8 +2,8 @@
 
 The three recipes (configs/sft.yaml, reward.yaml, grpo_rm.yaml) run in one folder with a few steps each, on small
 files cut from the built-in data (tokenizing the full built-in sets would dominate the test); each stage reads the
-previous stage's export from the run folder the documented commands write (the SFT stage as run ``sft_partial``;
-an empty ``runs/sft/version_0/hf_model``, where the main job would be, is never read).
+previous stage's export from the run folder the documented commands write (the SFT stage is the main job's run,
+``runs/sft/``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ def test_sft_then_reward_model_then_grpo_on_it(tmp_path):
     builtin.preference_rows("train").select(range(64)).to_json(tmp_path / "pairs.jsonl")
     builtin.prompt_rows("train").select(range(32)).to_json(tmp_path / "prompts.jsonl")
 
-    (tmp_path / "runs/sft/version_0/hf_model").mkdir(parents=True)  # the main job's folder: the chain never reads it
-    fit_recipe("sft.yaml", tmp_path, "--run_name=sft_partial", "--trainer.max_steps=4",
+    fit_recipe("sft.yaml", tmp_path, "--trainer.max_steps=4",
                "--data.init_args.batch_size=16", f"--data.init_args.dataset={tmp_path / 'sft.jsonl'}")  # fmt: skip
     fit_recipe("reward.yaml", tmp_path, "--trainer.max_steps=4", "--data.init_args.batch_size=16",
                f"--data.init_args.dataset={tmp_path / 'pairs.jsonl'}")  # fmt: skip

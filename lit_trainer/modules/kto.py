@@ -113,8 +113,8 @@ class KTOModule(DPOModule):
 
     Example::
 
-        module = KTOModule("runs/sft_partial/version_0/hf_model", learning_rate=3e-4)
-        data = UnpairedPreferenceDataModule("runs/sft_partial/version_0/hf_model", batch_size=64, max_length=32)
+        module = KTOModule("runs/sft/version_0/hf_model", learning_rate=3e-4)
+        data = UnpairedPreferenceDataModule("runs/sft/version_0/hf_model", batch_size=64, max_length=32)
         lightning.Trainer(max_steps=300).fit(module, datamodule=data)
     """
 
