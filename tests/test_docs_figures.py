@@ -36,7 +36,7 @@ _FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 _HEADING = re.compile(r"^#{1,6} .*$", re.MULTILINE)
 _MARKER = re.compile(r"<!-- figures: (.+?) -->", re.DOTALL)
 _FIGURE = re.compile(r"(?<![\d.])(?:\d{1,3}\.\d+%|[01]\.\d{3})(?![\d.])")
-_MEASURE = re.compile(r"exact match|accurac|correct", re.IGNORECASE)
+_MEASURE = re.compile(r"exact[ _]match|accurac|correct", re.IGNORECASE)  # also the metric's name
 _ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 # lit-trainer's own top-level options (lit_trainer/cli/app.py) and LightningCLI's
 _CLI_OPTIONS = {"--config", "--seed_everything", "--run_name", "--report_to", "--ckpt_path", "--print_config"}
@@ -156,6 +156,8 @@ def test_the_check_sees_a_figure_without_its_command() -> None:
         "## Measured\n\n0.956 exact match.\n\n```\n<!-- figures: python benchmarks/lora_adapt.py -->\n```\n"
     )
     assert unmarked_figures(marker_in_code) == [("## Measured", "0.956")]
+    metric_name = "## Export\n\nIt answers 478 of 500, the run's `val_exact_match` of 95.6%.\n"
+    assert unmarked_figures(metric_name) == [("## Export", "95.6%")]
 
 
 def test_the_check_sees_a_stale_command() -> None:
