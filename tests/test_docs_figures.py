@@ -35,7 +35,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 _HEADING = re.compile(r"^#{1,6} .*$", re.MULTILINE)
 _MARKER = re.compile(r"<!-- figures: (.+?) -->", re.DOTALL)
-_FIGURE = re.compile(r"(?<![\d.])(?:\d{1,3}\.\d+%|[01]\.\d{3})(?![\d.])")
+_FIGURE = re.compile(r"(?<![\d.])(?:\d{1,3}\.\d+%|[01]\.\d{3}(?!\d|\.\d))")  # a sentence's full stop may follow
 _MEASURE = re.compile(r"exact[ _]match|accurac|correct", re.IGNORECASE)  # also the metric's name
 _ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 # lit-trainer's own top-level options (lit_trainer/cli/app.py) and LightningCLI's
