@@ -23,7 +23,7 @@ import torch
 
 
 def _local_bytes(tensors: list[torch.Tensor]) -> int:
-    from lit_trainer.modules.base._sharding import local
+    from lit_trainer.core.sharding import local
 
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 

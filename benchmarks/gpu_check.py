@@ -57,7 +57,7 @@ def trainer(steps: int, devices: int = 1, sharded: bool = False, callbacks: list
 
 
 def first_weight(module: pl.LightningModule) -> torch.Tensor:
-    from lit_trainer.modules.base._sharding import full
+    from lit_trainer.core.sharding import full
 
     return full(next(module.model.parameters()).detach()).float().cpu().clone()
 

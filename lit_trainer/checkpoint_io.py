@@ -11,14 +11,14 @@ the temporary file, so a process killed during the copy leaves a truncated file 
 resume then picks up. Nothing is flushed to disk either (no ``fsync``), so a power loss can leave an empty file
 under the final name even after a rename.
 
-:class:`AtomicCheckpointIO` closes that gap for local paths with the protocol of :mod:`lit_trainer._atomic`: the
+:class:`AtomicCheckpointIO` closes that gap for local paths with the protocol of :mod:`lit_trainer.core.atomic`: the
 wrapped plugin writes ``<dir>/.<name>.partial`` (same folder, so same file system), the file is flushed, renamed
 onto ``<dir>/<name>`` with ``os.replace`` and the folder entry is flushed. A crash at any point leaves either the
 previous file or no file under the final name, never part of one; the hidden partial name matches no checkpoint
-glob and ``lit_trainer._atomic.remove_partials`` cleans it up. A write that fails with an ``OSError`` (a full disk, an
-I/O error) removes its partial file before the error goes on; a full disk (or quota) is reported as a one-line
-:class:`lit_trainer._atomic.NoSpaceError` naming the file, its folder, about how many bytes the checkpoint needs (its
-tensors' sizes) and the space free. Paths with a protocol (``s3://``, ``gs://``) go to
+glob and ``lit_trainer.core.atomic.remove_partials`` cleans it up. A write that fails with an ``OSError`` (a full disk,
+an I/O error) removes its partial file before the error goes on; a full disk (or quota) is reported as a one-line
+:class:`lit_trainer.core.atomic.NoSpaceError` naming the file, its folder, about how many bytes the checkpoint needs
+(its tensors' sizes) and the space free. Paths with a protocol (``s3://``, ``gs://``) go to
 the wrapped plugin unchanged (object stores publish an upload only once it is complete).
 
 Use it directly (``Trainer(plugins=[AtomicCheckpointIO()])``, or around your own plugin:
@@ -31,8 +31,8 @@ the strategy itself, not through the plugin.
 **The incomplete-save sentinel.** A checkpoint that is not one file renamed into place (a sharded folder, or any
 save a callback wants to flag while it runs) is announced first: :func:`write_sentinel` writes
 ``<dir>/checkpoint-is-incomplete.txt`` naming the target, the callback deletes it once the save is complete, and
-:func:`incomplete_reason` tells a reader (the resume logic in :mod:`lit_trainer.cli.checkpoints`) why a candidate
-is not usable.
+:func:`incomplete_reason` tells a reader (the resume logic in :mod:`lit_trainer.callbacks.resume_choice`) why a
+candidate is not usable.
 
 Example:
     >>> import os, tempfile
@@ -55,7 +55,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
-from lit_trainer._atomic import commit, discard, is_local_path, is_out_of_space, no_space_error, partial_path
+from lit_trainer.core.atomic import commit, discard, is_local_path, is_out_of_space, no_space_error, partial_path
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 _TARGET_PREFIX = "target: "

@@ -24,7 +24,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lit_trainer._async import resolve_awaitables
+from lit_trainer.core.awaitables import resolve_awaitables
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """``f(prompts, completions, completion_ids, **columns) -> list[float | None]``."""
@@ -320,7 +320,7 @@ def call_reward_functions(
     Args:
         funcs: the ``F`` reward functions, called as ``f(prompts=..., completions=..., completion_ids=...,
             **columns, **extra_kwargs)``; an ``async def`` function (or one returning an awaitable) is awaited, all
-            of them together, on a background event loop (:mod:`lit_trainer._async`), as TRL 1.16 runs them.
+            of them together, on a background event loop (:mod:`lit_trainer.core.awaitables`), as TRL 1.16 runs them.
         prompts: ``N`` prompts (the prompt repeated for each of its completions).
         completions: ``N`` decoded completions.
         completion_ids: ``N`` lists of completion token ids.

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_trainer.callbacks import BestCheckpoint
+from lit_trainer.callbacks.resume_choice import resolve_resume_checkpoint
 from lit_trainer.checkpoint_io import SENTINEL_NAME, AtomicCheckpointIO
-from lit_trainer.cli.checkpoints import resolve_resume_checkpoint
 
 # the monitored value by optimizer step: a first best at step 2, a new best at step 4
 SCORES = {2: 3.0, 4: 2.0}

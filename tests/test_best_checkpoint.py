@@ -21,10 +21,10 @@ import helpers.modules
 from helpers.cli import cli_with_callback
 from helpers.data import regression_data
 from helpers.modules import TinyHF, TinyLM
-from lit_trainer import _atomic
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.eval_on_start import EvalOnStart
 from lit_trainer.callbacks.neftune import NEFTune
+from lit_trainer.core import atomic as _atomic
 
 # scripted monitored values by optimizer step: improves, worsens, NaN, improves, ties, worsens, improves, improves
 SCORES = {2: 3.0, 4: 4.0, 6: math.nan, 8: 2.0, 10: 2.0, 12: 5.0, 14: 1.5, 16: 1.0}

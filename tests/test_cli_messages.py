@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from lit_trainer.callbacks.progress import RunProgressBar, format_metrics, metrics_table, render_text
+from lit_trainer.callbacks.run_identity import identity_mismatch
 from lit_trainer.cli.app import LitTrainerCLI, unbounded_run_error
 from lit_trainer.cli.cpu_threads import oversubscription_warning
 from lit_trainer.cli.errors import join_negative_numbers, lead_message, suggest
 from lit_trainer.cli.noise import only_frozen_modules_in_eval_mode, quiet_startup_noise
-from lit_trainer.cli.run_identity import identity_mismatch
 from lit_trainer.cli.runs import default_run_name, fresh_version, version_of
 
 SFT = str(Path(__file__).resolve().parents[1] / "configs" / "sft.yaml")

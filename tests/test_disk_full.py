@@ -19,11 +19,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers.cli import CONFIGS, QUIET_FIT
 from helpers.disk_full import fill_disk_at_checkpoint, fill_disk_at_safetensors
 from helpers.models import tiny_llama
-from lit_trainer._atomic import NoSpaceError
 from lit_trainer.callbacks.hf_export import export_hf
+from lit_trainer.callbacks.resume_choice import resolve_resume_checkpoint
 from lit_trainer.checkpoint_io import AtomicCheckpointIO
 from lit_trainer.cli import main
-from lit_trainer.cli.checkpoints import resolve_resume_checkpoint
+from lit_trainer.core.atomic import NoSpaceError
 
 QUIET = [*QUIET_FIT, "--trainer.log_every_n_steps=1"]
 

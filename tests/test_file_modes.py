@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.modules import TinyHF
-from lit_trainer import _atomic
 from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.hf_export import export_hf
 from lit_trainer.checkpoint_io import AtomicCheckpointIO
+from lit_trainer.core import atomic as _atomic
 from lit_trainer.modules.dpo._ref_logps import save_cached
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from helpers.rounding import FACTOR, FLOAT32_UNIT, MARGIN, Rounding, relative_l2, values
 from lit_trainer.callbacks import HFExport
-from lit_trainer.modules.base import _sharding
+from lit_trainer.core import sharding as _sharding
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,8 @@ def test_sharded_lora_grpo_matches_ddp(run: Path):
 
 def test_the_pieces_of_lora_under_sharding_that_need_no_launch(monkeypatch: pytest.MonkeyPatch):
     from lit_trainer.callbacks import HFExport, hf_export
-    from lit_trainer.modules.base import _peft, _sharding
+    from lit_trainer.core import sharding as _sharding
+    from lit_trainer.modules.base import _peft
 
     module = lora_common.sft_module()
     # FSDP2's root group is the transformers model inside the peft wrapper: peft's generate calls that model's forward

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["lightning.pytorch", "pytorch_lightning"]  # the callbacks serve both (lit_trainer.callbacks._namespace)
+PACKAGES = ["lightning.pytorch", "pytorch_lightning"]  # the callbacks serve both (lit_trainer.core.lightning_namespace)
 
 STEP_BAR = "RunProgressBar counts optimizer steps and stops its display when training ends"
 # (feature, module under the package, class, method, parameter names) - methods lit_trainer overrides or calls

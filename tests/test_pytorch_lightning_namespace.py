@@ -20,7 +20,7 @@ import lit_trainer.callbacks as lightning_callbacks  # noqa: E402
 from helpers.cli import cli_with_callback  # noqa: E402
 from helpers.modules import TinyHF, TinyLM, on_pytorch_lightning  # noqa: E402
 from lit_trainer.callbacks import pytorch_lightning as plc  # noqa: E402
-from lit_trainer.callbacks._namespace import twin  # noqa: E402
+from lit_trainer.core.lightning_namespace import twin  # noqa: E402
 from lit_trainer.data.loader import TrainLoader  # noqa: E402
 from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler  # noqa: E402
 

@@ -16,8 +16,8 @@ from helpers.cli import CONFIGS, QUIET_FIT
 from helpers.refusals import RefuseResume
 from helpers.signals import SignalAt
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
+from lit_trainer.callbacks.run_identity import RECORD_KEY
 from lit_trainer.cli import LitTrainerCLI, main
-from lit_trainer.cli.run_identity import RECORD_KEY
 
 QUIET = [*QUIET_FIT, "--trainer.log_every_n_steps=1"]
 

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_trainer.callbacks import RunIdentity
-from lit_trainer.cli.run_identity import RECORD_KEY, pick_last
+from lit_trainer.callbacks.run_identity import RECORD_KEY, pick_last
 
 
 class _Net(L.LightningModule):

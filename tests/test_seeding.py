@@ -1,11 +1,11 @@
-"""The one seed-derivation function (``lit_trainer._seeding``) and its two users, NEFTune and the GRPO rollouts."""
+"""The one seed-derivation function (``lit_trainer.core.seeding``) and its two users, NEFTune and the GRPO rollouts."""
 
 from __future__ import annotations
 
 import torch
 
-from lit_trainer._seeding import derive_seed, splitmix64
 from lit_trainer.callbacks.neftune import draw_seed
+from lit_trainer.core.seeding import derive_seed, splitmix64
 from lit_trainer.modules.grpo._completions import rollout_seed
 
 # the first two outputs of SplitMix64 seeded with 0 (the published test vector of Vigna's splitmix64.c): the states

@@ -12,8 +12,8 @@ from lit_trainer.callbacks.hf_export import HFExport
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit, JITCheckpointFailure
 from lit_trainer.callbacks.neftune import NEFTune
 from lit_trainer.callbacks.resume import ExactResume
-from lit_trainer.cli.checkpoints import resolve_resume, resolve_resume_checkpoint
-from lit_trainer.cli.run_identity import RunIdentity
+from lit_trainer.callbacks.resume_choice import resolve_resume, resolve_resume_checkpoint
+from lit_trainer.callbacks.run_identity import RunIdentity
 
 __all__ = [
     "BEMA",

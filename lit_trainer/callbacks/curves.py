@@ -25,7 +25,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.core.lightning_namespace import PackageBound
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], sorted by step, one value per step
 

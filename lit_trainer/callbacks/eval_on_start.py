@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
-from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.core.lightning_namespace import PackageBound
 
 _REQUIRED_INTERNALS = (
     ("fit_loop.epoch_loop.val_loop.setup_data", "the fit loop's validation loop"),

@@ -27,10 +27,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lit_trainer._atomic import atomic_directory, is_out_of_space, no_space_error
-from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.checkpoint_io import checkpoint_bytes
-from lit_trainer.modules.base._sharding import full_state_dict, is_sharded
+from lit_trainer.core.atomic import atomic_directory, is_out_of_space, no_space_error
+from lit_trainer.core.lightning_namespace import PackageBound
+from lit_trainer.core.sharding import full_state_dict, is_sharded
 from lit_trainer.quantization import is_quantized, merged_full_precision
 
 
@@ -83,7 +83,7 @@ def export_hf(
     """``save_pretrained`` the model (safetensors) and tokenizer into ``target`` atomically.
 
     Everything is written into a temporary sibling directory that replaces ``target`` only once complete
-    (:func:`~lit_trainer._atomic.atomic_directory`), so a crash never leaves a directory that looks like a
+    (:func:`~lit_trainer.core.atomic.atomic_directory`), so a crash never leaves a directory that looks like a
     finished export; a write that fails (a full disk) removes the temporary directory and leaves ``target`` as it was.
 
     Args:

@@ -86,8 +86,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer._atomic import commit, is_local_path, partial_path
-from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks._stop_board import StopBoard
 from lit_trainer.callbacks._stop_logs import (
     logger_step_for_a_save_inside_a_batch,
@@ -95,6 +93,8 @@ from lit_trainer.callbacks._stop_logs import (
     write_step_logs,
 )
 from lit_trainer.checkpoint_io import SENTINEL_NAME, sentinel_target, write_sentinel
+from lit_trainer.core.atomic import commit, is_local_path, partial_path
+from lit_trainer.core.lightning_namespace import PackageBound
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 

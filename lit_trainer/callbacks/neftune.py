@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lit_trainer._seeding import derive_seed
-from lit_trainer.callbacks._namespace import PackageBound
+from lit_trainer.core.lightning_namespace import PackageBound
+from lit_trainer.core.seeding import derive_seed
 
 
 def draw_seed(seed: int, rank: int, index: int) -> int:

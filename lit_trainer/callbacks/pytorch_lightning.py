@@ -3,7 +3,7 @@
 ``lightning.pytorch`` and ``pytorch_lightning`` are two copies of Lightning whose classes are distinct, and a trainer
 only recognises callbacks of its own package (``pytorch_lightning.Trainer`` looks for a
 ``pytorch_lightning.callbacks.Checkpoint``; its helpers refuse a ``lightning.pytorch`` module). So each callback
-exists twice, built from one implementation (see ``lit_trainer/callbacks/_namespace.py``):
+exists twice, built from one implementation (see ``lit_trainer/core/lightning_namespace.py``):
 
 * ``from lit_trainer.callbacks import BestCheckpoint`` for ``lightning.Trainer`` / ``lightning.pytorch.Trainer``;
 * ``from lit_trainer.callbacks.pytorch_lightning import BestCheckpoint`` for ``pytorch_lightning.Trainer`` (and
@@ -18,9 +18,9 @@ as far as Lightning itself allows). Importing this module needs the ``pytorch_li
 from __future__ import annotations
 
 from lit_trainer.callbacks import bema, checkpointing, curves, eval_on_start, hf_export, jit_checkpoint, neftune, resume
-from lit_trainer.callbacks._namespace import namespace, twin
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit, JITCheckpointFailure
 from lit_trainer.checkpoint_io import atomic_checkpoint_io_class
+from lit_trainer.core.lightning_namespace import namespace, twin
 
 namespace("pytorch_lightning")  # a clear error when the package is missing
 from lightning_fabric.plugins import CheckpointIO  # noqa: E402  (after the check: it comes with pytorch_lightning)

@@ -3,8 +3,9 @@
 * :mod:`~lit_trainer.cli.entry`: the console script's first stage (fast ``--help``, OpenMP defaults before torch);
 * :mod:`~lit_trainer.cli.app`: :class:`LitTrainerCLI`, the LightningCLI subclass, and :func:`main`;
 * :mod:`~lit_trainer.cli.runs`: run names, version folders (reserved atomically) and the appending CSV logger;
-* :mod:`~lit_trainer.cli.run_identity`: which run wrote a checkpoint, and which checkpoint ``--ckpt_path last`` takes;
-* :mod:`~lit_trainer.cli.checkpoints`: the newest complete checkpoint, and the ``never | auto | <path>`` choice;
+* which run wrote a checkpoint and which one ``--ckpt_path last`` takes, the newest complete checkpoint and the
+  ``never | auto | <path>`` choice are callbacks-level code (:mod:`lit_trainer.callbacks.run_identity`,
+  :mod:`lit_trainer.callbacks.resume_choice`), usable without the command;
 * :mod:`~lit_trainer.cli.errors`, :mod:`~lit_trainer.cli.noise`, :mod:`~lit_trainer.cli.trackers`,
   :mod:`~lit_trainer.cli.openmp`, :mod:`~lit_trainer.cli.cpu_threads`: messages, quieted warnings, ``--report_to``,
   OpenMP waits and the CPU-thread check.

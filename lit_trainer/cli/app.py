@@ -46,11 +46,18 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lit_trainer._atomic import NoSpaceError
 from lit_trainer.callbacks.curves import CurvesPlot
 from lit_trainer.callbacks.progress import FinalMetrics, default_progress_bar
+from lit_trainer.callbacks.resume_choice import checked_checkpoint, complete_checkpoints, resolve_resume
+from lit_trainer.callbacks.run_identity import (
+    RunIdentity,
+    class_path,
+    flatten_config,
+    identity_mismatch,
+    pick_last,
+    read_record,
+)
 from lit_trainer.checkpoint_io import with_atomic_writes
-from lit_trainer.cli.checkpoints import checked_checkpoint, complete_checkpoints, resolve_resume
 from lit_trainer.cli.cpu_threads import CPUThreadCheck
 from lit_trainer.cli.errors import (
     TRACEBACK_ENV,
@@ -66,14 +73,6 @@ from lit_trainer.cli.noise import (
     quiet_progress_bars_off_terminal,
     quiet_startup_noise,
 )
-from lit_trainer.cli.run_identity import (
-    RunIdentity,
-    class_path,
-    flatten_config,
-    identity_mismatch,
-    pick_last,
-    read_record,
-)
 from lit_trainer.cli.runs import (
     DEFAULT_ROOT,
     RUN_DIR_ENV,
@@ -83,11 +82,11 @@ from lit_trainer.cli.runs import (
     keep_part_records,
     remove_unused_run_folder,
     reserve_version,
-    version_folder,
-    version_number,
     version_of,
 )
 from lit_trainer.cli.trackers import REPORT_TO_HELP, parse_report_to, place_remote_trackers, tracker_loggers
+from lit_trainer.core.atomic import NoSpaceError
+from lit_trainer.core.version_folders import version_folder, version_number
 from lit_trainer.data.base import BaseDataModule
 from lit_trainer.modules.base import BaseModule
 
@@ -324,7 +323,8 @@ class LitTrainerCLI(LightningCLI):
             rank_zero_info(f"[lit_trainer] {state.run_dir} is left as it was: the resumed part stopped before training")
 
     def _current_run(self, config: Any, run_root: Path) -> dict[str, Any]:
-        """This run's identity, as :func:`~lit_trainer.cli.run_identity.pick_last` compares it with checkpoints."""
+        """This run's identity, as :func:`~lit_trainer.callbacks.run_identity.pick_last` compares it with
+        checkpoints."""
         data = config.get("data")
         return {
             "module": class_path(_import(config["model"]["class_path"])),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import errno
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
-from lit_trainer._atomic import atomic_write
+from lit_trainer.core.atomic import atomic_write
+from lit_trainer.core.version_folders import version_folder, version_number
 
 DEFAULT_ROOT = "runs"
 _RECIPE_NAMES = {
@@ -39,7 +39,6 @@ _RECIPE_NAMES = {
     "RLOOModule": "rloo",
     "DistillationModule": "distill",
 }
-_VERSION = re.compile(r"^version_(\d+)$")
 # Rank 0 of a fit names the folder it reserved here; the processes Lightning starts for the other ranks inherit the
 # environment, so they log to (and look for checkpoints in) the same folder instead of reserving one of their own.
 RUN_DIR_ENV = "LIT_TRAINER_RUN_DIR"
@@ -58,17 +57,6 @@ def default_run_name(module_class_path: str) -> str:
     return _RECIPE_NAMES.get(class_name, class_name.lower())
 
 
-def version_number(version: int | str | None) -> int | None:
-    """``3`` for ``3``, ``"3"`` or ``"version_3"``; ``None`` for anything else."""
-    if isinstance(version, int):
-        return version
-    if isinstance(version, str):
-        match = _VERSION.match(version)
-        if match or version.isdigit():
-            return int(match.group(1) if match else version)
-    return None
-
-
 def next_version(run_root: str | os.PathLike) -> int:
     """One past the highest ``version_<n>`` in ``run_root`` (``0`` when there is none)."""
     taken = [n for p in Path(run_root).glob("version_*") if (n := version_number(p.name)) is not None]
@@ -77,18 +65,6 @@ def next_version(run_root: str | os.PathLike) -> int:
 
 def _holds_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
-
-
-def version_folder(version: int | str) -> str:
-    """The folder name of a logger version: ``version_<n>`` for a number (``3``, ``"3"``, ``"version_3"``), else the
-    string itself.
-
-    Example:
-        >>> version_folder(3), version_folder("version_3"), version_folder("baseline")
-        ('version_3', 'version_3', 'baseline')
-    """
-    number = version_number(version)
-    return f"version_{number}" if number is not None else str(version)
 
 
 def fresh_version(run_root: str | os.PathLike, pinned: int | str | None) -> tuple[int | str, str | None]:

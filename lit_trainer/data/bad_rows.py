@@ -11,8 +11,8 @@ not decode (a truncated PNG, a path to a file that is not an image) is met durin
   and line of a JSON-lines/CSV row, else the row's index in the dataset as given, before the validation split) and the
   error. The training loader builds the batches of an optimizer step together, before the step's first batch trains,
   so the last finished optimizer step is whole: a :class:`~lit_trainer.callbacks.JITCheckpoint` among the callbacks
-  saves it first (``lit_trainer._stop_request.stop_for_failure``), and ``--ckpt_path last`` continues once the row is
-  fixed (or with ``skip_bad_rows=True``);
+  saves it first (``lit_trainer.core.stop_request.stop_for_failure``), and ``--ckpt_path last`` continues once the row
+  is fixed (or with ``skip_bad_rows=True``);
 * with ``skip_bad_rows=True`` each bad row is replaced in its batch by the batch's first good row (by the first good
   row of the training data when none is), so the batch keeps its size: a GRPO group stays whole (its repeated prompt
   is replaced by one prompt) and the ranks of DDP keep the same number of batches. The rows are counted

@@ -16,7 +16,7 @@ from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer._stop_request import stop_for_failure
+from lit_trainer.core.stop_request import stop_for_failure
 from lit_trainer.data.bad_rows import BadRows, GuardedCollate
 from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
 from lit_trainer.data.packing import PACKED_ROWS

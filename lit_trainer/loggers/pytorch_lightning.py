@@ -8,7 +8,7 @@ arguments and behaviour. Importing this module needs the ``pytorch_lightning`` p
 
 from __future__ import annotations
 
-from lit_trainer.callbacks._namespace import namespace
+from lit_trainer.core.lightning_namespace import namespace
 from lit_trainer.loggers import trackio
 
 namespace("pytorch_lightning")  # a clear error when the package is missing

@@ -28,7 +28,7 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lit_trainer.cli.runs import version_folder
+from lit_trainer.core.version_folders import version_folder
 
 RECORD_FILE = "trackio_run.json"
 DEFAULT_PROJECT = "lit_trainer"

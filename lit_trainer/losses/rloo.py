@@ -24,7 +24,12 @@ from lit_trainer.losses.grpo_advantages import STD_EPS, _prepare_rewards, _weigh
 __all__ = ["rloo_advantages", "rloo_loss_metrics", "rloo_policy_loss", "rloo_rewards", "sequence_logps"]
 
 
-def _check_clip_range(reward_clip_range: Sequence[float] | None) -> None:
+def check_clip_range(reward_clip_range: Sequence[float] | None) -> None:
+    """Refuse a ``reward_clip_range`` that is not ``None`` or ``(low, high)`` with ``low <= high``.
+
+    Raises:
+        ValueError: naming the bad range and the fix.
+    """
     if reward_clip_range is None:
         return
     if len(reward_clip_range) != 2 or not reward_clip_range[0] <= reward_clip_range[1]:
@@ -59,7 +64,7 @@ def rloo_rewards(
     Raises:
         ValueError: on a bad clip range, a weight count mismatch, or ``beta != 0`` without ``kl``.
     """
-    _check_clip_range(reward_clip_range)
+    check_clip_range(reward_clip_range)
     rewards, weights = _prepare_rewards(rewards, 1, reward_weights)
     r = _weighted_nansum(rewards, weights)
     if reward_clip_range is not None:

@@ -10,11 +10,12 @@ from torch import Tensor
 from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
+from lit_trainer.core import sharding as _sharding
 from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.losses.causal_lm import causal_lm_loss
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.metrics import greedy_batch_matches, token_loss_and_accuracy
-from lit_trainer.modules.base import BaseModule, _logits, _sharding
+from lit_trainer.modules.base import BaseModule, _logits
 from lit_trainer.modules.base._packing import check_trainer_packing
 
 LossFunc = Callable[..., Tensor]

@@ -29,7 +29,7 @@ from lit_trainer.data.prompt import PROMPTS
 from lit_trainer.losses.grpo_advantages import grpo_reward_metrics, nanstd
 from lit_trainer.losses.grpo_masks import masked_mean_entropy
 from lit_trainer.losses.rloo import (
-    _check_clip_range,
+    check_clip_range,
     rloo_advantages,
     rloo_loss_metrics,
     rloo_policy_loss,
@@ -145,7 +145,7 @@ class RLOOModule(GRPOModule):
         **kwargs: Any,
     ) -> None:
         _refuse_grpo_only(kwargs)
-        _check_clip_range(reward_clip_range)
+        check_clip_range(reward_clip_range)
         super().__init__(
             model,
             reward_funcs=reward_funcs,

@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from helpers.models import tiny_llama
-from lit_trainer.modules.base import _sharding
+from lit_trainer.core import sharding as _sharding
 
 # 16 rows of uneven length: per-device batch 2 x 2 ranks x accumulate 2 = 8 rows per optimizer step (2 per epoch)
 TEXTS = [

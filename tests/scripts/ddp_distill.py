@@ -22,9 +22,9 @@ import torch
 from datasets import Dataset
 
 from helpers.models import tiny_llama
+from lit_trainer.core import sharding as _sharding
 from lit_trainer.data.sft import SFTDataModule
 from lit_trainer.models import load_tokenizer
-from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.distillation import DistillationModule
 
 PROMPTS = ["12+34=", "56+17=", "90+99=", "23+45=", "31+62=", "77+18=", "40+40=", "11+89="]

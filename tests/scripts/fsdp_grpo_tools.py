@@ -41,9 +41,9 @@ def first_step(devices: int, dtype: torch.dtype = torch.float32) -> dict[str, An
     from datasets import Dataset
 
     from helpers.tool_policy import ForcedGenerate, add
+    from lit_trainer.core import sharding as _sharding
     from lit_trainer.data import PromptDataModule
     from lit_trainer.models import build_preset_model, build_tokenizer
-    from lit_trainer.modules.base import _sharding
     from lit_trainer.modules.grpo import GRPOModule
     from lit_trainer.rewards import arithmetic_reward
 

@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_trainer.modules.base import _sharding
+from lit_trainer.core import sharding as _sharding
 
 
 class SigtermOneRank(pl.Callback):

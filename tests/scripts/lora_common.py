@@ -10,7 +10,7 @@ import torch
 from transformers import ByT5Tokenizer
 
 from helpers.models import tiny_llama
-from lit_trainer.modules.base import _sharding
+from lit_trainer.core import sharding as _sharding
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 SFT_STEPS, DPO_STEPS, GRPO_STEPS = 4, 4, 2

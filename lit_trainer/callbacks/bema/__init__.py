@@ -17,7 +17,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.bema._export import export_bema_weights
 from lit_trainer.callbacks.bema._math import bema_coefficients, bema_update_
 from lit_trainer.callbacks.bema._options import HPARAMS, check_bema_args, check_device
@@ -31,7 +30,8 @@ from lit_trainer.callbacks.bema._state import (
     pack_state,
     unpack_buffers,
 )
-from lit_trainer.modules.base._sharding import is_dtensor, local
+from lit_trainer.core.lightning_namespace import PackageBound
+from lit_trainer.core.sharding import is_dtensor, local
 
 
 class _BEMA(PackageBound):

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lit_trainer.callbacks.bema._shards import gather
 from lit_trainer.callbacks.hf_export import export_hf, saved_tokenizer
-from lit_trainer.modules.base._sharding import full_state_dict, is_sharded
+from lit_trainer.core.sharding import full_state_dict, is_sharded
 
 
 def export_bema_weights(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lit_trainer.callbacks.bema._shards import same_layout
-from lit_trainer.modules.base._sharding import local
+from lit_trainer.core.sharding import local
 
 
 def ref_model_name(name: str, ref_names: set[str]) -> str | None:

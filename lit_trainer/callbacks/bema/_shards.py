@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_trainer.modules.base._sharding import is_dtensor, local, shard_like
+from lit_trainer.core.sharding import is_dtensor, local, shard_like
 
 
 def locals_of(params: list[Tensor]) -> list[Tensor]:

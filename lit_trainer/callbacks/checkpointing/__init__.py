@@ -28,7 +28,7 @@ Differences from plain ``ModelCheckpoint``:
   ``AsyncCheckpointIO``, an already atomic plugin and object-store paths are left as they are. Strategies that
   write distributed checkpoint folders themselves (``ModelParallelStrategy``, sharded FSDP, DeepSpeed) bypass the
   plugin: while this callback writes such a folder, ``<dirpath>/checkpoint-is-incomplete.txt`` names it, so
-  resume logic (``lit_trainer.cli.checkpoints``) skips it after a crash. The ``best/`` export is
+  resume logic (``lit_trainer.callbacks.resume_choice``) skips it after a crash. The ``best/`` export is
   written in a temporary folder and renamed likewise.
 * Under DDP the monitored value of global rank 0 decides (it is broadcast), so all ranks keep identical
   bookkeeping even when the metric is logged without ``sync_dist=True``. Log it with ``sync_dist=True`` (or a
@@ -69,13 +69,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
 
-from lit_trainer._atomic import is_local_path
-from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.checkpointing._evaluated_weights import EVALUATED_WEIGHTS_KEY, weight_scorers
 from lit_trainer.callbacks.checkpointing._files import load_checkpoint_state_dict, removable
 from lit_trainer.callbacks.hf_export import export_hf, saved_tokenizer
 from lit_trainer.checkpoint_io import with_atomic_writes, write_sentinel
-from lit_trainer.modules.base._sharding import load_full_state_dict
+from lit_trainer.core.atomic import is_local_path
+from lit_trainer.core.lightning_namespace import PackageBound
+from lit_trainer.core.sharding import load_full_state_dict
 
 _IMPROVES = {"min": lambda new, best: new < best, "max": lambda new, best: new > best}
 HF_EXPORT_DIRNAME = "best"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-from lit_trainer._atomic import is_local_path
 from lit_trainer.callbacks.checkpointing._evaluated_weights import scored_state_dict
 from lit_trainer.checkpoint_load import load_checkpoint
+from lit_trainer.core.atomic import is_local_path
 
 
 def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -5,7 +5,7 @@ but not the random number generators, not the position of a plain ``DataLoader``
 accumulation window in progress: :class:`ExactResume` adds the three (``docs/resume.md`` lists what is exact).
 :func:`resolve_resume_checkpoint` picks the newest *complete* checkpoint of a folder, and :func:`resolve_resume`
 implements the CLI's ``resume: never | auto | <path>`` option without Lightning's silent ``ckpt_path=None -> "last"``
-resume (:mod:`lit_trainer.cli.checkpoints`).
+resume (:mod:`lit_trainer.callbacks.resume_choice`).
 
 The callback is here; its private parts beside it: the RNG states (``_rng_state``), the replay of a plain
 ``DataLoader`` epoch (``_replay_loader``) and the gradients of an accumulation window in progress (``_window_grads``).
@@ -24,8 +24,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lit_trainer._dist import gather_from_all_ranks, gather_to_rank_zero
-from lit_trainer.callbacks._namespace import PackageBound
 from lit_trainer.callbacks.resume._replay_loader import (
     REPLAY_MARKER,
     ReplayLoader,
@@ -46,6 +44,8 @@ from lit_trainer.callbacks.resume._window_grads import (
     restore_window_grads,
     window_in_progress,
 )
+from lit_trainer.core.dist import gather_from_all_ranks, gather_to_rank_zero
+from lit_trainer.core.lightning_namespace import PackageBound
 
 
 def _is_stateful(loader: Any) -> bool:

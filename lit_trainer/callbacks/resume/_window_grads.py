@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_trainer.callbacks._namespace import LightningNamespace
+from lit_trainer.core.lightning_namespace import LightningNamespace
 
 
 def window_in_progress(trainer: pl.Trainer) -> bool:

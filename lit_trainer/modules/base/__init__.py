@@ -35,12 +35,13 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer import quantization as quantized
+from lit_trainer.core import sharding as _sharding
 from lit_trainer.data.loader import NUM_ITEMS_KEY, TrainLoader
 from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.data.windows import step_windows
 from lit_trainer.metrics import ValidationMetrics
 from lit_trainer.models import Task, load_model, load_tokenizer
-from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _sharding, _vision_tower
+from lit_trainer.modules.base import _adapter_checkpoint, _logits, _peft, _positions, _vision_tower
 from lit_trainer.modules.base._logits import ChunkedLogits
 from lit_trainer.modules.base._optimization import TORCH_OPTIMS, OptimizationMixin, OptimName, check_optim
 from lit_trainer.modules.base._schedules import SchedulerName, check_schedule
@@ -128,7 +129,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
         gradient_checkpointing: recompute activations in the backward pass (transformers' activation checkpointing,
             non-reentrant): less activation memory, about one more forward of compute. Works under sharding too.
         shard_blocks: under ``ModelParallelStrategy``: class names of the transformer blocks sharded one by one
-            (default: the model's ``_no_split_modules``); see :mod:`lit_trainer.modules.base._sharding`.
+            (default: the model's ``_no_split_modules``); see :mod:`lit_trainer.core.sharding`.
         shard_param_dtype: under ``ModelParallelStrategy``: compute dtype of the gathered parameters (FSDP2 mixed
             precision: e.g. ``bfloat16`` on GPU, gradients reduced in float32, sharded master weights stay float32);
             None keeps the parameters' dtype.
@@ -471,7 +472,7 @@ class BaseModule(StepLoggingMixin, OptimizationMixin, pl.LightningModule):
     @override
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (``self.device_mesh`` set): FSDP2-shard :meth:`networks_to_shard` over the
-        data-parallel ranks (:mod:`lit_trainer.modules.base._sharding`); nothing otherwise."""
+        data-parallel ranks (:mod:`lit_trainer.core.sharding`); nothing otherwise."""
         if self.device_mesh is None:
             return
         mesh = _sharding.data_parallel_mesh(self.device_mesh)

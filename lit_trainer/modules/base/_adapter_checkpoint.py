@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lit_trainer.modules.base._sharding import full
+from lit_trainer.core.sharding import full
 
 FINGERPRINT_KEY = "lit_trainer_frozen_weights"
 

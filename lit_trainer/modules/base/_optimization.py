@@ -27,7 +27,7 @@ from typing import Any, Literal, get_args
 import torch
 from typing_extensions import override
 
-from lit_trainer.modules.base import _sharding
+from lit_trainer.core import sharding as _sharding
 from lit_trainer.modules.base._schedules import build_schedule
 
 _NO_DECAY = ("bias", "norm")

@@ -156,7 +156,7 @@ class StepLoggingMixin:
         """Write the logging window's steps now, at the step Lightning would have used (every rank calls it).
 
         For a run that stops between two logging steps: at its end (:meth:`on_train_end`), or when a stopping
-        callback saves a checkpoint and exits (``JITCheckpoint``, see :mod:`lit_trainer._stop_request`), so each
+        callback saves a checkpoint and exits (``JITCheckpoint``, see :mod:`lit_trainer.core.stop_request`), so each
         optimizer step is in exactly one row. The values go straight to the loggers (``self.log`` is not allowed
         outside the training hooks).
         """

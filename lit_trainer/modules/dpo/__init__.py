@@ -19,6 +19,7 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
+from lit_trainer.core import sharding as _sharding
 from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.losses.dpo import (
     F_DIVERGENCE_LOSS_TYPES,
@@ -28,7 +29,7 @@ from lit_trainer.losses.dpo import (
     dpo_loss,
 )  # fmt: skip
 from lit_trainer.models import load_model
-from lit_trainer.modules.base import BaseModule, _sharding
+from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._packing import check_trainer_packing
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.dpo import _ref_logps

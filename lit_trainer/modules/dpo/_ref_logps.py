@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from lit_trainer._atomic import atomic_write
+from lit_trainer.core.atomic import atomic_write
 
 CKPT_KEY = "dpo_reference_logps"
 _FORWARD_KEYS = ("input_ids", "attention_mask", "completion_mask")
@@ -94,7 +94,7 @@ def load_cached(directory: str | os.PathLike | None, key: str) -> tuple[Tensor, 
 
 
 def save_cached(directory: str | os.PathLike, key: str, chosen: Tensor, rejected: Tensor) -> Path:
-    """Write the cache file atomically (:func:`lit_trainer._atomic.atomic_write`: a crash never leaves a partial
+    """Write the cache file atomically (:func:`lit_trainer.core.atomic.atomic_write`: a crash never leaves a partial
     file under the cache name)."""
     target = cache_path(directory, key)
     with atomic_write(target) as tmp:

@@ -65,8 +65,9 @@ from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 from typing_extensions import Self, override
 
-from lit_trainer._dist import gather_from_all_ranks
-from lit_trainer._stop_request import stop_check
+from lit_trainer.core import sharding as _sharding
+from lit_trainer.core.dist import gather_from_all_ranks
+from lit_trainer.core.stop_request import stop_check
 from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
@@ -77,7 +78,7 @@ from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, mas
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import is_vision_model
-from lit_trainer.modules.base import BaseModule, _sharding
+from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin, agentic_batch, resolve_rollout_func

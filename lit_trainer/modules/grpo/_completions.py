@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from lit_trainer._seeding import derive_seed
+from lit_trainer.core.seeding import derive_seed
 
 
 class Completions(NamedTuple):
@@ -130,8 +130,8 @@ def cut_after_eos(ids: Tensor, eos_ids: Sequence[int], pad_token_id: int) -> Com
 
 class StopWhen(StoppingCriteria):
     """A stopping criterion that ends every row once ``check()`` is True (read after each generated token): a stop
-    request (a signal, :mod:`lit_trainer._stop_request`) ends a generation within one forward pass. While the check is
-    False it changes nothing, so the tokens are the same as without it."""
+    request (a signal, :mod:`lit_trainer.core.stop_request`) ends a generation within one forward pass. While the check
+    is False it changes nothing, so the tokens are the same as without it."""
 
     def __init__(self, check: Callable[[], bool]) -> None:
         self.check = check
@@ -344,7 +344,7 @@ def make_engine(continuous_batching: bool, options: dict[str, Any] | None, custo
         ValueError: ``custom`` does not import, or is not a RolloutEngine subclass.
     """
     if custom is not None:
-        from lit_trainer._import_path import import_object
+        from lit_trainer.core.import_path import import_object
 
         cls = import_object(custom, "rollout_engine", "give 'package.module.Class' of a RolloutEngine subclass.")
         if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from transformers import TrainerState
 
-from lit_trainer._import_path import import_object
+from lit_trainer.core.import_path import import_object
 from lit_trainer.data.prompt import PROMPTS, REWARD_COLUMNS
 from lit_trainer.models import is_preset
 from lit_trainer.rewards import RewardModelInputs, RewardModelScorer, call_reward_functions, reward_function_name

@@ -13,15 +13,15 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lit_trainer._dist import gather_from_all_ranks
-from lit_trainer._stop_request import stop_check, stop_in_step
+from lit_trainer.core import sharding as _sharding
+from lit_trainer.core.dist import gather_from_all_ranks
+from lit_trainer.core.stop_request import stop_check, stop_in_step
 from lit_trainer.data.chat import render
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.data.vision import prompt as vision_prompt
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
 from lit_trainer.models import is_vision_model
-from lit_trainer.modules.base import _sharding
 from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import agentic_batch
 from lit_trainer.modules.grpo._completion_table import render_text
@@ -78,7 +78,7 @@ class GRPORolloutMixin:
         """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring).
 
         ``can_stop``: the round starts an optimizer step (nothing of the step is applied yet), so a stop request (a
-        signal, :mod:`lit_trainer._stop_request`) may end its generation early; the ranks then agree, right after
+        signal, :mod:`lit_trainer.core.stop_request`) may end its generation early; the ranks then agree, right after
         generating, whether to drop the round and save the last finished step (the callback raises) or go on.
         ``position``: ``(epoch, batch index)`` of the round's first micro-step (where the rollout worker of an
         asynchronous run reads the next rounds' prompts from, :mod:`lit_trainer.modules.grpo._async`).

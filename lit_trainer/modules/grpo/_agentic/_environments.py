@@ -8,7 +8,7 @@ model's tools.
 * ``reset(**row)`` is called at the start of a rollout with the prompt row (``prompt`` and the other columns, not
   ``environment``); a string it returns is appended to the content of the prompt's last message.
 * ``reset``, the tools and ``get_reward`` may be ``async def``: the awaitables of a round are awaited together on a
-  background event loop (:mod:`lit_trainer._async`).
+  background event loop (:mod:`lit_trainer.core.awaitables`).
 * The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
   :mod:`lit_trainer.modules.grpo._agentic._tools`; checked on a first instance when the module is built), bound to
   the rollout's instance. An environment without any (and no ``tools=``) is warned about: its rollouts are one turn.
@@ -28,8 +28,8 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_trainer._async import resolve_awaitables
-from lit_trainer._import_path import import_object
+from lit_trainer.core.awaitables import resolve_awaitables
+from lit_trainer.core.import_path import import_object
 from lit_trainer.modules.grpo._agentic._tools import check_tool_schema
 
 EnvironmentFactory = Callable[[], Any]

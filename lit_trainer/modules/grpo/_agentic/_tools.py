@@ -23,8 +23,8 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from lit_trainer._async import resolve_awaitables
-from lit_trainer._import_path import import_object
+from lit_trainer.core.awaitables import resolve_awaitables
+from lit_trainer.core.import_path import import_object
 
 _CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
 
@@ -168,10 +168,10 @@ def run_tool_turns(
     ``turns`` holds, per row, the turn's calls and the tools that row may call; ``rows`` are the rows' indices in
     ``stats.per_row``. Plain tools run at once, in row and call order; the awaitables that ``async def`` tools return
     are then awaited all together, across rows, on the background event loop
-    (:func:`lit_trainer._async.resolve_awaitables`), so a round's slow tools (a web request, a sandbox) overlap. A
-    tool that raises (when called or while awaited), an unknown tool name, arguments that are not a JSON object, or a
-    call of another type is reported to the model as ``{"error": "<message>"}``, with TRL 1.16's messages, and counted
-    in ``stats.failures``; it never stops the run.
+    (:func:`lit_trainer.core.awaitables.resolve_awaitables`), so a round's slow tools (a web request, a sandbox)
+    overlap. A tool that raises (when called or while awaited), an unknown tool name, arguments that are not a JSON
+    object, or a call of another type is reported to the model as ``{"error": "<message>"}``, with TRL 1.16's
+    messages, and counted in ``stats.failures``; it never stops the run.
     """
     started = [[_start(call, tools, stats, row) for call in calls] for (calls, tools), row in zip(turns, rows)]
     values = iter(resolve_awaitables([value for results in started for _, value in results]))

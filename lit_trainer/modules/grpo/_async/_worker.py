@@ -49,7 +49,7 @@ class SharedWeights:
         """Copy ``weights`` into the slot of ``version`` (GPU tensors are copied down). FSDP2 shards are gathered
         one parameter at a time (a collective: every rank publishes), so no rank holds a whole extra copy on its
         device."""
-        from lit_trainer.modules.base._sharding import full
+        from lit_trainer.core.sharding import full
 
         slot = version % len(self.slots)
         self.versions[slot] = -1  # mid-copy: readers refuse the slot

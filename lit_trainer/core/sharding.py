@@ -11,6 +11,9 @@ reduce-scattered with a mean over the ranks (as DDP's all-reduce), so the module
 Only data parallelism is applied: a mesh with ``tensor_parallel_size > 1`` is refused (tensor parallelism needs a
 per-architecture plan).
 
+It lives in ``core`` because the callbacks need its tensor helpers too (BEMA's and HFExport's full state dicts,
+BestCheckpoint's reload of a sharded model), and callbacks never import ``lit_trainer.modules``.
+
 A peft (LoRA) model is wrapped first and sharded after: the blocks hold their frozen base weights and their trainable
 adapters in one FSDP2 group (FSDP2 reduce-scatters only the gradients that exist), and the root group is the wrapped
 transformers model (:func:`shard_root`), whose forward both the training step and ``generate`` call.

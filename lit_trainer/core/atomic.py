@@ -1,7 +1,8 @@
 """Atomic writes for checkpoints, exports and caches: write under a temporary name, then rename.
 
-Shared by the callbacks (checkpoints, HF exports) and the modules (the DPO reference log-prob cache), so it lives at
-the package root: callbacks never import modules, and modules need not import a callbacks-private helper.
+Shared by the callbacks (checkpoints, HF exports), the modules (the DPO reference log-prob cache) and the CLI (run
+records), so it lives in ``core``, below all of them: callbacks never import modules, and modules need not import a
+callbacks-private helper.
 
 A reader (a resume, a ``from_pretrained`` call, a person listing the run folder) must never mistake a half-written
 file for a complete one. Every helper here follows one protocol:

@@ -5,7 +5,9 @@ not a whole zip archive (:func:`lit_trainer.checkpoint_io.incomplete_reason`).
 
 :func:`resolve_resume_checkpoint` picks the newest complete checkpoint of one or more folders; :func:`resolve_resume`
 implements the CLI's ``never | auto | <path>`` choice without Lightning's silent ``ckpt_path=None -> "last"`` resume
-(docs/design.md#lightning-implicit-resume).
+(docs/design.md#lightning-implicit-resume). Both serve any Lightning script (``lit_trainer.callbacks`` exports
+them), and the ``lit-trainer`` command uses them too; so they live beside the callbacks, below the CLI
+(docs/design.md#layers).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_trainer.callbacks._namespace import LIGHTNING, trainer_namespace
 from lit_trainer.checkpoint_io import incomplete_reason, sentinel_target
+from lit_trainer.core.lightning_namespace import LIGHTNING, trainer_namespace
 
 _PathLike = str | os.PathLike
 

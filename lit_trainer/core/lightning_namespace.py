@@ -7,6 +7,8 @@ one package only. Each callback here is written as an implementation class with 
 class that adds the ``lightning.pytorch`` base (``class BEMA(_BEMA, Callback)``); :func:`twin` builds the same
 public class on the ``pytorch_lightning`` bases (``lit_trainer.callbacks.pytorch_lightning``). Inside the
 implementation, everything that depends on the package goes through ``self._ns`` (a :class:`LightningNamespace`).
+The loggers (``lit_trainer.loggers.pytorch_lightning``) and the resume choice use the same namespaces, so this lives
+in ``core``, below the callbacks.
 """
 
 from __future__ import annotations
