@@ -11,7 +11,7 @@ The pure losses are in :mod:`lit_trainer.losses.reference_free`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,8 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.data.vision.collate import image_inputs
-from lit_trainer.losses.dpo import pair_reward_metrics, sequence_logps
-from lit_trainer.losses.logprobs import IGNORE_INDEX
+from lit_trainer.losses.dpo import pair_reward_metrics
 from lit_trainer.losses.reference_free import (
     AVERAGED_LOSS_TYPES,
     CPOLossType,
@@ -34,11 +32,11 @@ from lit_trainer.losses.reference_free import (
     orpo_loss,
 )
 from lit_trainer.modules.base import BaseModule
-from lit_trainer.modules.base._logits import next_token_targets
-from lit_trainer.modules.base._packing import check_trainer_packing, masking_kwargs, per_row
+from lit_trainer.modules.base._packing import check_trainer_packing
 from lit_trainer.modules.dpo import METRIC_NAMES as DPO_METRIC_NAMES
 from lit_trainer.modules.dpo import disable_dropout_in_model
-from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
+from lit_trainer.modules.dpo._scoring import DPOScoringMixin
+from lit_trainer.modules.scoring import RowScores, score_rows
 
 __all__ = ["CPO_METRIC_NAMES", "ORPO_METRIC_NAMES", "CPOModule", "ORPOModule"]
 
@@ -47,24 +45,12 @@ CPO_METRIC_NAMES = (*DPO_METRIC_NAMES, "nll_loss")  # DPO's names, computed from
 ORPO_METRIC_NAMES = (*CPO_METRIC_NAMES, "log_odds_ratio", "log_odds_chosen")
 
 
-class _Scored(NamedTuple):
-    """One forward of 2B rows: DPO's :class:`~lit_trainer.modules.dpo.Scores` over the NLL term's tokens (``seq`` is
-    the pair term's log-probs), and the shifted completion mask."""
-
-    scores: Scores
-    completion: Tensor
-
-    @property
-    def pairs(self) -> int:
-        return self.scores.seq.numel() // 2
-
-
 class _ReferenceFreeModule(BaseModule):
     """The shared base: scoring, the two-term loss and its token-exact normalisation, metrics, validation.
 
     A subclass sets :attr:`averaged`, :attr:`nll_on_prompt` and :attr:`nll_weight` and writes :meth:`pair_terms` and
-    :meth:`pair_metrics`. There is no ``ref_model``: nothing but the policy is loaded or held. The scores are DPO's
-    (:class:`~lit_trainer.modules.dpo.Scores`, the chosen NLL of
+    :meth:`pair_metrics`. There is no ``ref_model``: nothing but the policy is loaded or held. The rows are scored
+    as DPO's (:func:`~lit_trainer.modules.scoring.score_rows`, the chosen NLL of
     :meth:`~lit_trainer.modules.dpo._scoring.DPOScoringMixin.chosen_nll`); only the targets differ (ORPO's NLL
     also scores the prompt tokens) and the pair term may average instead of sum.
     """
@@ -104,44 +90,28 @@ class _ReferenceFreeModule(BaseModule):
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ scoring
-    def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> _Scored:
+    def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> RowScores:
         """Per-token log-probs of the 2B rows (over the NLL term's tokens), the pair term's per-sequence log-probs
-        (sum or average over the completion tokens) and the completion mask, from one forward.
+        (sum or average over the completion tokens) and the completion mask, from one forward
+        (:func:`~lit_trainer.modules.scoring.score_rows`). A batch with images gives the policy its image inputs.
 
         Raises:
-            ValueError: a batch with images (not supported by the reference-free modules yet).
+            ValueError: a batch with images when the NLL term covers the prompt (ORPO): it would score the image
+                placeholder tokens as text.
         """
-        if image_inputs(batch):
+        if self.nll_on_prompt and image_inputs(batch):
             raise ValueError(
-                f"{type(self).__name__} does not take preference rows with images yet: its NLL term would score the "
-                "image tokens (ORPO's covers the prompt) and its forward passes no pixel values. Train DPOModule on "
-                "them (it passes the images to the policy and the reference), or drop the image column."
+                f"{type(self).__name__} does not take preference rows with images: its NLL term covers the prompt, "
+                "so it would score the image placeholder tokens as text. Train CPOModule or DPOModule on them (they "
+                "pass the images to the model), or drop the image column."
             )
-        if self.nll_on_prompt:  # every real token is a target; a packed row's boundaries are dropped by `per_row`
-            keep = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(batch["input_ids"])
-        else:
-            keep = batch["completion_mask"]
-        targets = next_token_targets(batch["input_ids"].masked_fill(keep == 0, IGNORE_INDEX))
-        scored = self.score_tokens(
-            model,
-            targets,
-            with_logits_mean=stats,
-            input_ids=batch["input_ids"],
-            use_cache=False,
-            **masking_kwargs(batch),
-        )
-        token_logps, mask = scored.logps[:, :-1], targets[:, :-1] != IGNORE_INDEX
-        logits_mean = scored.logits_mean[:, :-1] if stats else None
-        token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)
-        completion = row_completion_mask(batch)[:, 1:].bool() & mask
-        seq = sequence_logps(token_logps, completion)
-        if self.averaged:  # TRL's average_log_prob: sum / completion tokens
-            seq = seq / completion.sum(-1).clamp(min=1)
-        return _Scored(Scores(seq, token_logps, mask, logits_mean), completion)
+        targets = "all" if self.nll_on_prompt else "completion"
+        return score_rows(self.score_tokens, model, batch, targets=targets, averaged=self.averaged, stats=stats)
 
     # ------------------------------------------------------------------------------------------ loss
-    def _pair_losses(self, scored: _Scored) -> Tensor:
-        seq, pairs = scored.scores.seq, scored.pairs
+    def _pair_losses(self, scored: RowScores) -> Tensor:
+        seq = scored.seq
+        pairs = seq.numel() // 2
         return self.pair_terms(seq[:pairs], seq[pairs:])
 
     def _nll_count(self, counts: Tensor | None, local: Tensor) -> Tensor:
@@ -168,18 +138,19 @@ class _ReferenceFreeModule(BaseModule):
         losses = self._pair_losses(scored)
         pairs = losses.numel() if num_items_in_batch is None else num_items_in_batch.reshape(-1)[0]
         loss = losses.sum() / pairs
-        nll, tokens = DPOScoringMixin.chosen_nll(scored.scores)
+        nll, tokens = DPOScoringMixin.chosen_nll(scored)
         if self.nll_weight:
             loss = loss + self.nll_weight * nll / self._nll_count(num_items_in_batch, tokens).clamp(min=1)
         return loss, self._metrics_of(scored, nll.detach() / tokens.clamp(min=1))
 
-    def _metrics_of(self, scored: _Scored, nll: Tensor) -> dict[str, Tensor]:
-        pairs, seq = scored.pairs, scored.scores.seq.detach()
+    def _metrics_of(self, scored: RowScores, nll: Tensor) -> dict[str, Tensor]:
+        seq = scored.seq.detach()
+        pairs = seq.numel() // 2
         with torch.no_grad():
             metrics = self.pair_metrics(seq[:pairs], seq[pairs:])
             metrics["logps/chosen"], metrics["logps/rejected"] = seq[:pairs].mean(), seq[pairs:].mean()
             mask = scored.completion.float()
-            weighted = scored.scores.logits_mean * mask
+            weighted = scored.logits_mean * mask
             metrics["logits/chosen"] = weighted[:pairs].sum() / mask[:pairs].sum().clamp(min=1)
             metrics["logits/rejected"] = weighted[pairs:].sum() / mask[pairs:].sum().clamp(min=1)
             metrics["nll_loss"] = nll
@@ -194,7 +165,7 @@ class _ReferenceFreeModule(BaseModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         scored = self.score(self.model, batch, stats=True)
         losses = self._pair_losses(scored)
-        nll, tokens = DPOScoringMixin.chosen_nll(scored.scores)
+        nll, tokens = DPOScoringMixin.chosen_nll(scored)
         self.val_metrics["loss"].update(losses.mean(), weight=losses.numel())
         for name, value in self._metrics_of(scored, nll / tokens.clamp(min=1)).items():
             self.val_metrics[name].update(value, weight=tokens if name == "nll_loss" else losses.numel())
