@@ -257,7 +257,7 @@ def test_precompute_and_reference_free_modules_refuse_images():
         ValueError, match="precompute_ref_log_probs=True.*not supported for preference rows with images"
     ):
         dm.fingerprint("train")
-    from lit_trainer.modules.reference_free import ORPOModule
+    from lit_trainer.modules.orpo import ORPOModule
 
     batch = dm._collate([dm.train_dataset[0]], True)
     with pytest.raises(ValueError, match="ORPOModule does not take preference rows with images"):

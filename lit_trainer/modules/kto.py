@@ -9,7 +9,7 @@ log-probs of the base. What is KTO's own is here: scoring the B rows of an unpai
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -29,9 +29,8 @@ from lit_trainer.losses.kto import (
     kto_rewards_metrics,
     label_balance_problem,
 )  # fmt: skip
-from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.modules.base._logits import next_token_targets
 from lit_trainer.modules.dpo import DPOModule, _ref_logps, check_precompute_options
+from lit_trainer.modules.scoring import RowScores, score_rows
 
 __all__ = ["KTO_METRIC_NAMES", "KTOModule"]
 
@@ -46,15 +45,6 @@ KTO_METRIC_NAMES = (
     "logits/rejected",
     "kl",
 )
-_FORWARD_KEYS = ("input_ids", "attention_mask", "completion_mask")
-
-
-class _Scored(NamedTuple):
-    """One forward of B rows: per-sequence completion log-probs, the shifted completion mask, mean logits."""
-
-    seq: Tensor
-    mask: Tensor
-    logits_mean: Tensor | None
 
 
 class KTOModule(DPOModule):
@@ -164,19 +154,13 @@ class KTOModule(DPOModule):
         return self._loss_options["loss_type"] in KL_LOSS_TYPES
 
     # ------------------------------------------------------------------------------------------------- scoring
-    def score_rows(self, model: Any, batch: dict[str, Tensor], prefix: str = "", stats: bool = False) -> _Scored:
-        """Per-sequence completion log-probs of the rows ``<prefix>input_ids`` of ``batch`` under ``model``."""
-        ids, attention, completion = (batch[prefix + key] for key in _FORWARD_KEYS)
-        targets = next_token_targets(ids.masked_fill(completion == 0, IGNORE_INDEX))
-        scores = self.score_tokens(
-            model, targets, with_logits_mean=stats, input_ids=ids, attention_mask=attention, use_cache=False
-        )
-        mask = targets[:, :-1] != IGNORE_INDEX
-        logits_mean = scores.logits_mean[:, :-1] if stats else None
-        return _Scored(scores.logps[:, :-1].sum(-1), mask, logits_mean)
+    def score_rows(self, model: Any, batch: dict[str, Tensor], prefix: str = "", stats: bool = False) -> RowScores:
+        """Per-sequence completion log-probs of the rows ``<prefix>input_ids`` of ``batch`` under ``model``
+        (:func:`~lit_trainer.modules.scoring.score_rows`)."""
+        return score_rows(self.score_tokens, model, batch, prefix=prefix, stats=stats)
 
     @override
-    def score(self, model: Any, batch: dict[str, Tensor], stats: bool = False) -> _Scored:  # type: ignore[override]
+    def score(self, model: Any, batch: dict[str, Tensor], stats: bool = False) -> RowScores:  # type: ignore[override]
         """All rows of ``batch`` scored (what DPO's precompute pass calls: rows first, then their KL partners)."""
         return self.score_rows(model, batch, stats=stats)
 
@@ -218,7 +202,7 @@ class KTOModule(DPOModule):
         reference = self.reference_logps(batch, KL_PREFIX)
         return kto_kl_terms(policy, reference)
 
-    def _losses(self, batch: dict[str, Tensor], global_kl: bool) -> tuple[Tensor, _Scored, Tensor, Tensor | None]:
+    def _losses(self, batch: dict[str, Tensor], global_kl: bool) -> tuple[Tensor, RowScores, Tensor, Tensor | None]:
         """``(per-example losses, policy scores, reference log-probs, KL estimate or None)`` of one batch."""
         terms = self.kl_terms(batch)
         if terms is not None and global_kl and self._trainer is not None and self.trainer.world_size > 1:
@@ -238,7 +222,7 @@ class KTOModule(DPOModule):
         count = losses.numel() if num_items_in_batch is None else num_items_in_batch.reshape(-1)[0]
         return losses.sum() / count, self._metrics(scores, ref, batch["label"], kl)
 
-    def _metrics(self, scores: _Scored, ref: Tensor, labels: Tensor, kl: Tensor | None) -> dict[str, Tensor]:
+    def _metrics(self, scores: RowScores, ref: Tensor, labels: Tensor, kl: Tensor | None) -> dict[str, Tensor]:
         labels = labels.to(torch.bool)
         metrics = kto_rewards_metrics(scores.seq, ref, labels, self._loss_options["beta"])
         mask = scores.mask.float()

@@ -125,7 +125,7 @@ def kto_module(tokenizer: Any) -> Any:
 
 
 def orpo_module(tokenizer: Any) -> Any:
-    from lit_trainer.modules.reference_free import ORPOModule
+    from lit_trainer.modules.orpo import ORPOModule
 
     return ORPOModule(tiny_llama(seed=2, layers=2), tokenizer=tokenizer, learning_rate=1e-3, max_grad_norm=1.0)
 

@@ -4,27 +4,19 @@ terms and the ``sft`` term of the loss, and the logged reward/log-prob/logit met
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lit_trainer.data.packing import row_completion_mask
 from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
-from lit_trainer.data.vision.collate import image_inputs
-from lit_trainer.losses.dpo import dpo_loss, dpo_rewards_metrics, sequence_logps
-from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.modules.base._logits import next_token_targets
-from lit_trainer.modules.base._packing import masking_kwargs, per_row
+from lit_trainer.losses.dpo import dpo_loss, dpo_rewards_metrics
+from lit_trainer.modules.scoring import RowScores, score_rows
 
-
-class Scores(NamedTuple):
-    """One forward of 2B rows: per-sequence sums, shifted per-token log-probs and mask, vocabulary-mean logits."""
-
-    seq: Tensor
-    token_logps: Tensor
-    mask: Tensor
-    logits_mean: Tensor | None
+Scores = RowScores
+"""One forward of 2B rows (:class:`~lit_trainer.modules.scoring.RowScores`): per-sequence sums, shifted per-token
+log-probs and mask, vocabulary-mean logits."""
 
 
 class DPOScoringMixin:
@@ -34,23 +26,8 @@ class DPOScoringMixin:
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> Scores:
         """Per-sequence completion log-probs of the 2B rows of ``batch`` under ``model`` (LD-weighted if set). A batch
         with images gives ``model`` its image inputs too (:func:`~lit_trainer.data.vision.collate.image_inputs`): the
-        policy and the reference see the same images."""
-        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
-        targets = next_token_targets(labels)
-        scores = self.score_tokens(
-            model,
-            targets,
-            with_logits_mean=stats,
-            input_ids=batch["input_ids"],
-            use_cache=False,
-            **masking_kwargs(batch),
-            **image_inputs(batch),
-        )
-        token_logps, mask = scores.logps[:, :-1], targets[:, :-1] != IGNORE_INDEX
-        logits_mean = scores.logits_mean[:, :-1] if stats else None
-        token_logps, mask, logits_mean = per_row(batch, token_logps, mask, logits_mean)  # a packed batch: (2B, .)
-        seq = sequence_logps(token_logps, mask, self.hparams.ld_alpha)
-        return Scores(seq, token_logps, mask, logits_mean)
+        policy and the reference see the same images (:func:`~lit_trainer.modules.scoring.score_rows`)."""
+        return score_rows(self.score_tokens, model, batch, ld_alpha=self.hparams.ld_alpha, stats=stats)
 
     def _reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
         if REF_CHOSEN_KEY in batch:
