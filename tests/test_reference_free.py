@@ -31,7 +31,8 @@ from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import PreferenceDataModule, builtin
 from lit_trainer.losses.reference_free import cpo_loss, cpo_rewards, orpo_log_odds, orpo_loss
 from lit_trainer.models import load_model, load_tokenizer
-from lit_trainer.modules.reference_free import CPOModule, ORPOModule
+from lit_trainer.modules.cpo import CPOModule
+from lit_trainer.modules.orpo import ORPOModule
 
 trl_orpo = pytest.importorskip("trl.experimental.orpo")
 trl_cpo = pytest.importorskip("trl.experimental.cpo")

@@ -1,7 +1,7 @@
 """The base of reference-free preference optimisation: :class:`~lit_trainer.modules.orpo.ORPOModule` (ORPO, in
 ``orpo.py``) and :class:`~lit_trainer.modules.cpo.CPOModule` (CPO, SimPO, AlphaPO, in ``cpo.py``), with TRL 1.16's
-experimental ``ORPOTrainer``/``CPOTrainer`` numerics and no reference model at all (both classes, and the metric
-names, are importable from :mod:`lit_trainer.modules.reference_free` too).
+experimental ``ORPOTrainer``/``CPOTrainer`` numerics and no reference model at all (both classes are exported by
+:mod:`lit_trainer` too).
 
 Both train on :class:`~lit_trainer.data.PreferenceDataModule` pairs exactly as
 :class:`~lit_trainer.modules.dpo.DPOModule` does (one forward of the 2B chosen-then-rejected rows scored by
