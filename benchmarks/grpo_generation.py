@@ -42,7 +42,7 @@ def prompt_batch(preset: str, rows: int, num_generations: int) -> tuple[torch.Te
 
 
 def backends(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, Callable[..., Any]]:
-    from lit_trainer.modules.grpo import _completions as rollout
+    from lit_trainer.generation import engines as rollout
 
     eos = rollout.eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -81,8 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    from lit_trainer.generation import engines as rollout
     from lit_trainer.models import load_model
-    from lit_trainer.modules.grpo import _completions as rollout
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)

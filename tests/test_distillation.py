@@ -185,7 +185,7 @@ def test_module_loss_equals_trl_gkd_compute_loss(tokenizer, beta):
     trl_ids, trl_mask, trl_labels = GKDTrainer.generate_on_policy_outputs(
         sampler, {"prompts": prompt_ids, "prompt_attention_mask": torch.ones_like(prompt_ids)}, config
     )
-    from lit_trainer.modules.grpo._completions import cut_after_eos
+    from lit_trainer.generation.engines import cut_after_eos
 
     cut = cut_after_eos(scripted, [1], 0)
     rows = module.rows_with_completions(prompts, cut.ids, cut.mask, 0)

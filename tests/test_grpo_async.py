@@ -27,10 +27,10 @@ from lightning.pytorch.loggers import CSVLogger
 from test_grpo_module import QUIET, data, grpo, length_reward, tiny_model
 
 from lit_trainer.data.prompt import RolloutGeometry
+from lit_trainer.generation.engines import make_engine
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo._async._errors import death_message
 from lit_trainer.modules.grpo._async._worker import SharedWeights
-from lit_trainer.modules.grpo._completions import make_engine
 
 WARNING = "rollout worker's log-probs differ"
 SAME_WEIGHTS_GAP = 1e-5  # largest |delta log p| of the sampler check on the same weights (see its first use)

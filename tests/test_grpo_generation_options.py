@@ -14,8 +14,8 @@ from test_grpo_module import QUIET, length_reward
 
 from helpers.models import tiny_llama
 from lit_trainer.data.prompt import PromptDataModule
+from lit_trainer.generation import engines as rollout
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo import _completions as rollout
 
 # a paged cache of 16 blocks: the engine's default sizes it from the free memory (half of it), slow to allocate on CPU
 SMALL_CACHE = {"num_blocks": 16, "max_batch_tokens": 256}

@@ -18,8 +18,8 @@ from helpers.accumulation import FullBatch, calibrated
 from helpers.models import tiny_llama
 from lit_trainer.data import builtin
 from lit_trainer.data.prompt import GenerationBatchSampler, PromptDataModule, RolloutGeometry
+from lit_trainer.generation import engines as rollout
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.rewards import RewardFunctionError, arithmetic_reward
 
 datasets.disable_progress_bars()

@@ -19,9 +19,9 @@ from tokenizers.processors import TemplateProcessing
 
 from lit_trainer.data.preference import PreferenceDataModule
 from lit_trainer.data.prompt import PromptDataModule
+from lit_trainer.generation import engines as rollout
 from lit_trainer.models import CHAT_TEMPLATE, build_preset_model, build_tokenizer
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._reward_calls import resolve_reward_funcs
 from lit_trainer.rewards import RewardModelScorer, call_reward_functions
 

@@ -6,7 +6,7 @@ import torch
 
 from lit_trainer.callbacks.neftune import draw_seed
 from lit_trainer.core.seeding import derive_seed, splitmix64
-from lit_trainer.modules.grpo._completions import rollout_seed
+from lit_trainer.generation.engines import rollout_seed
 
 # the first two outputs of SplitMix64 seeded with 0 (the published test vector of Vigna's splitmix64.c): the states
 # are GAMMA and 2 * GAMMA, i.e. splitmix64(0) and splitmix64(GAMMA)

@@ -162,7 +162,7 @@ def test_the_stopping_criterion_changes_no_token_until_it_fires_then_ends_the_ge
     from transformers import GenerationConfig
 
     from helpers.models import tiny_llama
-    from lit_trainer.modules.grpo._completions import generate_completions
+    from lit_trainer.generation.engines import generate_completions
 
     model = tiny_llama()
     prompt, mask = torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]])

@@ -28,6 +28,7 @@ from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.seeding import derive_seed
 from lit_trainer.data.collate import SFTCollator
 from lit_trainer.data.loader import NUM_ITEMS_KEY
+from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.causal_lm import count_target_tokens
 from lit_trainer.losses.distillation import chunked_token_divergence, generalized_jsd_loss
 from lit_trainer.losses.logprobs import IGNORE_INDEX
@@ -35,7 +36,6 @@ from lit_trainer.metrics import greedy_batch_matches
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules.base import BaseModule, _logits, _positions
 from lit_trainer.modules.dpo import disable_dropout_in_model
-from lit_trainer.modules.grpo import _completions as rollout
 
 __all__ = ["DistillationModule"]
 

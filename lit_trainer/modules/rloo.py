@@ -26,6 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_trainer.data.prompt import PROMPTS
+from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo_advantages import grpo_reward_metrics, nanstd
 from lit_trainer.losses.grpo_masks import masked_mean_entropy
 from lit_trainer.losses.rloo import (
@@ -37,7 +38,6 @@ from lit_trainer.losses.rloo import (
     sequence_logps,
 )
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo import _completions as rollout
 
 ASYNC_OPTIONS = (
     "max_staleness", "rollout_worker_device", "rollout_worker_threads", "rollout_engine",

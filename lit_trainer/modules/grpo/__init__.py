@@ -47,9 +47,10 @@ setup (:meth:`GRPOModule._check_images`).
 
 This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
 loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
-is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions
-(``_completions``), calling the reward functions (``_reward_calls``), the rollout buffer (``_rollout_buffer``), the
-step normaliser (``_normaliser``) and the option checks (``_options``) each have a file.
+is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions are in
+:mod:`lit_trainer.generation` (``self.rollouts``); calling the reward functions (``_reward_calls``), the rollout
+buffer (``_rollout_buffer``), the step normaliser (``_normaliser``) and the option checks (``_options``) each have
+a file.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ from lit_trainer.data.loader import NUM_ITEMS_KEY
 from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
 from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
 from lit_trainer.data.vision import prompt as vision_prompt
+from lit_trainer.generation import (
+    ContinuousBatchingEngine,
+    GenerateEngine,
+    RolloutEngine,
+    RolloutGenerator,
+    SamplingOptions,
+    make_engine,
+)
+from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
@@ -80,18 +90,11 @@ from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import is_vision_model
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
-from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin, agentic_batch, resolve_rollout_func
 from lit_trainer.modules.grpo._agentic._environments import Environments, describe_factories
 from lit_trainer.modules.grpo._agentic._tools import resolve_tools, tool_name
 from lit_trainer.modules.grpo._async import AsyncRolloutMixin
 from lit_trainer.modules.grpo._completion_table import write_completion_table
-from lit_trainer.modules.grpo._completions import (
-    ContinuousBatchingEngine,
-    GenerateEngine,
-    RolloutEngine,
-    make_engine,
-)
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
@@ -221,7 +224,7 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             samples in the training process. See :mod:`lit_trainer.modules.grpo._async` and docs/grpo.md.
         rollout_worker_device: the worker's device (``"cpu"``, ``"cuda:1"``); None = this rank's device.
         rollout_worker_threads: the worker's CPU threads (``torch.set_num_threads``); None = the trainer's count.
-        rollout_engine: import path of a :class:`~lit_trainer.modules.grpo._completions.RolloutEngine` subclass the
+        rollout_engine: import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass the
             worker samples with (None: ``generate``, or continuous batching when asked).
         rollout_importance_sampling_correction: correct stale rounds (and every round of an engine with other
             numerics) by the ratio ``exp(old - behaviour)`` of the trainer's log-probs at the round's start to the
@@ -347,6 +350,8 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
         self.engine: RolloutEngine = make_engine(
             self.continuous_batching, transformers_continuous_batching_config, rollout_engine
         )
+        # the round's sampling: options and engine, no attribute of this module (the async worker builds its own)
+        self.rollouts = RolloutGenerator(self.engine, SamplingOptions.from_hparams(self.hparams), self.tokenizer)
         self._entropy = EntropyControl(
             entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
         )

@@ -1,7 +1,8 @@
 """The rollout mixin of :class:`~lit_trainer.modules.grpo.GRPOModule`: one generation round (sample with a seeded
 RNG, score with the reward functions gathered over ranks, compute advantages and the old/reference log-probs when
 needed, shuffle and buffer the round's micro-batches), and the generation padding id validation uses too. The small
-stateless pieces are in :mod:`lit_trainer.modules.grpo._completions`; the buffer is
+stateless pieces are in :mod:`lit_trainer.generation.engines`, the sampling options and engine in
+:class:`~lit_trainer.generation.RolloutGenerator` (``self.rollouts``); the buffer is
 :class:`~lit_trainer.modules.grpo._rollout_buffer.RolloutBuffer`."""
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from lit_trainer.data.chat import render
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.data.vision import prompt as vision_prompt
+from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
-from lit_trainer.models import is_vision_model
-from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._agentic import agentic_batch
 from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
@@ -42,24 +42,12 @@ class GRPORolloutMixin:
         return self.all_gather(local).reshape(-1, *local.shape[1:])
 
     def _sampling_config(self, eos: list[int]) -> Any:
-        """The ``GenerationConfig`` of the training rollouts (and of a sampled validation)."""
-        hp = self.hparams
-        return rollout.sampling_config(
-            self._pad_token_id(eos), eos, max_completion_length=hp.max_completion_length,
-            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
-            cache_implementation=hp.cache_implementation, suppress_tokens=self._image_token_ids(),
-        )  # fmt: skip
+        """The ``GenerationConfig`` of the training rollouts (and of a sampled validation): ``self.rollouts``'s."""
+        return self.rollouts.sampling_config(self.model, eos)
 
     def _image_token_ids(self) -> list[int]:
-        """A vision-language policy's image token id, never sampled (TRL 1.16 suppresses it whenever its processing
-        class is a processor: a sampled image token has no image features); empty for a text model."""
-        config = getattr(self.model, "config", None)
-        if not is_vision_model(self.model):
-            return []
-        token = getattr(config, "image_token_id", None)
-        token = getattr(config, "image_token_index", None) if token is None else token
-        return [] if token is None else [int(token)]
+        """A vision-language policy's image token id, never sampled; empty for a text model."""
+        return self.rollouts.image_token_ids(self.model)
 
     def _prompt_inputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """Left-padded prompt ids and mask for ``generate``: the data module's, or, for conversational prompts with
@@ -140,11 +128,16 @@ class GRPORolloutMixin:
             elif self.agentic:
                 agentic = self._tool_round(batch, config, eos, should_stop)
             else:
-                completions = self.engine.generate(
-                    self.model, prompt_ids, prompt_mask, config, eos,
-                    synced=_sharding.is_sharded(self.model), should_stop=should_stop,
-                    **vision_prompt.model_image_inputs(images),
-                )  # fmt: skip
+                completions = self.rollouts.generate(
+                    self.model,
+                    prompt_ids,
+                    prompt_mask,
+                    config,
+                    eos,
+                    synced=_sharding.is_sharded(self.model),
+                    should_stop=should_stop,
+                    images=vision_prompt.model_image_inputs(images),
+                )
         if custom:
             rows, completions = agentic.rows, agentic.completions
             scoring = (agentic_batch(batch, agentic), (agentic.texts, agentic.kept, agentic.reward_kwargs))
@@ -230,11 +223,8 @@ class GRPORolloutMixin:
         self.completion_table = (columns, [[p, c, *v] for (p, c), v in zip(pairs, values)])
 
     def _pad_token_id(self, eos: list[int]) -> int:
-        """Padding id for generation: the model's generation config, else the tokenizer's, else the first EOS."""
-        for pad in (self.model.generation_config.pad_token_id, getattr(self.tokenizer, "pad_token_id", None)):
-            if pad is not None:
-                return int(pad[0] if isinstance(pad, (list, tuple)) else pad)
-        return eos[0]
+        """Padding id for generation (:meth:`~lit_trainer.generation.RolloutGenerator.pad_token_id`)."""
+        return self.rollouts.pad_token_id(self.model, eos)
 
     def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""

@@ -27,7 +27,7 @@ from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.import_path import import_object
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS, REWARD_COLUMNS
-from lit_trainer.modules.grpo import _completions as rollout
+from lit_trainer.generation import engines as rollout
 from lit_trainer.modules.grpo._agentic._environments import environment_tools
 from lit_trainer.modules.grpo._agentic._multi_turn import multi_turn_rollouts
 from lit_trainer.modules.grpo._agentic._tools import parse_assistant_turn, tool_name

@@ -56,8 +56,8 @@ from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.stop_request import stop_check, stop_for_failure, stop_in_step
 from lit_trainer.data.bad_rows import BadRowError
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS
+from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_metrics
-from lit_trainer.modules.grpo import _completions as rollout
 from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
 from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS

@@ -99,7 +99,7 @@ class RolloutSampler:
         from lightning.fabric.utilities.data import AttributeDict
 
         from lit_trainer.data.prompt import RolloutGeometry
-        from lit_trainer.modules.grpo._completions import make_engine
+        from lit_trainer.generation import RolloutGenerator, SamplingOptions, make_engine
 
         self.device = torch.device(spec.device)
         self.model = spec.model.to(self.device)
@@ -113,6 +113,7 @@ class RolloutSampler:
         self.continuous_batching = spec.continuous_batching
         options = self.hparams.get("transformers_continuous_batching_config")
         self.engine = make_engine(spec.continuous_batching, options, spec.engine)
+        self.rollouts = RolloutGenerator(self.engine, SamplingOptions.from_hparams(self.hparams), self.tokenizer)
         self.rollout_geometry = RolloutGeometry(1, spec.steps_per_generation, 1, 1)
         self.trainer = SimpleNamespace(world_size=1)
         self.global_rank = 0

@@ -1,6 +1,7 @@
-"""GRPO rollouts: sample completions in one batched ``generate`` call, cut them after EOS, decode and measure them.
+"""Rollout engines and the small pieces of sampling: sample completions in one batched ``generate`` call, cut them
+after EOS, decode and measure them.
 
-Rollout engines are here too: the one small interface (:class:`RolloutEngine`) through which GRPO samples, with
+The extension point is :class:`RolloutEngine`, the one small interface through which GRPO and RLOO sample, with
 :class:`GenerateEngine` (transformers' ``generate``, the default) and :class:`ContinuousBatchingEngine`
 (transformers' continuous batching). The synchronous module calls its engine in the training process; with
 ``max_staleness`` set, the rollout worker process (:mod:`lit_trainer.modules.grpo._async`) calls the same engine on its
@@ -313,7 +314,7 @@ class RolloutEngine:
 
 
 class GenerateEngine(RolloutEngine):
-    """One batched ``model.generate`` call (:func:`~lit_trainer.modules.grpo._completions.generate_completions`)."""
+    """One batched ``model.generate`` call (:func:`~lit_trainer.generation.engines.generate_completions`)."""
 
     def generate(self, model, prompt_ids, prompt_mask, config, eos_ids, *, synced=False, should_stop=None, **images):
         """``images``: the prompts' image inputs for a vision-language model (``pixel_values``, ...)."""
@@ -322,7 +323,7 @@ class GenerateEngine(RolloutEngine):
 
 class ContinuousBatchingEngine(RolloutEngine):
     """transformers' continuous batching
-    (:func:`~lit_trainer.modules.grpo._completions.generate_completions_continuous`).
+    (:func:`~lit_trainer.generation.engines.generate_completions_continuous`).
 
     Args:
         options: ``transformers.ContinuousBatchingConfig`` fields (``max_memory_percent`` defaults to 0.5).
