@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"core", "losses"},
     "data": {"core", "losses", "models"},
     "rewards": {"core", "data", "models"},
+    "generation": {"core", "models"},  # the rollout engines and generator: no LightningModule, no data module
     # usable in any Lightning project: never the modules, data, models, loggers or the CLI
     "callbacks": {"core", "checkpoint_io", "checkpoint_load", "quantization"},
     "loggers": {"core"},
@@ -50,6 +51,7 @@ ALLOWED: dict[str, set[str]] = {
         "models",
         "metrics",
         "rewards",
+        "generation",
         "quantization",
         "checkpoint_io",
         "checkpoint_load",
@@ -68,6 +70,7 @@ ALLOWED: dict[str, set[str]] = {
         "metrics",
         "data",
         "rewards",
+        "generation",
         "callbacks",
         "loggers",
         "modules",
