@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from helpers.tool_policy import AddEnv, add
+from lit_trainer.generation.agentic.tools import ToolStats, parse_tool_calls, run_tool_turns
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo._agentic._tools import ToolStats, parse_tool_calls, run_tool_turns
 from lit_trainer.rewards import arithmetic_reward
 
 

@@ -18,11 +18,9 @@ from datasets import Dataset
 
 from helpers.tool_policy import ScriptedGenerate, add, call
 from lit_trainer.data import PromptDataModule, builtin
-from lit_trainer.models import build_preset_model, build_tokenizer
-from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo._agentic._environments import Environments
-from lit_trainer.modules.grpo._agentic._multi_turn import multi_turn_rollouts
-from lit_trainer.modules.grpo._agentic._tools import (
+from lit_trainer.generation.agentic.environments import Environments
+from lit_trainer.generation.agentic.multi_turn import multi_turn_rollouts
+from lit_trainer.generation.agentic.tools import (
     ToolStats,
     parse_assistant_turn,
     parse_tool_calls,
@@ -30,6 +28,8 @@ from lit_trainer.modules.grpo._agentic._tools import (
     run_tool_turns,
     tool_suffix_ids,
 )
+from lit_trainer.models import build_preset_model, build_tokenizer
+from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.rewards import arithmetic_reward
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -40,7 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"core", "losses"},
     "data": {"core", "losses", "models"},
     "rewards": {"core", "data", "models"},
-    "generation": {"core", "models"},  # the rollout engines and generator: no LightningModule, no data module
+    # the rollout engines, generator and agentic rounds: no LightningModule; data for the prompt columns and padding
+    "generation": {"core", "models", "data"},
     # usable in any Lightning project: never the modules, data, models, loggers or the CLI
     "callbacks": {"core", "checkpoint_io", "checkpoint_load", "quantization"},
     "loggers": {"core"},

@@ -58,3 +58,48 @@ def test_grpo_holds_a_rollout_generator_with_its_engine_and_sampling_options():
     assert isinstance(module.rollouts, RolloutGenerator) and module.rollouts.engine is module.engine
     assert module.rollouts.options.max_completion_length == 6
     assert (module.rollouts.options.temperature, module.rollouts.options.top_k) == (0.5, 4)
+
+
+def test_the_generator_runs_a_tool_round_and_masks_the_tool_result_out_of_the_loss():
+    """A tools round of the generator alone (no module): a tiny preset policy whose ``generate`` is scripted
+    (``helpers.tool_policy``: the first row calls ``add(2, 3)`` then answers the result, the second answers ``6``
+    directly). The loss mask, checked by hand: 1 on the tool call, 0 on the tool message, 1 on the answer; all 1 on
+    the direct answer."""
+    from helpers.tool_policy import ScriptedGenerate, add, call
+    from lit_trainer.data.prompt import PROMPTS, REWARD_COLUMNS
+    from lit_trainer.models import build_preset_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_preset_model("tiny-64")
+    ScriptedGenerate(model, tokenizer)
+    options = SamplingOptions(
+        max_completion_length=200, temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0
+    )
+    rollouts = RolloutGenerator(GenerateEngine(), options, tokenizer)
+    eos = rollouts.eos_token_ids(model)
+    question = [{"role": "user", "content": "2+3=?"}]
+    batch = {PROMPTS: [question, question], REWARD_COLUMNS: {}}
+    out = rollouts.tool_round(
+        model, batch, rollouts.sampling_config(model, eos), eos, tools=[add], environments=None,
+        chat_template_kwargs=None, max_tool_calling_iterations=3, device=torch.device("cpu"),
+    )  # fmt: skip
+
+    def tokens(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    called, answer, direct = tokens(call({"a": 2, "b": 3})), tokens("5</s>"), tokens("6</s>")
+    ids, loss, attention = (
+        out.rows["completion_ids"],
+        out.rows["completion_mask"],
+        out.rows["completion_attention_mask"],
+    )
+    length = int(attention[0].sum())
+    tool = length - len(called) - len(answer)  # the tool message and the next assistant header
+    assert tool > 0
+    assert loss[0, :length].tolist() == [1] * len(called) + [0] * tool + [1] * len(answer)
+    assert ids[0, : len(called)].tolist() == called and ids[0, length - len(answer) : length].tolist() == answer
+    assert "5" in tokenizer.decode(ids[0, len(called) : len(called) + tool])  # the tool's result, not the model's
+    assert loss[1].tolist() == attention[1].tolist() == [1] * len(direct) + [0] * (ids.shape[1] - len(direct))
+    assert ids[1, : len(direct)].tolist() == direct
+    assert [m["role"] for m in out.texts[0]] == ["assistant", "tool", "assistant"]
+    assert out.tool_metrics["tools/call_frequency"].item() == 0.5  # one call over two rows

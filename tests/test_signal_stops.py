@@ -184,8 +184,8 @@ def test_a_stop_request_ends_the_tool_loop_before_any_tool_runs():
     """Every row's first turn calls a tool; with the request on, the loop ends after that turn: no tool is run and
     ``generate`` is called once (without it, the same call runs the tool and generates again)."""
     from helpers.tool_policy import add, call
+    from lit_trainer.generation.agentic.multi_turn import multi_turn_rollouts
     from lit_trainer.models import build_tokenizer
-    from lit_trainer.modules.grpo._agentic._multi_turn import multi_turn_rollouts
 
     tokenizer = build_tokenizer()
     calls = []

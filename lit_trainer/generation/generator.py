@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from lit_trainer.generation import engines
+from lit_trainer.generation import agentic, engines
 from lit_trainer.generation.engines import Completions, RolloutEngine
 from lit_trainer.models import is_vision_model
 
@@ -41,7 +41,8 @@ class SamplingOptions:
 class RolloutGenerator:
     """Samples one round's completions: the sampling ``GenerationConfig`` of a model, then its :attr:`engine`
     (``generate``, continuous batching or a plug-in :class:`~lit_trainer.generation.engines.RolloutEngine`) on an RNG
-    seeded for the round.
+    seeded for the round; or an agentic round (:meth:`tool_round`: tools and environments, multi-turn;
+    :meth:`custom_round`: a ``rollout_func``), see :mod:`lit_trainer.generation.agentic`.
 
     Args:
         engine: the engine that samples.
@@ -113,3 +114,50 @@ class RolloutGenerator:
             return self.engine.generate(
                 model, prompt_ids, prompt_mask, config, eos, synced=synced, should_stop=should_stop, **extra
             )
+
+    def prompt_rows(self, prompt_ids: list[list[int]], device: Any) -> dict[str, torch.Tensor]:
+        """Left-padded ``prompt_ids`` and ``prompt_mask`` of token lists, on ``device``."""
+        return agentic.prompt_rows(self.tokenizer, prompt_ids, device)
+
+    def tool_round(
+        self,
+        model: Any,
+        batch: Mapping[str, Any],
+        config: GenerationConfig,
+        eos: list[int],
+        *,
+        tools: list[Any],
+        environments: Any,
+        chat_template_kwargs: dict[str, Any] | None,
+        max_tool_calling_iterations: int | None,
+        device: Any,
+        reduce: agentic.Reduce | None = None,
+        owner: str = "GRPOModule",
+        should_stop: Callable[[], bool] | None = None,
+    ) -> agentic.AgenticRound:
+        """A round with ``tools`` and ``environments``: render, generate, call the tools and continue, all rows
+        together (:func:`~lit_trainer.generation.agentic.tool_round`), with this generator's engine and
+        ``max_completion_length``. ``reduce`` sums a tensor over ranks (None on one process)."""
+        return agentic.tool_round(
+            self.engine, model, self.tokenizer, dict(batch), config, eos, tools=tools, environments=environments,
+            chat_template_kwargs=chat_template_kwargs, max_tool_calling_iterations=max_tool_calling_iterations,
+            max_completion_length=self.options.max_completion_length, device=device, reduce=reduce, owner=owner,
+            should_stop=should_stop,
+        )  # fmt: skip
+
+    def custom_round(
+        self,
+        rollout_func: Callable[..., Any],
+        caller: Any,
+        batch: Mapping[str, Any],
+        eos: list[int],
+        pad: int,
+        *,
+        tools: list[Any],
+        device: Any,
+    ) -> agentic.AgenticRound:
+        """A round from the user's ``rollout_func(prompts, caller)``
+        (:func:`~lit_trainer.generation.agentic.custom_round`)."""
+        return agentic.custom_round(
+            rollout_func, caller, self.tokenizer, dict(batch), eos, pad, tools=tools, device=device
+        )

@@ -26,11 +26,11 @@ checkpoint written inside an optimizer step (a validation between its micro-batc
 exactly too: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in the
 buffer, unless the step began in the previous generation round (then only its remaining micro-batches are counted).
 
-Tools, environments and ``rollout_func`` (:mod:`lit_trainer.modules.grpo._agentic`). With ``tools`` or an
+Tools, environments and ``rollout_func`` (:mod:`lit_trainer.generation.agentic`). With ``tools`` or an
 ``environment_factory`` the round's single ``generate`` becomes a batched multi-turn loop
-(:mod:`lit_trainer.modules.grpo._agentic._multi_turn`): every rollout's first turn in one call, the rows that call
-tools run them (:mod:`lit_trainer.modules.grpo._agentic._tools`, environments in
-:mod:`lit_trainer.modules.grpo._agentic._environments`) and continue together in one call per turn. Tool-result
+(:mod:`lit_trainer.generation.agentic.multi_turn`): every rollout's first turn in one call, the rows that call
+tools run them (:mod:`lit_trainer.generation.agentic.tools`, environments in
+:mod:`lit_trainer.generation.agentic.environments`) and continue together in one call per turn. Tool-result
 tokens are in the rows (``completion_attention_mask``) but not in ``completion_mask``, which is the loss mask and
 what the normaliser counts. A ``rollout_func`` replaces generation.
 The scored rows go through the same buffer, so resume stays exact without any environment state.
@@ -82,6 +82,9 @@ from lit_trainer.generation import (
     make_engine,
 )
 from lit_trainer.generation import engines as rollout
+from lit_trainer.generation.agentic import agentic_batch, resolve_rollout_func
+from lit_trainer.generation.agentic.environments import Environments, describe_factories
+from lit_trainer.generation.agentic.tools import resolve_tools, tool_name
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
 from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
@@ -90,9 +93,6 @@ from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import is_vision_model
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
-from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin, agentic_batch, resolve_rollout_func
-from lit_trainer.modules.grpo._agentic._environments import Environments, describe_factories
-from lit_trainer.modules.grpo._agentic._tools import resolve_tools, tool_name
 from lit_trainer.modules.grpo._async import AsyncRolloutMixin
 from lit_trainer.modules.grpo._completion_table import write_completion_table
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
@@ -111,7 +111,7 @@ _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 __all__ = ["ContinuousBatchingEngine", "GRPOModule", "GenerateEngine", "RolloutEngine"]
 
 
-class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseModule):
+class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
@@ -205,16 +205,16 @@ class GRPOModule(GRPORolloutMixin, AgenticRolloutMixin, AsyncRolloutMixin, Refer
             schema). Their schemas go to the chat template (``tools=``), calls in a completion
             (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` for the presets) are run and their results
             appended as ``tool`` messages, and generation continues, all rows of a round together; tool-result tokens
-            get no loss (see :mod:`lit_trainer.modules.grpo._agentic._multi_turn`). Needs conversational prompts.
+            get no loss (see :mod:`lit_trainer.generation.agentic.multi_turn`). Needs conversational prompts.
         environment_factory: TRL 1.16's environments: a factory (class, function or import path) making one
             environment per rollout, or a dict of them chosen by an ``environment`` column; ``reset(**row)`` starts
             a rollout, public methods are tools, ``get_reward()`` is an extra reward function named after the class
-            (see :mod:`lit_trainer.modules.grpo._agentic._environments`).
+            (see :mod:`lit_trainer.generation.agentic.environments`).
         max_tool_calling_iterations: tool rounds per rollout at most (None = until no call or no room).
         rollout_func: replaces generation: ``rollout_func(prompts, module) -> {"prompt_ids", "completion_ids",
             "logprobs", ...}`` (lists, one per row; a callable or import path). An ``env_mask`` (1 = model token)
             masks the loss; other keys reach the reward functions as keywords (see
-            :mod:`lit_trainer.modules.grpo._agentic`).
+            :mod:`lit_trainer.generation.agentic`).
         chat_template_kwargs: extra ``apply_chat_template`` keywords (template variables) for conversational
             prompts, tool messages and the reward models' texts, as TRL 1.16's ``GRPOConfig.chat_template_kwargs``.
         max_staleness: asynchronous rollouts: a worker process per rank (its own copy of the policy) samples the next

@@ -22,8 +22,8 @@ from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.data.vision import prompt as vision_prompt
 from lit_trainer.generation import engines as rollout
+from lit_trainer.generation.agentic import AgenticRound, agentic_batch
 from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
-from lit_trainer.modules.grpo._agentic import agentic_batch
 from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
@@ -225,6 +225,32 @@ class GRPORolloutMixin:
     def _pad_token_id(self, eos: list[int]) -> int:
         """Padding id for generation (:meth:`~lit_trainer.generation.RolloutGenerator.pad_token_id`)."""
         return self.rollouts.pad_token_id(self.model, eos)
+
+    def _reduce(self) -> Any:
+        """``tensor -> its sum over ranks`` for the agentic rounds, None on one process."""
+        if self.trainer.world_size == 1:
+            return None
+        return lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")
+
+    def _tool_round(self, batch: dict[str, Any], config: Any, eos: list[int], should_stop: Any = None) -> AgenticRound:
+        """A tools / environments round of ``self.rollouts``
+        (:meth:`~lit_trainer.generation.RolloutGenerator.tool_round`)."""
+        hp = self.hparams
+        return self.rollouts.tool_round(
+            self.model, batch, config, eos, tools=list(self.tools), environments=self.environments,
+            chat_template_kwargs=hp.chat_template_kwargs, max_tool_calling_iterations=hp.max_tool_calling_iterations,
+            device=self.device, reduce=self._reduce(), owner=type(self).__name__, should_stop=should_stop,
+        )  # fmt: skip
+
+    def _custom_round(self, batch: dict[str, Any], eos: list[int], pad: int) -> AgenticRound:
+        """A ``rollout_func`` round (:meth:`~lit_trainer.generation.RolloutGenerator.custom_round`); the function gets
+        the module as its second argument."""
+        return self.rollouts.custom_round(
+            self.rollout_func, self, batch, eos, pad, tools=list(self.tools), device=self.device
+        )
+
+    def _prompt_rows(self, prompt_ids: list[list[int]]) -> dict[str, Tensor]:
+        return self.rollouts.prompt_rows(prompt_ids, self.device)
 
     def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""

@@ -90,9 +90,10 @@ class WorkerSpec:
 class RolloutSampler:
     """The module's sampling and scoring-forward code on the worker's own model (built from a :class:`WorkerSpec`).
 
-    It borrows the module class's methods (those of :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin` and
-    :class:`~lit_trainer.modules.grpo._agentic.AgenticRolloutMixin`, ``completion_logps`` and ``score_tokens``): the
-    worker runs the same code as a synchronous round, one process on its own (``trainer.world_size == 1``).
+    It borrows the module class's methods (those of :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`,
+    ``completion_logps`` and ``score_tokens``; the agentic rounds are
+    :class:`~lit_trainer.generation.RolloutGenerator`'s): the worker runs the same code as a synchronous round, one
+    process on its own (``trainer.world_size == 1``).
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -123,12 +124,10 @@ def _bind_module_methods(module_class: type) -> None:
     """Give :class:`RolloutSampler` the methods of the module's class that sampling and scoring use: those of the two
     rollout mixins, ``completion_logps`` and ``score_tokens``, looked up on ``module_class`` so that a subclass's
     overrides run in the worker too."""
-    from lit_trainer.modules.grpo._agentic import AgenticRolloutMixin
     from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
 
     names = {"completion_logps", "score_tokens"}
-    for owner in (GRPORolloutMixin, AgenticRolloutMixin):
-        names.update(n for n, v in vars(owner).items() if callable(v) and not n.startswith("__"))
+    names.update(n for n, v in vars(GRPORolloutMixin).items() if callable(v) and not n.startswith("__"))
     for name in names:
         setattr(RolloutSampler, name, getattr(module_class, name))
 

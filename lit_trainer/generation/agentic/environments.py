@@ -10,7 +10,7 @@ model's tools.
 * ``reset``, the tools and ``get_reward`` may be ``async def``: the awaitables of a round are awaited together on a
   background event loop (:mod:`lit_trainer.core.awaitables`).
 * The public methods other than ``reset`` and ``get_reward`` are tools (they need type hints and a docstring, see
-  :mod:`lit_trainer.modules.grpo._agentic._tools`; checked on a first instance when the module is built), bound to
+  :mod:`lit_trainer.generation.agentic.tools`; checked on a first instance when the module is built), bound to
   the rollout's instance. An environment without any (and no ``tools=``) is warned about: its rollouts are one turn.
 * ``get_reward()`` (when the class defines it) is an extra reward function named after the class, weight 1.0: it scores
   the rollouts of that class (None, unscored, for the others).
@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_trainer.core.awaitables import resolve_awaitables
 from lit_trainer.core.import_path import import_object
-from lit_trainer.modules.grpo._agentic._tools import check_tool_schema
+from lit_trainer.generation.agentic.tools import check_tool_schema
 
 EnvironmentFactory = Callable[[], Any]
 ENVIRONMENT_COLUMN = "environment"
@@ -76,7 +76,7 @@ class Environments:
     Raises:
         ValueError: for a factory that does not import or is not callable, an environment without ``reset``, or a
             tool method transformers cannot describe (see
-            :func:`~lit_trainer.modules.grpo._agentic._tools.check_tool_schema`).
+            :func:`~lit_trainer.generation.agentic.tools.check_tool_schema`).
     """
 
     def __init__(

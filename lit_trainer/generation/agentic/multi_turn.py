@@ -3,10 +3,10 @@
 One round (:func:`multi_turn_rollouts`):
 
 1. all rows generate their first assistant turn in one batched ``generate`` (prompts rendered with the tools' schemas);
-2. each turn is parsed (:func:`~lit_trainer.modules.grpo._agentic._tools.parse_assistant_turn`); the rows whose
-   turn calls tools run them (:func:`~lit_trainer.modules.grpo._agentic._tools.run_tool_turns`: async tools of all
+2. each turn is parsed (:func:`~lit_trainer.generation.agentic.tools.parse_assistant_turn`); the rows whose
+   turn calls tools run them (:func:`~lit_trainer.generation.agentic.tools.run_tool_turns`: async tools of all
    rows awaited together), and the tokens of
-   the tool messages plus the next assistant header (:func:`~lit_trainer.modules.grpo._agentic._tools.tool_suffix_ids`)
+   the tool messages plus the next assistant header (:func:`~lit_trainer.generation.agentic.tools.tool_suffix_ids`)
    are appended to the row;
 3. those rows generate their next turn together, in one batched ``generate`` on ``prompt + completion so far``
    (left-padded, no re-tokenisation of what was generated), and step 2 repeats, at most ``max_iterations`` times.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_trainer.modules.grpo._agentic._tools import ToolStats, parse_assistant_turn, run_tool_turns, tool_suffix_ids
+from lit_trainer.generation.agentic.tools import ToolStats, parse_assistant_turn, run_tool_turns, tool_suffix_ids
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 """``generate(token lists, max_new_tokens) -> kept ids per row`` (cut after the first EOS, EOS included)."""
