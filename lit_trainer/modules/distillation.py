@@ -28,6 +28,7 @@ from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.seeding import derive_seed
 from lit_trainer.data.collate import SFTCollator
 from lit_trainer.data.loader import NUM_ITEMS_KEY
+from lit_trainer.generation import GenerateEngine, RolloutGenerator, SamplingOptions
 from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.causal_lm import count_target_tokens
 from lit_trainer.losses.distillation import chunked_token_divergence, generalized_jsd_loss
@@ -59,7 +60,8 @@ class DistillationModule(BaseModule):
 
     Per micro-batch (:mod:`lit_trainer.modules.distillation`): with probability ``lmbda`` the student samples the
     completions of the batch's prompts (``temperature``, ``max_new_tokens``, top-k 0 and top-p 1 as TRL's GKD), else
-    the dataset's completions are used (``seq_kd=True``: the teacher samples them instead). The student (with
+    the dataset's completions are used (``seq_kd=True``: the teacher samples them instead), sampled through
+    ``self.rollouts`` (a :class:`~lit_trainer.generation.RolloutGenerator`, ``generate`` engine). The student (with
     gradient) and the teacher (``torch.no_grad``, eval mode) score the same rows; the loss is the generalised JSD of
     their temperature-scaled next-token distributions at every completion token (EOS included), a token mean over the
     optimizer step. ``beta=0`` is the forward KL(teacher || student), ``beta=1`` the reverse KL.
@@ -147,6 +149,12 @@ class DistillationModule(BaseModule):
         self.val_metrics.add("loss", MeanMetric())
         self.val_metrics.add("exact_match", MeanMetric())
         self._seed = generation_seed
+        # on-policy (and seq_kd) sampling: one generate call per micro-batch, plain temperature sampling
+        options = SamplingOptions(
+            max_completion_length=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
+            repetition_penalty=1.0,
+        )  # fmt: skip
+        self.rollouts = RolloutGenerator(GenerateEngine(), options, self.tokenizer)
         # the optimizer step's window in progress: (epoch, first batch index), and over its micro-batches so far and
         # all ranks (so the same on every rank, and in a checkpoint written inside the window) the tokens trained on
         # minus the dataset's tokens they replaced (0 for dataset micro-batches), and whether any micro-batch sampled
@@ -306,18 +314,19 @@ class DistillationModule(BaseModule):
                 "`completion` columns), or set lmbda=0 and seq_kd=False."
             )
         prompts = [row[:n].tolist() for row, n in zip(ids.cpu(), prompt_lengths)]
-        eos = rollout.eos_token_ids(self.model, self.tokenizer)
+        eos = self.rollouts.eos_token_ids(self.model)
         pad = self._pad_token_id(eos)
+        o = self.rollouts.options
         config = rollout.sampling_config(
-            pad, eos, max_completion_length=self.hparams.max_new_tokens, temperature=self.hparams.temperature,
-            top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+            pad, eos, max_completion_length=o.max_completion_length, temperature=o.temperature, top_p=o.top_p,
+            top_k=o.top_k, min_p=o.min_p, repetition_penalty=o.repetition_penalty,
         )  # fmt: skip
         prompt_ids = torch.stack([torch.tensor([pad] * (max(prompt_lengths) - len(p)) + p) for p in prompts])
         prompt_mask = torch.stack([torch.tensor([0] * (max(prompt_lengths) - len(p)) + [1] * len(p)) for p in prompts])
-        with rollout.seeded_rng(seed, self.device):
-            completions = rollout.generate_completions(  # sharded: every forward is a collective, keep ranks in step
-                model, prompt_ids.to(self.device), prompt_mask.to(self.device), config, eos, _sharding.is_sharded(model)
-            )
+        completions = self.rollouts.generate(  # sharded: every forward is a collective, keep ranks in step
+            model, prompt_ids.to(self.device), prompt_mask.to(self.device), config, eos, seed=seed,
+            device=self.device, synced=_sharding.is_sharded(model),
+        )  # fmt: skip
         return self.rows_with_completions(prompts, completions.ids, completions.mask, pad)
 
     def rows_with_completions(
