@@ -97,8 +97,8 @@ _LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.logg
 
 
 FIT_DESCRIPTION = (
-    "Train a LightningModule: lit_trainer's CausalLMModule (SFT), DPOModule, GRPOModule, RewardModule, KTOModule, "
-    "ORPOModule, CPOModule (also SimPO), RLOOModule or DistillationModule, or your own. The options listed here are "
+    "Train a LightningModule: one of lit_trainer's, {modules}, or your own (the run folder is runs/<its RUN_NAME>, "
+    "else runs/<its class name in lower case>, unless --run_name names it). The options listed here are "
     "the trainer's and the run's. To list the model's and the data module's options: "
     "`lit-trainer fit --model.help lit_trainer.CausalLMModule` (or any module above) and "
     "`lit-trainer fit --data.help lit_trainer.data.SFTDataModule` (or PreferenceDataModule, "
@@ -106,6 +106,17 @@ FIT_DESCRIPTION = (
     "and configs write `--model.init_args.learning_rate`: both set the same option. Recipes and commands: "
     "`lit-trainer --help`."
 )
+
+
+def fit_description() -> str:
+    """``lit-trainer fit --help``'s description: every module of ``lit_trainer.__all__`` with the run folder its
+    ``RUN_NAME`` gives (read from the classes, so a new module appears here without editing this text)."""
+    import lit_trainer
+
+    modules = ", ".join(f"{name} (runs/{getattr(lit_trainer, name).RUN_NAME})" for name in lit_trainer.__all__)
+    return FIT_DESCRIPTION.format(modules=modules)
+
+
 CKPT_PATH_INSTEAD = "--ckpt_path last (the newest complete checkpoint of this run; incomplete ones are skipped)"
 CKPT_PATH_HELP = (
     "Continue a run instead of starting a new one. 'last': the newest complete checkpoint of an unfinished run with "
@@ -177,7 +188,7 @@ class LitTrainerCLI(LightningCLI):
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
-        parser_kwargs.setdefault("fit", {}).setdefault("description", FIT_DESCRIPTION)
+        parser_kwargs.setdefault("fit", {}).setdefault("description", fit_description())
         trainer_defaults = {"logger": default_loggers(), "num_sanity_val_steps": 0}
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}))
         self._resume_from: str | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import importlib
 import os
 import shutil
 from pathlib import Path
@@ -28,17 +29,6 @@ from lit_trainer.core.atomic import atomic_write
 from lit_trainer.core.version_folders import version_folder, version_number
 
 DEFAULT_ROOT = "runs"
-_RECIPE_NAMES = {
-    "CausalLMModule": "sft",
-    "DPOModule": "dpo",
-    "GRPOModule": "grpo",
-    "RewardModule": "reward",
-    "KTOModule": "kto",
-    "ORPOModule": "orpo",
-    "CPOModule": "cpo",
-    "RLOOModule": "rloo",
-    "DistillationModule": "distill",
-}
 # Rank 0 of a fit names the folder it reserved here; the processes Lightning starts for the other ranks inherit the
 # environment, so they log to (and look for checkpoints in) the same folder instead of reserving one of their own.
 RUN_DIR_ENV = "LIT_TRAINER_RUN_DIR"
@@ -46,15 +36,24 @@ _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def default_run_name(module_class_path: str) -> str:
-    """The recipe's short name for our modules (``sft``, ``dpo``, ``grpo``, ``reward``, ``kto``, ``orpo``, ``cpo``,
-    ``rloo``, ``distill``); the class name in lower case for any other module.
+    """The run name of a LightningModule class when ``--run_name`` is not given: the ``RUN_NAME`` the class itself
+    declares (ours: ``sft``, ``dpo``, ``grpo``, ``reward``, ``kto``, ``orpo``, ``cpo``, ``rloo``, ``distill``), else
+    the class name in lower case.
+
+    Only the class's own declaration counts, not one it inherits: a user's ``MyDPO(DPOModule)`` writes to ``mydpo``,
+    not into the ``dpo`` runs of the class it extends.
 
     Example:
         >>> default_run_name("lit_trainer.DPOModule"), default_run_name("my.pkg.MyNet")
         ('dpo', 'mynet')
     """
-    class_name = module_class_path.rsplit(".", 1)[-1]
-    return _RECIPE_NAMES.get(class_name, class_name.lower())
+    module_path, _, class_name = module_class_path.rpartition(".")
+    try:
+        module_class = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError, ValueError):  # LightningCLI refuses the path itself, with its own message
+        module_class = None
+    declared = vars(module_class).get("RUN_NAME") if isinstance(module_class, type) else None
+    return declared or class_name.lower()
 
 
 def next_version(run_root: str | os.PathLike) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -56,6 +56,8 @@ class CausalLMModule(BaseModule):
         trainer = lightning.Trainer(max_steps=800, accumulate_grad_batches=1)
         trainer.fit(module, datamodule=SFTDataModule(batch_size=64, max_length=32))
     """
+
+    RUN_NAME: ClassVar[str] = "sft"  # the run folder `lit-trainer fit` uses without --run_name
 
     def __init__(
         self,

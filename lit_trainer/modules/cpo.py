@@ -4,7 +4,7 @@ experimental ``CPOTrainer`` numerics. Its scoring, two-term loss and validation 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -67,6 +67,8 @@ class CPOModule(_ReferenceFreeModule):
         trainer = lightning.Trainer(max_steps=300)
         trainer.fit(simpo, datamodule=PreferenceDataModule("runs/sft/version_0/hf_model", batch_size=64))
     """
+
+    RUN_NAME: ClassVar[str] = "cpo"  # the run folder `lit-trainer fit` uses without --run_name
 
     def __init__(
         self,

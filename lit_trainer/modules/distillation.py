@@ -16,7 +16,7 @@ accumulation window resumes exactly.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -107,6 +107,8 @@ class DistillationModule(BaseModule):
         trainer = lightning.Trainer(max_steps=300)
         trainer.fit(module, datamodule=SFTDataModule(tokenizer="tiny-64", dataset="builtin:addition", max_length=32))
     """
+
+    RUN_NAME: ClassVar[str] = "distill"  # the run folder `lit-trainer fit` uses without --run_name
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ log-probs of the base. What is KTO's own is here: scoring the B rows of an unpai
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -107,6 +107,8 @@ class KTOModule(DPOModule):
         data = UnpairedPreferenceDataModule("runs/sft/version_0/hf_model", batch_size=64, max_length=32)
         lightning.Trainer(max_steps=300).fit(module, datamodule=data)
     """
+
+    RUN_NAME: ClassVar[str] = "kto"  # the run folder `lit-trainer fit` uses without --run_name
 
     def __init__(
         self,

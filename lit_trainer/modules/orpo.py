@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -57,6 +57,8 @@ class ORPOModule(_ReferenceFreeModule):
         trainer = lightning.Trainer(max_steps=300)
         trainer.fit(module, datamodule=PreferenceDataModule("runs/sft/version_0/hf_model", batch_size=64))
     """
+
+    RUN_NAME: ClassVar[str] = "orpo"  # the run folder `lit-trainer fit` uses without --run_name
 
     averaged = True
     metric_names = ORPO_METRIC_NAMES

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -73,6 +73,8 @@ class RewardModule(BaseModule):
         trainer = lightning.Trainer(max_steps=300)
         trainer.fit(module, datamodule=PreferenceDataModule("tiny", batch_size=64, max_length=32))
     """
+
+    RUN_NAME: ClassVar[str] = "reward"  # the run folder `lit-trainer fit` uses without --run_name
 
     model_task = "sequence_classification"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -122,6 +122,8 @@ class RLOOModule(GRPOModule):
                             max_completion_length=8, beta=0.0, learning_rate=1e-4)
         lightning.Trainer(max_steps=200).fit(module, datamodule=PromptDataModule(batch_size=64, max_length=16))
     """
+
+    RUN_NAME: ClassVar[str] = "rloo"  # the run folder `lit-trainer fit` uses without --run_name
 
     def __init__(
         self,

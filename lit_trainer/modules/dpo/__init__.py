@@ -9,7 +9,7 @@ precompute pass and its release, checkpoints) and validation; how a batch is sco
 from __future__ import annotations
 
 import gc
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -177,6 +177,8 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
         trainer = lightning.Trainer(max_steps=300, accumulate_grad_batches=2)
         trainer.fit(module, datamodule=PreferenceDataModule("runs/sft/hf_model", batch_size=32, max_length=32))
     """
+
+    RUN_NAME: ClassVar[str] = "dpo"  # the run folder `lit-trainer fit` uses without --run_name
 
     uses_reference_adapter = True
 

@@ -256,6 +256,8 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
         trainer.fit(module, datamodule=PromptDataModule(batch_size=64, max_length=16))
     """
 
+    RUN_NAME: ClassVar[str] = "grpo"  # the run folder `lit-trainer fit` uses without --run_name
+
     uses_reference_adapter = True
     #: the bar shows the window's mean reward: the policy loss of a round is near 0 by construction (advantages are
     #: centred per group), so the reward is what says whether the policy improves
