@@ -51,7 +51,9 @@ def default_run_name(module_class_path: str) -> str:
     try:
         module_class = getattr(importlib.import_module(module_path), class_name)
     except (ImportError, AttributeError, ValueError):  # LightningCLI refuses the path itself, with its own message
-        module_class = None
+        import lit_trainer  # a path that cannot be imported here but names one of ours by its class: its run name
+
+        module_class = getattr(lit_trainer, class_name) if class_name in lit_trainer.__all__ else None
     declared = vars(module_class).get("RUN_NAME") if isinstance(module_class, type) else None
     return declared or class_name.lower()
 
