@@ -117,10 +117,14 @@ class ReferencePreferenceModule(ReferenceSyncMixin, PreferenceModule):
     ``__init__``; the network is ``self.ref_model`` (eval mode, no gradients, not in the optimizer nor in clipping,
     saved in checkpoints as ``ref_model.*``, never trained).
 
-    The hooks here drive it: TR-DPO after every optimizer step (:class:`~lit_trainer.modules.base._ref_sync.
-    ReferenceSyncMixin`), the precompute pass at fit start (and before a ``validate`` run, keeping the network), eval
-    mode after ``train()``, the strategy checks at setup (one device, DDP or ``ModelParallelStrategy``) and the
-    precomputed log-probs in checkpoints.
+    The hooks here drive it: TR-DPO after every optimizer step (``sync_reference_model``), the precompute pass at fit
+    start (and before a ``validate`` run, keeping the network), eval mode after ``train()``, the strategy checks at
+    setup (one device, DDP or ``ModelParallelStrategy``) and the precomputed log-probs in checkpoints.
+
+    A new preference method with a reference model subclasses it: its ``__init__`` takes its own options, calls
+    ``super().__init__(model, disable_dropout=..., learning_rate=..., trust_remote_code=..., **kwargs)`` and then
+    :meth:`hold_reference`, and it writes ``compute_loss`` and ``validation_step``, reading the reference's log-probs
+    with ``self.reference.logps(batch, columns, score)``.
     """
 
     #: under peft with ``adapter_path``: load that adapter a second time as the frozen reference adapter
