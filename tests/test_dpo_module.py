@@ -27,7 +27,8 @@ from helpers.rounding import Rounding, relative_l2
 from lit_trainer.cli import LitTrainerCLI
 from lit_trainer.data import builtin
 from lit_trainer.data.preference import PreferenceDataModule
-from lit_trainer.modules.dpo import DPOModule, _ref_logps
+from lit_trainer.modules.dpo import DPOModule
+from lit_trainer.modules.reference import _ref_logps
 
 ROOT = Path(__file__).resolve().parents[1]
 BETA = 0.1

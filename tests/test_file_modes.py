@@ -20,7 +20,7 @@ from lit_trainer.callbacks.checkpointing import BestCheckpoint
 from lit_trainer.callbacks.hf_export import export_hf
 from lit_trainer.checkpoint_io import AtomicCheckpointIO
 from lit_trainer.core import atomic as _atomic
-from lit_trainer.modules.dpo._ref_logps import save_cached
+from lit_trainer.modules.reference._ref_logps import save_cached
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
 

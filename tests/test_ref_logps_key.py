@@ -10,7 +10,8 @@ from test_dpo_module import BETA, datamodule, trainer
 from transformers import LlamaForCausalLM
 
 from helpers.models import tiny_llama
-from lit_trainer.modules.dpo import DPOModule, _ref_logps
+from lit_trainer.modules.dpo import DPOModule
+from lit_trainer.modules.reference import _ref_logps
 
 
 def _same_weights_other_config(model: LlamaForCausalLM, **changes) -> LlamaForCausalLM:

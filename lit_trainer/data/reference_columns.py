@@ -3,9 +3,9 @@ a frozen reference once at fit start (``PreferenceDataModule`` for DPO, ``Unpair
 
 A data module stores two values per row as two columns (DPO: the chosen and the rejected completion's log-probs; KTO:
 the row's and its KL partner's), keyed by what they were computed from, so a second module given the same data with
-the same reference reuses them. The precompute pass itself is the module's
-(:mod:`lit_trainer.modules.dpo._ref_logps`); this mixin is what it asks of the data: the split, a content hash of its
-tokens, the stored values and where to store new ones.
+the same reference reuses them. The precompute pass itself is the reference model's
+(:mod:`lit_trainer.modules.reference._ref_logps`); this mixin is what it asks of the data: the split, a content hash
+of its tokens, the stored values and where to store new ones.
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ class UnpairedPreferenceDataModule(ReferenceColumns, BaseDataModule):
         return torch.tensor(batch["label"].numel())
 
     # ------------------------------------------------------------------------- precomputed reference log-probs
-    # with ReferenceColumns, what lit_trainer.modules.dpo._ref_logps.PrecomputedReference asks of the data
+    # with ReferenceColumns, what lit_trainer.modules.reference._ref_logps.PrecomputedReference asks of the data
     def reference_loader(
         self, split: str, batch_size: int | None = None, *, num_replicas: int = 1, rank: int = 0
     ) -> EvalLoader:

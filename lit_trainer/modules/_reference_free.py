@@ -6,7 +6,8 @@ experimental ``ORPOTrainer``/``CPOTrainer`` numerics and no reference model at a
 Both train on :class:`~lit_trainer.data.PreferenceDataModule` pairs exactly as
 :class:`~lit_trainer.modules.dpo.DPOModule` does (one forward of the 2B chosen-then-rejected rows scored by
 :func:`~lit_trainer.modules.scoring.score_rows`, chunked per-token log-probs, padding-free batches, images, LoRA,
-FSDP2) and share one private base here: the loss is a PAIR term (summed over the micro-batch, divided by the optimizer
+FSDP2: the :class:`~lit_trainer.modules.preference.PreferenceModule` base they share with DPO and KTO) and
+share one private base here: the loss is a PAIR term (summed over the micro-batch, divided by the optimizer
 step's pair count) plus a weighted NLL term on the chosen rows (summed, divided by the step's count of those tokens),
 so gradient accumulation and DDP give the full-batch loss of the step. The pure losses are in
 :mod:`lit_trainer.losses.reference_free`.
@@ -18,17 +19,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric
-from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lit_trainer.data.vision.collate import image_inputs
-from lit_trainer.modules.base import BaseModule
-from lit_trainer.modules.base._packing import check_trainer_packing
 from lit_trainer.modules.dpo import METRIC_NAMES as DPO_METRIC_NAMES
-from lit_trainer.modules.dpo import disable_dropout_in_model
-from lit_trainer.modules.dpo._scoring import DPOScoringMixin
-from lit_trainer.modules.scoring import RowScores, score_rows
+from lit_trainer.modules.preference import PreferenceModule
+from lit_trainer.modules.scoring import RowScores
 
 __all__ = ["CPO_METRIC_NAMES", "ORPO_METRIC_NAMES"]
 
@@ -37,13 +33,13 @@ CPO_METRIC_NAMES = (*DPO_METRIC_NAMES, "nll_loss")  # DPO's names, computed from
 ORPO_METRIC_NAMES = (*CPO_METRIC_NAMES, "log_odds_ratio", "log_odds_chosen")
 
 
-class _ReferenceFreeModule(BaseModule):
+class _ReferenceFreeModule(PreferenceModule):
     """The shared base: scoring, the two-term loss and its token-exact normalisation, metrics, validation.
 
     A subclass sets :attr:`averaged`, :attr:`nll_on_prompt` and :attr:`nll_weight` and writes :meth:`pair_terms` and
     :meth:`pair_metrics`. There is no ``ref_model``: nothing but the policy is loaded or held. The rows are scored
     as DPO's (:func:`~lit_trainer.modules.scoring.score_rows`, the chosen NLL of
-    :meth:`~lit_trainer.modules.dpo._scoring.DPOScoringMixin.chosen_nll`); only the targets differ (ORPO's NLL
+    :meth:`~lit_trainer.modules.preference.PreferenceModule.chosen_nll`); only the targets differ (ORPO's NLL
     also scores the prompt tokens) and the pair term may average instead of sum.
     """
 
@@ -57,21 +53,6 @@ class _ReferenceFreeModule(BaseModule):
     ref_model = None
     metric_names: tuple[str, ...] = CPO_METRIC_NAMES
 
-    def __init__(
-        self,
-        model: str | PreTrainedModel,
-        *,
-        disable_dropout: bool,
-        learning_rate: float,
-        trust_remote_code: bool,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs)
-        if disable_dropout:
-            disable_dropout_in_model(self.model)
-        for name in ("loss", *self.metric_names):
-            self.val_metrics.add(name, MeanMetric())
-
     # ------------------------------------------------------------------------------------------ subclass API
     def pair_terms(self, chosen: Tensor, rejected: Tensor) -> Tensor:
         """``(B,)`` per-pair losses from the pair term's per-sequence log-probs."""
@@ -82,10 +63,17 @@ class _ReferenceFreeModule(BaseModule):
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ scoring
+    @override
+    def scoring_options(self) -> dict[str, Any]:
+        """The NLL term's targets (``"all"`` when it covers the prompt) and the pair term's averaging."""
+        return {"targets": "all" if self.nll_on_prompt else "completion", "averaged": self.averaged}
+
+    @override
     def score(self, model: torch.nn.Module, batch: dict[str, Tensor], stats: bool = False) -> RowScores:
         """Per-token log-probs of the 2B rows (over the NLL term's tokens), the pair term's per-sequence log-probs
         (sum or average over the completion tokens) and the completion mask, from one forward
-        (:func:`~lit_trainer.modules.scoring.score_rows`). A batch with images gives the policy its image inputs.
+        (:meth:`~lit_trainer.modules.preference.PreferenceModule.score_rows`). A batch with images gives the policy
+        its image inputs.
 
         Raises:
             ValueError: a batch with images when the NLL term covers the prompt (ORPO): it would score the image
@@ -97,8 +85,7 @@ class _ReferenceFreeModule(BaseModule):
                 "so it would score the image placeholder tokens as text. Train CPOModule or DPOModule on them (they "
                 "pass the images to the model), or drop the image column."
             )
-        targets = "all" if self.nll_on_prompt else "completion"
-        return score_rows(self.score_tokens, model, batch, targets=targets, averaged=self.averaged, stats=stats)
+        return self.score_rows(model, batch, stats=stats)
 
     # ------------------------------------------------------------------------------------------ loss
     def _pair_losses(self, scored: RowScores) -> Tensor:
@@ -130,7 +117,7 @@ class _ReferenceFreeModule(BaseModule):
         losses = self._pair_losses(scored)
         pairs = losses.numel() if num_items_in_batch is None else num_items_in_batch.reshape(-1)[0]
         loss = losses.sum() / pairs
-        nll, tokens = DPOScoringMixin.chosen_nll(scored)
+        nll, tokens = self.chosen_nll(scored)
         if self.nll_weight:
             loss = loss + self.nll_weight * nll / self._nll_count(num_items_in_batch, tokens).clamp(min=1)
         return loss, self._metrics_of(scored, nll.detach() / tokens.clamp(min=1))
@@ -141,23 +128,16 @@ class _ReferenceFreeModule(BaseModule):
         with torch.no_grad():
             metrics = self.pair_metrics(seq[:pairs], seq[pairs:])
             metrics["logps/chosen"], metrics["logps/rejected"] = seq[:pairs].mean(), seq[pairs:].mean()
-            mask = scored.completion.float()
-            weighted = scored.logits_mean * mask
-            metrics["logits/chosen"] = weighted[:pairs].sum() / mask[:pairs].sum().clamp(min=1)
-            metrics["logits/rejected"] = weighted[pairs:].sum() / mask[pairs:].sum().clamp(min=1)
+            metrics.update(self.logits_metrics(scored, slice(None, pairs), slice(pairs, None)))
             metrics["nll_loss"] = nll
         return metrics
 
     # ------------------------------------------------------------------------------------------ Lightning hooks
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
-        """Run the policy (logits only; the loss is computed by the module)."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         scored = self.score(self.model, batch, stats=True)
         losses = self._pair_losses(scored)
-        nll, tokens = DPOScoringMixin.chosen_nll(scored)
+        nll, tokens = self.chosen_nll(scored)
         self.val_metrics["loss"].update(losses.mean(), weight=losses.numel())
         for name, value in self._metrics_of(scored, nll / tokens.clamp(min=1)).items():
             self.val_metrics[name].update(value, weight=tokens if name == "nll_loss" else losses.numel())
@@ -168,9 +148,3 @@ class _ReferenceFreeModule(BaseModule):
         if "val_loss" in values and "val_nll_loss" in values and self.nll_weight:
             values["val_loss"] = values["val_loss"] + self.nll_weight * values["val_nll_loss"]
         return values
-
-    @override
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if stage == "fit":
-            check_trainer_packing(self.trainer, self.model)

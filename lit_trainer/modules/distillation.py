@@ -36,7 +36,7 @@ from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.metrics import greedy_batch_matches
 from lit_trainer.models import load_model, load_tokenizer
 from lit_trainer.modules.base import BaseModule, _logits, _positions
-from lit_trainer.modules.dpo import disable_dropout_in_model
+from lit_trainer.modules.reference import disable_dropout_in_model
 
 __all__ = ["DistillationModule"]
 

@@ -1,10 +1,12 @@
 """KTOModule: Kahneman-Tversky optimisation on unpaired thumbs-up/down data (TRL 1.16 ``KTOTrainer`` semantics).
 
-It is a :class:`~lit_trainer.modules.dpo.DPOModule` with another loss and another batch: it inherits the reference
-model's lifecycle (``ref_model=None`` = a frozen in-memory copy; under peft the adapter-disabled policy; eval mode, no
-gradients, in checkpoints), TR-DPO synchronisation, dropout disabling, the strategy checks and the chunked per-token
-log-probs of the base. What is KTO's own is here: scoring the B rows of an unpaired batch and their mismatched
-``KL_*`` rows, the KL estimate (all-reduced over ranks) and the loss terms of :func:`~lit_trainer.losses.kto.kto_loss`.
+A sibling of :class:`~lit_trainer.modules.dpo.DPOModule`: both are
+:class:`~lit_trainer.modules.preference.ReferencePreferenceModule` s, which hold the reference model
+(:class:`~lit_trainer.modules.reference.ReferenceModel`: ``ref_model=None`` = a frozen in-memory copy; under peft the
+adapter-disabled policy; eval mode, no gradients, in checkpoints; TR-DPO synchronisation; the precompute pass) and
+share dropout disabling, the strategy checks and the chunked per-token log-probs. What is KTO's own is here: scoring
+the B rows of an unpaired batch and their mismatched ``KL_*`` rows, the KL estimate (all-reduced over ranks) and the
+loss terms of :func:`~lit_trainer.losses.kto.kto_loss`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import Any, ClassVar
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
@@ -29,8 +30,8 @@ from lit_trainer.losses.kto import (
     kto_rewards_metrics,
     label_balance_problem,
 )  # fmt: skip
-from lit_trainer.modules.dpo import DPOModule, _ref_logps, check_precompute_options
-from lit_trainer.modules.scoring import RowScores, score_rows
+from lit_trainer.modules.preference import ReferencePreferenceModule
+from lit_trainer.modules.scoring import RowScores
 
 __all__ = ["KTO_METRIC_NAMES", "KTOModule"]
 
@@ -47,7 +48,7 @@ KTO_METRIC_NAMES = (
 )
 
 
-class KTOModule(DPOModule):
+class KTOModule(ReferencePreferenceModule):
     """Align a causal LM on unpaired desirable/undesirable examples with KTO (TRL 1.16 ``KTOTrainer`` semantics).
 
     A batch (from :class:`~lit_trainer.data.unpaired.UnpairedPreferenceDataModule`) holds B rows ``(x_i, y_i)`` with
@@ -78,7 +79,7 @@ class KTOModule(DPOModule):
         precompute_ref_log_probs: score every training and validation row AND its KL partner (fixed per row by the
             data module) with the reference once at fit start, store them with the dataset (``ref_logps`` /
             ``ref_KL_logps``), then free the reference model (DPO's pass: cached by data and reference fingerprint,
-            gathered over DDP ranks, kept in checkpoints; see :mod:`lit_trainer.modules.dpo._ref_logps`). With
+            gathered over DDP ranks, kept in checkpoints; see :mod:`lit_trainer.modules.reference._ref_logps`). With
             ``ref_model=None`` and no LoRA no copy is made: the policy scores the data before its first update.
         precompute_ref_batch_size: rows per batch of that pass (default: the data module's eval batch size).
         ref_logps_cache_dir: directory for the precomputed log-probs (default: next to the dataset's cache files
@@ -110,6 +111,9 @@ class KTOModule(DPOModule):
 
     RUN_NAME: ClassVar[str] = "kto"  # the run folder `lit-trainer fit` uses without --run_name
 
+    metric_names = KTO_METRIC_NAMES
+    data_module = "UnpairedPreferenceDataModule"
+
     def __init__(
         self,
         model: str | PreTrainedModel = "tiny",
@@ -131,12 +135,14 @@ class KTOModule(DPOModule):
         **kwargs: Any,
     ) -> None:
         check_kto_options(loss_type, beta, desirable_weight, undesirable_weight)
-        check_precompute_options("KTOModule", sync_ref_model, precompute_ref_log_probs, precompute_ref_batch_size)
         # keep a model object out of the hyperparameters (Lightning would deep-copy it), as DPOModule does
         reference, ref_model = ref_model, ref_model if ref_model is None or isinstance(ref_model, str) else None
-        # DPOModule's __init__ validates DPO's options: skip to the base's, then set up the reference as DPO does
-        super(DPOModule, self).__init__(
-            model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs
+        super().__init__(
+            model,
+            disable_dropout=disable_dropout,
+            learning_rate=learning_rate,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
         )
         self._loss_options = {
             "loss_type": loss_type,
@@ -144,11 +150,13 @@ class KTOModule(DPOModule):
             "desirable_weight": desirable_weight,
             "undesirable_weight": undesirable_weight,
         }
-        sync = (sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps)
-        self._set_up_reference(reference, sync, precompute_ref_log_probs, disable_dropout, trust_remote_code)
-        for name in ("loss", *KTO_METRIC_NAMES):
-            self.val_metrics.add(name, MeanMetric())
-        self._precomputed = _ref_logps.PrecomputedReference(None, precompute_ref_batch_size, ref_logps_cache_dir)
+        self.hold_reference(
+            reference,
+            sync=(sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps),
+            precompute=(precompute_ref_log_probs, precompute_ref_batch_size, ref_logps_cache_dir),
+            disable_dropout=disable_dropout,
+            trust_remote_code=trust_remote_code,
+        )
 
     @property
     def uses_kl(self) -> bool:
@@ -156,16 +164,6 @@ class KTOModule(DPOModule):
         return self._loss_options["loss_type"] in KL_LOSS_TYPES
 
     # ------------------------------------------------------------------------------------------------- scoring
-    def score_rows(self, model: Any, batch: dict[str, Tensor], prefix: str = "", stats: bool = False) -> RowScores:
-        """Per-sequence completion log-probs of the rows ``<prefix>input_ids`` of ``batch`` under ``model``
-        (:func:`~lit_trainer.modules.scoring.score_rows`)."""
-        return score_rows(self.score_tokens, model, batch, prefix=prefix, stats=stats)
-
-    @override
-    def score(self, model: Any, batch: dict[str, Tensor], stats: bool = False) -> RowScores:  # type: ignore[override]
-        """All rows of ``batch`` scored (what DPO's precompute pass calls: rows first, then their KL partners)."""
-        return self.score_rows(model, batch, stats=stats)
-
     def reference_logps(self, batch: dict[str, Tensor], prefix: str = "") -> Tensor:
         """The reference's per-sequence log-probs of the rows (``prefix=""``) or of their KL partners (``"KL_"``):
         the batch's precomputed ``ref_logps`` / ``ref_KL_logps`` when it has them, else the live reference (no grad).
@@ -174,16 +172,7 @@ class KTOModule(DPOModule):
             ValueError: when the batch has no precomputed values and the reference model has been released.
         """
         key = REF_KL_KEY if prefix else REF_KEY
-        if key in batch:
-            return batch[key].to(self.device, torch.float32)
-        if self.ref_model is None:
-            raise ValueError(
-                f"This batch carries no `{key}` and the reference model has been released "
-                "(precompute_ref_log_probs=True): feed batches from the UnpairedPreferenceDataModule the log-probs "
-                "were precomputed for."
-            )
-        with torch.no_grad():
-            return self.score_rows(self.ref_model, batch, prefix).seq
+        return self.reference.logps(batch, (key,), lambda network: self.score_rows(network, batch, prefix).seq)
 
     def kl_terms(self, batch: dict[str, Tensor]) -> Tensor | None:
         """``[Σ log-ratio, count]`` of the batch's mismatched rows (no gradient), or None when the loss needs none.
@@ -227,10 +216,7 @@ class KTOModule(DPOModule):
     def _metrics(self, scores: RowScores, ref: Tensor, labels: Tensor, kl: Tensor | None) -> dict[str, Tensor]:
         labels = labels.to(torch.bool)
         metrics = kto_rewards_metrics(scores.seq, ref, labels, self._loss_options["beta"])
-        mask = scores.mask.float()
-        weighted = scores.logits_mean * mask
-        for side, rows in (("chosen", labels), ("rejected", ~labels)):
-            metrics[f"logits/{side}"] = weighted[rows].sum() / mask[rows].sum().clamp(min=1)
+        metrics.update(self.logits_metrics(scores, labels, ~labels))
         metrics["kl"] = kl.clamp(min=0) if kl is not None else scores.seq.new_zeros(()).detach()
         return metrics
 

@@ -16,7 +16,7 @@ from lit_trainer.data.vision.collate import image_inputs
 from lit_trainer.losses.reward import reward_loss, reward_metrics
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._packing import datamodule_packing
-from lit_trainer.modules.dpo import disable_dropout_in_model
+from lit_trainer.modules.reference import disable_dropout_in_model
 
 __all__ = ["METRIC_NAMES", "RewardModule"]
 

@@ -1,44 +1,41 @@
 """DPOModule: direct preference optimisation against a frozen reference model, with every TRL 1.16 pair loss.
 
-This file holds the module's options and their validation, the reference model's lifecycle (TR-DPO sync, the
-precompute pass and its release, checkpoints) and validation; how a batch is scored and turned into loss terms is
-:class:`~lit_trainer.modules.dpo._scoring.DPOScoringMixin`, and the precomputed reference log-probs are
-``_ref_logps``, both beside it in this package.
+The module's options and their validation, and its loss: the pair terms and the ``sft`` term of a batch, and the
+logged reward/log-prob/logit metrics. The reference model (its modes, TR-DPO sync, the precompute pass, its release,
+its checkpoint entries) is a :class:`~lit_trainer.modules.reference.ReferenceModel` held by the base
+:class:`~lit_trainer.modules.preference.ReferencePreferenceModule`, which KTO shares.
 """
 
 from __future__ import annotations
 
-import gc
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lit_trainer.core import sharding as _sharding
 from lit_trainer.data.packing import row_completion_mask
+from lit_trainer.data.preference.collate import REF_CHOSEN_KEY, REF_REJECTED_KEY
 from lit_trainer.losses.dpo import (
     F_DIVERGENCE_LOSS_TYPES,
     F_DIVERGENCE_TYPES,
     DPOLossType,
     FDivergenceType,
     dpo_loss,
+    dpo_rewards_metrics,
 )  # fmt: skip
-from lit_trainer.models import load_model
-from lit_trainer.modules.base import BaseModule
-from lit_trainer.modules.base._packing import check_trainer_packing
-from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
-from lit_trainer.modules.dpo import _ref_logps
-from lit_trainer.modules.dpo._scoring import DPOScoringMixin, Scores
+from lit_trainer.modules.preference import ReferencePreferenceModule
+from lit_trainer.modules.scoring import RowScores
 
 LossName = Literal[DPOLossType, "sft"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)  # nested Literals flatten: the DPO loss types, then "sft"
 # `Scores` is public here: it is the type of `pair_losses(scores, ...)`, which a subclass overrides
 __all__ = ["METRIC_NAMES", "DPOModule", "Scores"]
+
+Scores = RowScores
+"""One forward of 2B rows (:class:`~lit_trainer.modules.scoring.RowScores`): per-sequence sums, shifted per-token
+log-probs and mask, vocabulary-mean logits."""
 
 _SFT_NLL = "sft_nll"
 METRIC_NAMES = (
@@ -51,30 +48,6 @@ METRIC_NAMES = (
     "logits/chosen",
     "logits/rejected",
 )
-
-
-def disable_dropout_in_model(model: torch.nn.Module) -> None:
-    """``p = 0`` on every ``nn.Dropout`` (as TRL), and 0 on float ``attention_dropout`` attributes.
-
-    The second part goes beyond TRL's helper: HF attention layers (Llama, Qwen2, ...) apply ``attention_dropout``
-    functionally, not through an ``nn.Dropout``, so TRL leaves it active in training mode.
-    """
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-def check_precompute_options(name: str, sync_ref_model: bool, precompute: bool, batch_size: int | None) -> None:
-    """Refuse a precomputed reference that keeps changing, and a precompute batch size below 1 (DPO and KTO)."""
-    if sync_ref_model and precompute:
-        raise ValueError(
-            f"`{name}(sync_ref_model=True, precompute_ref_log_probs=True)` is invalid: a reference that keeps changing "
-            "cannot be precomputed. Turn one of them off."
-        )
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"`precompute_ref_batch_size={batch_size}` is invalid: use >= 1 or None.")
 
 
 def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: dict[str, Any]) -> tuple[list, list]:
@@ -106,7 +79,7 @@ def _validate_losses(loss_type: Any, loss_weights: list[float] | None, options: 
     return types, weights
 
 
-class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
+class DPOModule(ReferencePreferenceModule):
     """Align a causal LM on preference pairs with DPO and its variants (TRL 1.16 ``DPOTrainer`` semantics).
 
     Each step runs chosen and rejected rows in ONE forward of 2B rows; per-sequence log-probs are sums of
@@ -152,7 +125,8 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
         discopop_tau: ``τ`` of discopop.
         ld_alpha: LD-DPO weight of the tokens beyond the shorter completion of a pair (None = off), in [0, 1].
         precompute_ref_log_probs: score the training and validation pairs with the reference once at fit start,
-            store them with the dataset (see :mod:`lit_trainer.modules.dpo._ref_logps`), then free the reference model.
+            store them with the dataset (see :mod:`lit_trainer.modules.reference._ref_logps`), then free the reference
+            model.
         precompute_ref_batch_size: pairs per batch of that pass (default: the data module's eval batch size).
         ref_logps_cache_dir: directory for the precomputed log-probs (default: next to the dataset's cache files
             when it has some; otherwise kept in memory and in checkpoints only).
@@ -180,7 +154,7 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
 
     RUN_NAME: ClassVar[str] = "dpo"  # the run folder `lit-trainer fit` uses without --run_name
 
-    uses_reference_adapter = True
+    metric_names = (*METRIC_NAMES, _SFT_NLL)
 
     def __init__(
         self,
@@ -208,7 +182,13 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
     ) -> None:
         # the base records this frame's arguments as hparams: keep a model object out (Lightning would deep-copy it)
         reference, ref_model = ref_model, ref_model if ref_model is None or isinstance(ref_model, str) else None
-        super().__init__(model, learning_rate=learning_rate, trust_remote_code=trust_remote_code, **kwargs)
+        super().__init__(
+            model,
+            disable_dropout=disable_dropout,
+            learning_rate=learning_rate,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
         self._loss_options = {
             "beta": beta,
             "label_smoothing": label_smoothing,
@@ -220,44 +200,67 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
         self.sft_weight = sum(w for name, w in zip(self.loss_types, self.loss_weights) if name == "sft")
         if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
             raise ValueError(f"`DPOModule(ld_alpha={ld_alpha})` is invalid: use a weight in [0, 1] or None.")
-        check_precompute_options("DPOModule", sync_ref_model, precompute_ref_log_probs, precompute_ref_batch_size)
-        sync = (sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps)
-        self._set_up_reference(reference, sync, precompute_ref_log_probs, disable_dropout, trust_remote_code)
-        for name in ("loss", *METRIC_NAMES, _SFT_NLL):
-            self.val_metrics.add(name, MeanMetric())
-        self._precomputed = _ref_logps.PrecomputedReference(ld_alpha, precompute_ref_batch_size, ref_logps_cache_dir)
+        self.hold_reference(
+            reference,
+            sync=(sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps),
+            precompute=(precompute_ref_log_probs, precompute_ref_batch_size, ref_logps_cache_dir),
+            disable_dropout=disable_dropout,
+            trust_remote_code=trust_remote_code,
+            ld_alpha=ld_alpha,
+        )
 
-    def _set_up_reference(
-        self, reference: Any, sync: tuple[bool, float, int], precompute: bool, disable_dropout: bool, remote: bool
-    ) -> None:
-        """``self.ref_model`` as the options ask (``sync``: ``sync_ref_model``, its mixup alpha and steps), dropout
-        off in both models when asked; shared with :class:`~lit_trainer.modules.kto.KTOModule`."""
-        name = type(self).__name__
-        check_ref_sync_options(name, *sync, is_peft=self.is_peft)
-        if reference is self.model:
-            raise ValueError(
-                f"`{name}(ref_model=...)` is the policy object itself: pass a separate model, or None for a frozen "
-                "copy."
-            )
-        if disable_dropout:
-            disable_dropout_in_model(self.model)
-        self.ref_model = self._build_reference(reference, precompute, remote)
-        if isinstance(self.ref_model, torch.nn.Module) and disable_dropout:
-            disable_dropout_in_model(self.ref_model)
+    # ------------------------------------------------------------------------------------------------- scoring
+    @override
+    def scoring_options(self) -> dict[str, Any]:
+        """LD-DPO's ``ld_alpha`` (rows ``0..B-1`` chosen, ``B..2B-1`` rejected)."""
+        return {"ld_alpha": self.hparams.ld_alpha}
 
-    def _build_reference(self, reference: Any, precompute: bool, trust_remote_code: bool) -> torch.nn.Module | None:
-        if reference is None:  # under peft: the adapter-disabled policy (no copy), kept for precomputing new data
-            return None if precompute and not self.is_peft else self.default_reference()
-        if isinstance(reference, str):
-            reference = load_model(reference, trust_remote_code=trust_remote_code)
-        reference.eval()
-        return reference.requires_grad_(False)
+    def _reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
+        """``(2B,)`` reference log-probs: the batch's precomputed ``ref_chosen_logps``/``ref_rejected_logps``, else the
+        live reference (no grad)."""
+        columns = (REF_CHOSEN_KEY, REF_REJECTED_KEY)
+        return self.reference.logps(batch, columns, lambda network: self.score(network, batch).seq)
 
-    # --------------------------------------------------------------------------------------------- forward and loss
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Any:
-        """Run the policy (logits only; the loss is computed by the module)."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def pair_losses(self, scores: Scores, ref: Tensor, completion_mask: Tensor) -> Tensor:
+        """``(B,)`` per-pair ``Σ_k w_k ℓ^{(k)}`` over the pair loss types (the token-level ``sft`` term excluded)."""
+        pairs, pi = ref.numel() // 2, scores.seq
+        lengths = completion_mask.sum(-1)  # unshifted completion token counts (ipo, sigmoid_norm)
+        total = pi.new_zeros(pairs)
+        for name, weight in zip(self.loss_types, self.loss_weights):
+            if name != "sft":
+                term = dpo_loss(
+                    pi[:pairs],
+                    pi[pairs:],
+                    ref[:pairs],
+                    ref[pairs:],
+                    loss_type=name,
+                    chosen_lengths=lengths[:pairs],
+                    rejected_lengths=lengths[pairs:],
+                    **self._loss_options,
+                )
+                total = total + weight * term
+        return total
 
+    def _total_loss(self, scores: Scores, ref: Tensor, batch: dict[str, Any], counts: Tensor | None) -> Tensor:
+        """Pair terms / pairs + w_sft · chosen NLL / chosen tokens, with the step's global counts when given."""
+        losses, (nll, tokens) = self.pair_losses(scores, ref, row_completion_mask(batch)), self.chosen_nll(scores)
+        pairs = losses.numel() if counts is None else counts.reshape(-1)[0]
+        if counts is not None and self.sft_weight:
+            if counts.numel() < 2:
+                raise ValueError(
+                    "DPOModule(loss_type=[..., 'sft']) needs two counts per micro-batch (pairs, chosen "
+                    "completion tokens) in `num_items_in_batch`: train with a PreferenceDataModule, or "
+                    "make your loader's `count_items` return both."
+                )
+            tokens = counts.reshape(-1)[1]
+        return losses.sum() / pairs + self.sft_weight * nll / tokens.clamp(min=1)
+
+    def _metrics(self, scores: Scores, ref: Tensor) -> dict[str, Tensor]:
+        pairs, pi = ref.numel() // 2, scores.seq
+        metrics = dpo_rewards_metrics(pi[:pairs], pi[pairs:], ref[:pairs], ref[pairs:], self._loss_options["beta"])
+        return {**metrics, **self.logits_metrics(scores, slice(None, pairs), slice(pairs, None))}
+
+    # --------------------------------------------------------------------------------------------- loss and metrics
     @override
     def compute_loss(
         self, batch: dict[str, Any], num_items_in_batch: Tensor | None
@@ -285,98 +288,3 @@ class DPOModule(DPOScoringMixin, ReferenceSyncMixin, BaseModule):
         if "val_loss" in values and nll is not None and self.sft_weight:
             values["val_loss"] = values["val_loss"] + self.sft_weight * nll
         return values
-
-    # ------------------------------------------------------------------------------------------ reference model
-    @override
-    def train(self, mode: bool = True) -> DPOModule:
-        """Set the policy's mode; the reference model always stays in eval mode."""
-        super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()
-        return self
-
-    @override
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if not _sharding.has_local_grads(self.trainer.strategy):
-            raise ValueError(
-                f"DPOModule runs on one device, under DDP or ModelParallelStrategy (FSDP2); "
-                f"{type(self.trainer.strategy).__name__} is not supported: the frozen reference, TR-DPO "
-                "and the precompute pass are not sharded by it."
-            )
-        if self.hparams.precompute_ref_log_probs and _sharding.strategy_is(
-            self.trainer.strategy, ("ModelParallelStrategy",)
-        ):
-            raise ValueError(
-                "`DPOModule(precompute_ref_log_probs=True)` is not supported under ModelParallelStrategy: "
-                "the precompute pass gives the ranks uneven numbers of batches, and every forward of a "
-                "sharded model is a collective. Keep the reference model (it is sharded like the policy; "
-                "set precompute_ref_log_probs=False), or precompute under DDP."
-            )
-        if stage == "fit":
-            check_trainer_packing(self.trainer, self.model, self.ref_model)
-
-    @override
-    def on_fit_start(self) -> None:
-        self.reset_reference_sync()
-        if self.hparams.precompute_ref_log_probs:
-            self.precompute_reference_logps(("train", "validation"))
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        if self.hparams.precompute_ref_log_probs and self.trainer.state.fn == TrainerFn.VALIDATING:
-            self.precompute_reference_logps(("validation",), release=False)  # a later fit still needs the reference
-
-    # ------------------------------------------------------------------------------ precomputed reference log-probs
-    def precompute_reference_logps(self, splits: tuple[str, ...], release: bool = True) -> None:
-        """Score ``splits`` of the trainer's data module with the reference once, store them, free the reference.
-
-        Args:
-            splits: ``"train"`` and/or ``"validation"`` (a split without data is skipped).
-            release: free the reference model afterwards (``fit`` does; a ``validate`` before fitting does not).
-
-        Raises:
-            ValueError: without a data module that can store them, or when the reference is gone (released, or the
-                policy has been trained) and the data has none yet.
-        """
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if not hasattr(datamodule, "set_reference_logps"):
-            raise ValueError(
-                "`DPOModule(precompute_ref_log_probs=True)` stores the reference log-probs with the "
-                "dataset: train with `datamodule=PreferenceDataModule(...)`."
-            )
-        self._precomputed.ensure(self, datamodule, splits)
-        if release:
-            self._release_reference()
-
-    def _release_reference(self) -> None:
-        self._precomputed.released = True
-        if isinstance(self.ref_model, torch.nn.Module):  # the adapter-disabled policy holds nothing to free
-            self.ref_model = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            rank_zero_info(
-                f"[lit_trainer] {type(self).__name__}: reference log-probs precomputed; the reference model was freed."
-            )
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        if self._precomputed.entries:
-            checkpoint[_ref_logps.CKPT_KEY] = self._precomputed.state_dict()
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the precomputed log-probs; reconcile ``ref_model.*`` weights saved before/after the release."""
-        super().on_load_checkpoint(checkpoint)
-        self._precomputed.load_state_dict(checkpoint.get(_ref_logps.CKPT_KEY, {}))
-        state = checkpoint.get("state_dict", {})
-        saved = [k for k in state if k.startswith("ref_model.")]
-        if not isinstance(self.ref_model, torch.nn.Module):  # released, or the adapter-disabled policy
-            for name in saved:
-                del state[name]
-        elif not saved:
-            state.update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})

@@ -92,7 +92,7 @@ from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSampli
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import is_vision_model
 from lit_trainer.modules.base import BaseModule
-from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin, check_ref_sync_options
+from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin
 from lit_trainer.modules.grpo._async import AsyncRolloutMixin
 from lit_trainer.modules.grpo._completion_table import write_completion_table
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
@@ -101,6 +101,7 @@ from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation,
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, SAMPLING_LOGPS, RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
+from lit_trainer.modules.reference import ReferenceModel
 from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
 
 _STATE_KEY = "grpo_rollouts"
@@ -347,7 +348,9 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
                 stacklevel=2,
             )
         super().__init__(model, learning_rate=learning_rate, **kwargs)
-        check_ref_sync_options(name, sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps, is_peft=self.is_peft)
+        self.reference = ReferenceModel(
+            self, sync=sync_ref_model, mixup_alpha=ref_model_mixup_alpha, sync_steps=ref_model_sync_steps
+        )
         self.continuous_batching = use_transformers_continuous_batching or use_transformers_paged
         self.engine: RolloutEngine = make_engine(
             self.continuous_batching, transformers_continuous_batching_config, rollout_engine
@@ -400,7 +403,9 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
                 None if t is None else t if isinstance(t, str) else getattr(t, "name_or_path", type(t).__name__)
                 for t in as_list(reward_processing_classes)
             ]
-        self.ref_model = self.default_reference() if beta != 0 else None  # under peft: adapters disabled, no copy
+        self.ref_model = None  # beta = 0: no KL term, no reference
+        if beta != 0:
+            self.reference.build(None)  # a frozen copy; under peft the policy with its adapters disabled, no copy
         self.rollout_geometry: RolloutGeometry | None = None
         self._buffer: RolloutBuffer | None = None
         self._restored: dict[str, Any] | None = None
@@ -533,8 +538,7 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
     @override
     def train(self, mode: bool = True) -> Self:
         super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()  # the frozen reference never runs dropout
+        self.reference.keep_eval()  # the frozen reference never runs dropout
         return self
 
     @override

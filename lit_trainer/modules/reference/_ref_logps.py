@@ -1,8 +1,10 @@
-"""Precomputed reference log-probs for DPO (TRL's ``precompute_ref_log_probs``, docs/design.md#trl-dpo).
+"""Precomputed reference log-probs for DPO and KTO (TRL's ``precompute_ref_log_probs``, docs/design.md#trl-dpo), the
+precompute part of :class:`~lit_trainer.modules.reference.ReferenceModel`.
 
 Before training, the reference model (or, without one, the policy before any update) scores every pair of the
 training and validation data once; the per-pair sums are stored with the dataset as ``ref_chosen_logps`` /
-``ref_rejected_logps`` columns, so the reference model can be freed and the training steps skip its forward pass.
+``ref_rejected_logps`` columns (KTO: a row's and its KL partner's, ``ref_logps`` / ``ref_KL_logps``), so the
+reference model can be freed and the training steps skip its forward pass.
 
 Keying: ``sha256(data fingerprint, reference fingerprint, ld_alpha)``. The data fingerprint is a content hash of the
 tokenized pairs and the truncation settings (``PreferenceDataModule.fingerprint``); the reference fingerprint
@@ -147,7 +149,7 @@ def gather_strided(local: Tensor, total: int, world: int, all_gather: Callable[[
 
 
 class PrecomputedReference:
-    """The precomputed reference log-probs of one ``DPOModule``: what was computed, with which key, and how.
+    """The precomputed reference log-probs of one module (DPO, KTO): what was computed, with which key, and how.
 
     ``entries[split] = (key, data fingerprint, chosen, rejected)``; ``restored`` holds the entries of a loaded
     checkpoint; ``released`` is set once the reference model (or the untrained policy standing in for it) is gone.
