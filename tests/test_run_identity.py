@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_trainer.callbacks import RunIdentity
-from lit_trainer.callbacks.run_identity import RECORD_KEY, pick_last
+from lit_trainer.callbacks.run_identity import RECORD_KEY, identity_mismatch, pick_last
 
 
 class _Net(L.LightningModule):
@@ -139,3 +139,24 @@ def test_a_checkpoint_without_record_loads_with_a_warning(tmp_path):
     torch.save(state, tmp_path / "plain.ckpt")
     with pytest.warns(UserWarning, match="has no lit_trainer run record"):
         _trainer(tmp_path, "a", 3).fit(_Net(), ckpt_path=tmp_path / "plain.ckpt")
+
+
+def test_a_class_recorded_under_a_former_path_is_the_same_run(tmp_path):
+    # A class that moved to another file stays importable from its former path, and checkpoints written before the
+    # move record that path. `lit_trainer.GRPOModule` stands for the former path here: it imports to the same class.
+    # Checked where a fit loads a checkpoint (identity_mismatch) and where `--ckpt_path last` picks one (pick_last),
+    # for the recorded module and for the configuration's `model.class_path`.
+    path = "lit_trainer.modules.grpo.GRPOModule"
+    current = {"module": path, "datamodule": None, "run_name": "grpo", "config": {"model.class_path": path}}
+    former = {**current, "module": "lit_trainer.GRPOModule", "finished": False}
+    assert identity_mismatch(former, current, "x.ckpt") is None
+    former_config = {**former, "module": path, "config": {"model.class_path": "lit_trainer.GRPOModule"}}
+    rloo = {**former, "module": "lit_trainer.RLOOModule"}
+    files = []
+    for run, record in (("v2", rloo), ("v1", former_config), ("v0", former)):
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        files.append(_record_file(tmp_path / run / "checkpoints" / "last.ckpt", record))
+    assert pick_last(files[1:], current) == (files[1], [])
+    assert pick_last(files[2:], current) == (files[2], [])
+    assert identity_mismatch(rloo, current, "x.ckpt") is not None  # another class is still another run
+    assert pick_last(files[:1], current)[0] is None

@@ -21,6 +21,7 @@ elsewhere) is loaded with a warning that it could not be checked.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import os
 import pickle
@@ -59,6 +60,35 @@ def class_path(obj_or_type: Any) -> str | None:
         return None
     cls = obj_or_type if isinstance(obj_or_type, type) else type(obj_or_type)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def same_class(recorded: Any, current: Any) -> bool:
+    """Whether two class paths name one class: equal, or both import to the same object.
+
+    A class that moved to another file stays importable from its former path (``lit_trainer.modules.grpo.GRPOModule``
+    is ``lit_trainer.modules.grpo.grpo_module.GRPOModule``), so a checkpoint written before the move is still the same
+    run. Only two paths ending in the same class name are imported; a path that does not import is compared as text.
+
+    Example:
+        >>> same_class("lit_trainer.callbacks.RunIdentity", "lit_trainer.callbacks.run_identity.RunIdentity")
+        True
+        >>> same_class("a.SFT", "a.GRPO")
+        False
+    """
+    if recorded == current:
+        return True
+    if not (isinstance(recorded, str) and isinstance(current, str)):
+        return False
+    if recorded.rpartition(".")[2] != current.rpartition(".")[2]:
+        return False  # a moved class keeps its name; nothing is imported for two different names
+    found = []
+    for path in (recorded, current):
+        module_name, _, name = path.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module_name), name))
+        except (ImportError, AttributeError, ValueError):
+            return False
+    return isinstance(found[0], type) and found[0] is found[1]
 
 
 def _plain(value: Any) -> Any:
@@ -115,8 +145,16 @@ def config_differences(recorded: Mapping[str, Primitive], current: Mapping[str, 
     return {
         key: (recorded.get(key), current.get(key))
         for key in keys
-        if recorded.get(key) != current.get(key) and not any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
+        if not _same_value(key, recorded.get(key), current.get(key))
+        and not any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
     }
+
+
+def _same_value(key: str, recorded: Any, current: Any) -> bool:
+    """Equal values; for a ``class_path`` key, two paths of one class (:func:`same_class`)."""
+    if recorded == current:
+        return True
+    return key.rpartition(".")[2] == "class_path" and same_class(recorded, current)
 
 
 def describe_differences(differences: Mapping[str, tuple], limit: int = 6) -> str:
@@ -130,7 +168,9 @@ def describe_differences(differences: Mapping[str, tuple], limit: int = 6) -> st
 def _class_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
     """``key: checkpoint X, this run Y; ...`` for the :data:`IDENTITY_KEYS` that differ, ``None`` when none does."""
     differences = {key: (recorded.get(key), current.get(key)) for key in IDENTITY_KEYS}
-    return describe_differences({k: v for k, v in differences.items() if v[0] != v[1]}) or None
+    classes = ("module", "datamodule")
+    same = {k for k, (old, new) in differences.items() if old == new or (k in classes and same_class(old, new))}
+    return describe_differences({k: v for k, v in differences.items() if k not in same}) or None
 
 
 def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any], checkpoint: str | os.PathLike) -> str | None:
