@@ -44,7 +44,7 @@ from lit_trainer.losses.rloo import (
 from lit_trainer.modules.grpo._options import check_options
 from lit_trainer.modules.online_rl import OnlineRLModule
 
-LEGACY_OPTIONS = {
+_RETIRED_OPTIONS = {
     "loss_type": "grpo", "delta": None, "use_bias_correction_kl": True, "importance_sampling_level": "token",
     "scale_rewards": "group", "multi_objective_aggregation": "sum_then_normalize", "sapo_temperature_pos": 1.0,
     "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
@@ -58,8 +58,8 @@ LEGACY_OPTIONS = {
 """GRPOModule's options that RLOOModule accepted at these values (it refused any other) while it was a subclass of
 GRPOModule, and that its checkpoints and run records still list: ``loss_type="grpo"`` among the hyper-parameters, the
 others in the CLI's ``config.yaml`` and run record. RLOOModule has no such options; these are dropped when such a
-checkpoint is loaded (:meth:`RLOOModule.load_from_checkpoint`) and not counted as a change of configuration when
-``--ckpt_path last`` looks for the run to continue."""
+checkpoint is loaded (``RLOOModule.load_from_checkpoint``) and not counted as a change of configuration when
+``--ckpt_path last`` looks for the run to continue (:attr:`RLOOModule.RETIRED_OPTIONS`)."""
 
 
 _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("rloo_loading_checkpoint", default=False)
@@ -112,6 +112,8 @@ class RLOOModule(OnlineRLModule):
     """
 
     RUN_NAME: ClassVar[str] = "rloo"  # the run folder `lit-trainer fit` uses without --run_name
+    #: options earlier versions took, at the only value they accepted (read by the run identity check)
+    RETIRED_OPTIONS: ClassVar[dict[str, Any]] = _RETIRED_OPTIONS
 
     def __init__(
         self,
@@ -134,8 +136,8 @@ class RLOOModule(OnlineRLModule):
         learning_rate: float = 1e-6,
         **kwargs: Any,
     ) -> None:
-        if _LOADING_CHECKPOINT.get():  # a checkpoint of the former RLOOModule (a GRPOModule) lists LEGACY_OPTIONS
-            for name in LEGACY_OPTIONS.keys() & kwargs.keys():
+        if _LOADING_CHECKPOINT.get():  # a checkpoint of the former RLOOModule (a GRPOModule) lists these options
+            for name in _RETIRED_OPTIONS.keys() & kwargs.keys():
                 kwargs.pop(name)
         check_options({"epsilon": epsilon, "epsilon_high": epsilon_high}, type(self).__name__)
         check_clip_range(reward_clip_range)
@@ -159,7 +161,7 @@ class RLOOModule(OnlineRLModule):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
         """Lightning's ``load_from_checkpoint``; a checkpoint written while RLOOModule was a GRPOModule subclass
-        loads too (its :data:`LEGACY_OPTIONS` hyper-parameters, which no longer exist, are dropped)."""
+        loads too (its :attr:`RETIRED_OPTIONS` hyper-parameters, which no longer exist, are dropped)."""
         token = _LOADING_CHECKPOINT.set(True)
         try:
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
