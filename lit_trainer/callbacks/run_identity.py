@@ -115,7 +115,8 @@ def config_differences(
         {}
     """
     retired = retired or {}
-    keys = sorted(k for k in recorded if k in current or k not in retired or retired[k] != recorded[k])
+    recorded = {k: v for k, v in recorded.items() if k in current or k not in retired or retired[k] != v}
+    keys = sorted(recorded)
     return {
         key: (recorded.get(key), current.get(key))
         for key in keys
