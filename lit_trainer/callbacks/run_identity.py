@@ -95,6 +95,13 @@ def flatten_config(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Primi
     return flat
 
 
+def retired_options(module: Any) -> dict[str, Primitive]:
+    """The configuration keys (``model.init_args.<name>``) of a LightningModule's (class or instance)
+    ``RETIRED_OPTIONS``: options its earlier versions took, with the only value they accepted, that a checkpoint's
+    run record may still list (e.g. ``RLOOModule``'s former GRPOModule options)."""
+    return {f"model.init_args.{name}": value for name, value in getattr(module, "RETIRED_OPTIONS", {}).items()}
+
+
 def config_differences(
     recorded: Mapping[str, Primitive], current: Mapping[str, Primitive], retired: Mapping[str, Primitive] | None = None
 ) -> dict[str, tuple]:
@@ -122,13 +129,6 @@ def config_differences(
         for key in keys
         if recorded.get(key) != current.get(key) and not any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
     }
-
-
-def retired_options(module: Any) -> dict[str, Primitive]:
-    """The configuration keys (``model.init_args.<name>``) of a LightningModule's (class or instance)
-    ``RETIRED_OPTIONS``: options its earlier versions took, with the only value they accepted, that a checkpoint's
-    run record may still list (e.g. ``RLOOModule``'s former GRPOModule options)."""
-    return {f"model.init_args.{name}": value for name, value in getattr(module, "RETIRED_OPTIONS", {}).items()}
 
 
 def describe_differences(differences: Mapping[str, tuple], limit: int = 6) -> str:
