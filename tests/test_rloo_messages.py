@@ -1,5 +1,6 @@
-"""RLOOModule is built on GRPOModule's rollouts, so it inherits GRPOModule's option checks: their messages must name the
-class the user constructed (``RLOOModule(...)``), never ``GRPOModule``, which the user did not write."""
+"""RLOOModule is built on OnlineRLModule, the base it shares with GRPOModule, so it inherits the base's option checks:
+their messages must name the class the user constructed (``RLOOModule(...)``), never the base or ``GRPOModule``. Its
+CLI help lists its own options and the base's, not GRPOModule's."""
 
 from __future__ import annotations
 
@@ -36,3 +37,16 @@ def test_the_missing_data_module_error_names_rloo_module():
     with pytest.raises(ValueError, match=r"^RLOOModule needs a PromptDataModule") as raised:
         trainer.fit(module, train_dataloaders=loader)
     assert "GRPOModule" not in str(raised.value)
+
+
+def test_cli_model_help_lists_rloo_and_base_options_not_grpo_ones(capsys):
+    from lit_trainer.cli import LitTrainerCLI
+
+    with pytest.raises(SystemExit) as done:
+        LitTrainerCLI(args=["fit", "--model.help", "lit_trainer.RLOOModule"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for own in ("normalize_advantages", "reward_clip_range", "epsilon_high", "top_p", "tools", "warmup_steps"):
+        assert f"--model.{own} " in text or f"--model.init_args.{own} " in text, own  # RLOO's, the base's, BaseModule's
+    for grpo_only in ("loss_type", "scale_rewards", "entropy_coef", "max_staleness", "off_policy_mask_threshold"):
+        assert grpo_only not in text, grpo_only

@@ -125,13 +125,23 @@ def flatten_config(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Primi
     return flat
 
 
-def config_differences(recorded: Mapping[str, Primitive], current: Mapping[str, Primitive]) -> dict[str, tuple]:
+def retired_options(module: Any) -> dict[str, Primitive]:
+    """The configuration keys (``model.init_args.<name>``) of a LightningModule's (class or instance)
+    ``RETIRED_OPTIONS``: options its earlier versions took, with the only value they accepted, that a checkpoint's
+    run record may still list (e.g. ``RLOOModule``'s former GRPOModule options)."""
+    return {f"model.init_args.{name}": value for name, value in getattr(module, "RETIRED_OPTIONS", {}).items()}
+
+
+def config_differences(
+    recorded: Mapping[str, Primitive], current: Mapping[str, Primitive], retired: Mapping[str, Primitive] | None = None
+) -> dict[str, tuple]:
     """``{key: (checkpoint value, this run's value)}`` for every identity key that differs.
 
     Keys matching :data:`RESUME_MAY_CHANGE` are ignored. A key only this run has is an option the checkpoint's
     version of lit_trainer did not have (the configuration lists every argument, defaults included): not a
     difference, so upgrading does not turn a preempted run into a new one. A key only the checkpoint has is compared
-    with ``None``.
+    with ``None``, unless ``retired`` (:func:`retired_options`) gives it that value: an option the module no longer
+    has, which the checkpoint's version listed at the only value it accepted.
 
     Example:
         >>> config_differences({"data.init_args.dataset": "a.jsonl"}, {"data.init_args.dataset": "b.jsonl"})
@@ -141,6 +151,8 @@ def config_differences(recorded: Mapping[str, Primitive], current: Mapping[str, 
         >>> config_differences({}, {"model.init_args.new_option": 1})  # an option added since the checkpoint
         {}
     """
+    retired = retired or {}
+    recorded = {k: v for k, v in recorded.items() if k in current or k not in retired or retired[k] != v}
     keys = sorted(recorded)
     return {
         key: (recorded.get(key), current.get(key))
@@ -227,14 +239,16 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
 def not_continued_because(record: Mapping[str, Any] | None, current: Mapping[str, Any]) -> str | None:
     """Why ``--ckpt_path last`` does not continue the checkpoint with ``record`` (``None``: it continues it).
 
-    ``current`` is this run's ``module``, ``datamodule``, ``run_name`` and flattened ``config``. A record written
-    before configurations were recorded (no ``config``) is compared on the classes and the run name only.
+    ``current`` is this run's ``module``, ``datamodule``, ``run_name``, flattened ``config`` and optionally the
+    module's ``retired`` keys (:func:`retired_options`). A record written before configurations were recorded (no
+    ``config``) is compared on the classes and the run name only.
     """
     if not record:
         return "it has no lit_trainer run record, so whether it is this run cannot be checked"
     if (details := _class_differences(record, current)) is not None:
         return f"it belongs to another run ({details})"
-    if "config" in record and (differences := config_differences(record["config"], current.get("config", {}))):
+    differences = config_differences(record.get("config", {}), current.get("config", {}), current.get("retired"))
+    if "config" in record and differences:
         return f"its configuration differs ({describe_differences(differences)})"
     if record.get("finished"):
         return f"that run finished: step {record.get('global_step')} reached its max_steps/max_epochs"
@@ -340,7 +354,8 @@ class RunIdentity(Callback):
         message = identity_mismatch(recorded, current, where)
         if message is not None:
             raise ValueError(message)
-        if "config" in recorded and (differences := config_differences(recorded["config"], current["config"])):
+        retired = retired_options(pl_module)
+        if "config" in recorded and (differences := config_differences(recorded["config"], current["config"], retired)):
             rank_zero_warn(
                 f"Resuming {where} with a changed configuration ({describe_differences(differences)}): the run "
                 "continues with this run's values."

@@ -56,6 +56,7 @@ from lit_trainer.callbacks.run_identity import (
     identity_mismatch,
     pick_last,
     read_record,
+    retired_options,
 )
 from lit_trainer.checkpoint_io import with_atomic_writes
 from lit_trainer.cli.cpu_threads import CPUThreadCheck
@@ -336,12 +337,13 @@ class LitTrainerCLI(LightningCLI):
     def _current_run(self, config: Any, run_root: Path) -> dict[str, Any]:
         """This run's identity, as :func:`~lit_trainer.callbacks.run_identity.pick_last` compares it with
         checkpoints."""
-        data = config.get("data")
+        data, module = config.get("data"), _import(config["model"]["class_path"])
         return {
-            "module": class_path(_import(config["model"]["class_path"])),
+            "module": class_path(module),
             "datamodule": class_path(_import(data["class_path"])) if data else None,
             "run_name": run_root.name,
             "config": self._identity_config,
+            "retired": retired_options(module),
         }
 
     @staticmethod

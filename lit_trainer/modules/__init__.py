@@ -7,6 +7,7 @@ from lit_trainer.modules.distillation import DistillationModule
 from lit_trainer.modules.dpo import DPOModule
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.kto import KTOModule
+from lit_trainer.modules.online_rl import OnlineRLModule
 from lit_trainer.modules.orpo import ORPOModule
 from lit_trainer.modules.reward import RewardModule
 from lit_trainer.modules.rloo import RLOOModule
@@ -20,6 +21,7 @@ __all__ = [
     "GRPOModule",
     "KTOModule",
     "ORPOModule",
+    "OnlineRLModule",
     "RLOOModule",
     "RewardModule",
 ]

@@ -1,6 +1,6 @@
-"""RLOOModule: REINFORCE Leave-One-Out (TRL 1.16 ``RLOOTrainer`` semantics) on the GRPO rollout machinery.
+"""RLOOModule: REINFORCE Leave-One-Out (TRL 1.16 ``RLOOTrainer`` semantics), a sibling of GRPOModule.
 
-Everything about rollouts is :class:`~lit_trainer.modules.grpo.GRPOModule`'s: one batched generation per
+Everything about rollouts is :class:`~lit_trainer.modules.online_rl.OnlineRLModule`'s: one batched generation per
 ``steps_per_generation`` micro-steps, reward functions and reward models (gathered over ranks), tools, environments
 and ``rollout_func``, the seeded shuffle and buffer, exact resume in the middle of a round, DDP, LoRA, validation.
 What RLOO changes (the math is in :mod:`lit_trainer.losses.rloo`):
@@ -12,18 +12,22 @@ What RLOO changes (the math is in :mod:`lit_trainer.losses.rloo`):
   first, then the advantages (:meth:`RLOOModule._make_rollouts`);
 * the loss is the sequence-level clipped surrogate averaged over the micro-batch's sequences
   (:func:`~lit_trainer.losses.rloo.rloo_policy_loss`); micro-batch means are averaged over the optimizer step's
-  micro-batches and the ranks, as the reference's per-micro-batch loss divided by the accumulation steps.
+  micro-batches and the ranks, as the reference's per-micro-batch loss divided by the accumulation steps (the base's
+  default normaliser).
+
+GRPOModule's own options (its loss types, ``scale_rewards``, the entropy and off-policy options, asynchronous
+rollouts, ...) are not RLOOModule's: passing one is an unexpected keyword.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lit_trainer.data.prompt import PROMPTS
 from lit_trainer.generation import engines as rollout
@@ -37,57 +41,39 @@ from lit_trainer.losses.rloo import (
     rloo_rewards,
     sequence_logps,
 )
-from lit_trainer.modules.grpo import GRPOModule
+from lit_trainer.modules.grpo._options import check_options
+from lit_trainer.modules.online_rl import OnlineRLModule
 
-ASYNC_OPTIONS = (
-    "max_staleness", "rollout_worker_device", "rollout_worker_threads", "rollout_engine",
-    "rollout_importance_sampling_correction", "rollout_importance_sampling_mode",
-    "rollout_importance_sampling_clip_max", "rollout_importance_sampling_clip_min", "sampler_check_threshold",
-)  # fmt: skip
-"""GRPOModule's asynchronous-rollout options: RLOO samples in the training process (TRL 1.16's RLOO has no
-off-policy correction for a stale sampler)."""
-GRPO_ONLY_OPTIONS = frozenset(
-    {
-        "loss_type", "delta", "use_bias_correction_kl", "importance_sampling_level", "scale_rewards",
-        "multi_objective_aggregation", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef",
-        "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
-        "off_policy_mask_threshold", *ASYNC_OPTIONS,
-    }
-)  # fmt: skip
-"""GRPOModule options with no meaning in RLOO (its loss and advantages are fixed): refused with a message."""
-_LOSS_PATH = "grpo"
-"""The ``loss_type`` RLOOModule hands GRPOModule: its per-micro-batch-mean accumulation path (no token normaliser),
-which is how the reference accumulates RLOO's per-micro-batch mean; the loss itself is :meth:`compute_loss`'s."""
+_RETIRED_OPTIONS = {
+    "loss_type": "grpo", "delta": None, "use_bias_correction_kl": True, "importance_sampling_level": "token",
+    "scale_rewards": "group", "multi_objective_aggregation": "sum_then_normalize", "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0, "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False,
+    "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
+    "off_policy_mask_threshold": None, "max_staleness": None, "rollout_worker_device": None,
+    "rollout_worker_threads": None, "rollout_engine": None, "rollout_importance_sampling_correction": True,
+    "rollout_importance_sampling_mode": "sequence_mask", "rollout_importance_sampling_clip_max": 3.0,
+    "rollout_importance_sampling_clip_min": None, "sampler_check_threshold": 0.05,
+}  # fmt: skip
+"""GRPOModule's options that RLOOModule accepted at these values (it refused any other) while it was a subclass of
+GRPOModule, and that its checkpoints and run records still list: ``loss_type="grpo"`` among the hyper-parameters, the
+others in the CLI's ``config.yaml`` and run record. RLOOModule has no such options; these are dropped when such a
+checkpoint is loaded (``RLOOModule.load_from_checkpoint``) and not counted as a change of configuration when
+``--ckpt_path last`` looks for the run to continue (:attr:`RLOOModule.RETIRED_OPTIONS`)."""
 
 
-def _refuse_grpo_only(kwargs: dict[str, Any]) -> None:
-    """Pop the GRPO-only options from ``kwargs``; one set to anything but GRPOModule's default is an error (the CLI
-    passes every inherited option with its default, so presence alone is not a mistake; ``loss_type="grpo"`` is
-    what RLOOModule itself stores, so a checkpoint's hyperparameters load)."""
-    defaults = inspect.signature(GRPOModule.__init__).parameters
-    for name in sorted(GRPO_ONLY_OPTIONS & kwargs.keys()):
-        value = kwargs.pop(name)
-        if value != defaults[name].default and name in ASYNC_OPTIONS:
-            raise ValueError(
-                f"`RLOOModule({name}={value!r})`: asynchronous rollouts are GRPOModule's (TRL 1.16's RLOO loss has no "
-                "correction for rounds sampled by older weights): remove it, or use GRPOModule."
-            )
-        if value != defaults[name].default and (name, value) != ("loss_type", _LOSS_PATH):
-            raise ValueError(
-                f"`RLOOModule({name}={value!r})` is a GRPOModule option with no meaning in RLOO (its advantages and "
-                "sequence-level loss are fixed): remove it, or use GRPOModule."
-            )
+_LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("rloo_loading_checkpoint", default=False)
 
 
-class RLOOModule(GRPOModule):
-    """REINFORCE Leave-One-Out (TRL 1.16 ``RLOOTrainer``) as a LightningModule, on GRPOModule's rollouts.
+class RLOOModule(OnlineRLModule):
+    """REINFORCE Leave-One-Out (TRL 1.16 ``RLOOTrainer``) as a LightningModule, on the online-RL base's rollouts.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule` exactly as :class:`GRPOModule`.
 
     Args:
         model: preset name, local directory, hub id, or a ``PreTrainedModel``.
-        reward_funcs: as :class:`GRPOModule` (functions, import paths, reward models).
+        reward_funcs: as :class:`~lit_trainer.modules.online_rl.OnlineRLModule` (functions, import paths, reward
+            models).
         reward_weights: one weight per function (default all 1.0).
         num_generations: completions per prompt ``G`` (>= 2; the reference's default 2).
         steps_per_generation: micro-steps served by one generation (default: ``accumulate_grad_batches``).
@@ -105,16 +91,18 @@ class RLOOModule(GRPOModule):
         normalize_advantages: whiten the advantages over the whole generation batch (all ranks).
         reward_clip_range: ``(low, high)`` clip of the weighted reward (before the KL); None = off.
         learning_rate: peak learning rate (the reference's default 1e-6).
-        **kwargs: the remaining :class:`GRPOModule` options that apply to RLOO (sampling: ``top_p``, ``top_k``,
-            ``min_p``, ``repetition_penalty``, ``generation_kwargs``, ``cache_implementation``; reward models:
-            ``reward_processing_classes``, ``reward_model_batch_size``, ``reward_model_inputs``; ``sync_ref_model`` and
-            its two options; logging: ``log_completions``, ``num_completions_to_print``, ``log_unique_prompts``;
-            ``tools``, ``environment_factory``, ``rollout_func``, ``chat_template_kwargs``, ``eval_do_sample``,
+        **kwargs: the other :class:`~lit_trainer.modules.online_rl.OnlineRLModule` options (sampling: ``top_p``,
+            ``top_k``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``, ``cache_implementation``, continuous
+            batching; reward models: ``reward_processing_classes``, ``reward_model_batch_size``,
+            ``reward_model_inputs``; ``sync_ref_model`` and its two options; logging: ``log_completions``,
+            ``num_completions_to_print``, ``log_unique_prompts``; ``tools``, ``environment_factory``,
+            ``max_tool_calling_iterations``, ``rollout_func``, ``chat_template_kwargs``, ``eval_do_sample``,
             ``generation_seed``) and :class:`~lit_trainer.modules.base.BaseModule`'s optimizer options.
 
     Raises:
-        ValueError: on a GRPO-only option (``loss_type``, ``scale_rewards``, the entropy options, ...), a bad
-            ``reward_clip_range``, or any :class:`GRPOModule` validation error.
+        TypeError: on an option that is not RLOO's (e.g. GRPOModule's ``loss_type`` or ``scale_rewards``).
+        ValueError: on a bad ``reward_clip_range`` or ``epsilon``, or any
+            :class:`~lit_trainer.modules.online_rl.OnlineRLModule` validation error.
 
     Example::
 
@@ -124,6 +112,8 @@ class RLOOModule(GRPOModule):
     """
 
     RUN_NAME: ClassVar[str] = "rloo"  # the run folder `lit-trainer fit` uses without --run_name
+    #: options earlier versions took, at the only value they accepted (read by the run identity check)
+    RETIRED_OPTIONS: ClassVar[dict[str, Any]] = _RETIRED_OPTIONS
 
     def __init__(
         self,
@@ -146,7 +136,10 @@ class RLOOModule(GRPOModule):
         learning_rate: float = 1e-6,
         **kwargs: Any,
     ) -> None:
-        _refuse_grpo_only(kwargs)
+        if _LOADING_CHECKPOINT.get():  # a checkpoint of the former RLOOModule (a GRPOModule) lists these options
+            for name in _RETIRED_OPTIONS.keys() & kwargs.keys():
+                kwargs.pop(name)
+        check_options({"epsilon": epsilon, "epsilon_high": epsilon_high}, type(self).__name__)
         check_clip_range(reward_clip_range)
         super().__init__(
             model,
@@ -159,25 +152,28 @@ class RLOOModule(GRPOModule):
             max_completion_length=max_completion_length,
             temperature=temperature,
             mask_truncated_completions=mask_truncated_completions,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
             beta=beta,
-            loss_type=_LOSS_PATH,
             learning_rate=learning_rate,
             **kwargs,
         )
-        for name in GRPO_ONLY_OPTIONS - {"loss_type"}:  # not RLOO's: keep them out of the saved hyperparameters
-            self.hparams.pop(name, None)
-        self.hparams["loss_type"] = _LOSS_PATH  # also under the CLI, whose hyperparameters are the config's
-        self.hparams["normalize_advantages"] = normalize_advantages
         self.hparams["reward_clip_range"] = None if reward_clip_range is None else tuple(reward_clip_range)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``; a checkpoint written while RLOOModule was a GRPOModule subclass
+        loads too (its :attr:`RETIRED_OPTIONS` hyper-parameters, which no longer exist, are dropped)."""
+        token = _LOADING_CHECKPOINT.set(True)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            _LOADING_CHECKPOINT.reset(token)
 
     # ------------------------------------------------------------------------------------------------ rollouts
     @override
     @torch.no_grad()
     def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False, position: tuple[int, int] = (0, 0)) -> None:
-        """One round (as GRPOModule's), but the log-probs come before the advantages: RLOO's KL is a reward term.
-        Always sampled in this process (``position`` is for the asynchronous worker, which RLOO does not use).
+        """One round: the log-probs come before the advantages, since RLOO's KL is a reward term. Always sampled in
+        this process (``position`` is unused: RLOO has no asynchronous worker).
 
         Generation-time log-probs are computed when the KL needs them (``beta != 0``) and stored only when the round
         is used across optimizer steps; the reference's are used for the KL and not stored (the loss has no KL term).
@@ -197,7 +193,6 @@ class RLOOModule(GRPOModule):
             rows["old_logps"] = old
         self._buffer_round(rows, metrics)
 
-    @override
     def _score(
         self,
         batch: dict[str, Any],

@@ -1,110 +1,57 @@
-"""GRPOModule: online RL with group-relative advantages, generating once per ``steps_per_generation`` micro-steps.
+"""GRPOModule: online RL with group-relative advantages, on :class:`~lit_trainer.modules.online_rl.OnlineRLModule`.
 
-Data flow (as TRL's GRPOTrainer, docs/design.md#trl-grpo). The :class:`~lit_trainer.data.prompt.PromptDataModule`
-loader yields, on every micro-step, the prompts of this rank's local generation batch (each prompt
-``num_generations`` times), the same batch ``steps_per_generation * num_iterations`` times in a row. On the first
-micro-step of a round the module samples all completions in ONE batched ``generate`` call, scores them (rewards
-gathered over ranks, advantages per group), computes old/reference log-probs only when needed, shuffles the rows with
-a seeded generator and cuts them into ``steps_per_generation`` micro-batches; the other micro-steps of the round are
-served from that buffer.
+The rollouts, rewards, round buffer, exact resume, tools, images, reference model and validation are the base's (its
+module docstring gives the data flow, docs/design.md#trl-grpo). What GRPO adds: its advantages (group-relative,
+``scale_rewards``, ``multi_objective_aggregation``), the loss types with their options (clipping, ``delta``, SAPO,
+VESPO, GSPO's sequence-level ratio), the entropy options (high-entropy token mask, entropy bonus), the off-policy
+sequence mask, and asynchronous rollouts (:class:`~lit_trainer.modules.grpo._async.AsyncRolloutMixin`).
 
-Normalisation (overrides the base's ``num_items_in_batch`` handling, which counts items before the batch exists).
+Normalisation (overrides the base's per-micro-batch mean, :meth:`GRPOModule._num_items`).
 ``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all
 ranks, after truncation masking, so the step gradient equals the full-batch token-mean gradient on its rollouts for any
 ``steps_per_generation`` and ``accumulate_grad_batches``: when the step's micro-batches are all in the buffer the
 count is exact from the start; when the step reaches into the next generation round, a provisional count is
 corrected at the step's last micro-batch (:mod:`lit_trainer.modules.grpo._normaliser`; the reference keeps its
 approximate ``N * GA_cur / steps_per_generation``). The other loss types are per-micro-batch means as in the
-reference, averaged over the step's micro-batches and the ranks.
+reference, averaged over the step's micro-batches and the ranks. A checkpoint written inside an optimizer step
+resumes exactly: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in
+the buffer, unless the step began in the previous generation round (then only its remaining micro-batches are
+counted).
 
-Randomness and resume. Sampling runs on the global RNG forked and seeded with a hash of ``(generation_seed, round,
-rank)``, and the buffer shuffle uses its own generator, so the training RNG stream is untouched and a resumed run
-regenerates identical rounds. Checkpoints store the round counters and every rank's buffered rollouts (tensors only,
-gathered to the checkpoint under DDP), so resuming in the middle of a round is exact, on one process or several. Only
-a resume with another world size regenerates the interrupted round (with that round's seed, for the same prompts). A
-checkpoint written inside an optimizer step (a validation between its micro-batches, with ``ExactResume``) resumes
-exactly too: the resumed step's token normaliser counts the micro-batches run before the checkpoint, which are in the
-buffer, unless the step began in the previous generation round (then only its remaining micro-batches are counted).
+Images: asynchronous rollouts do not carry them yet (refused at setup, with the base's refusals).
 
-Tools, environments and ``rollout_func`` (:mod:`lit_trainer.generation.agentic`). With ``tools`` or an
-``environment_factory`` the round's single ``generate`` becomes a batched multi-turn loop
-(:mod:`lit_trainer.generation.agentic.multi_turn`): every rollout's first turn in one call, the rows that call
-tools run them (:mod:`lit_trainer.generation.agentic.tools`, environments in
-:mod:`lit_trainer.generation.agentic.environments`) and continue together in one call per turn. Tool-result
-tokens are in the rows (``completion_attention_mask``) but not in ``completion_mask``, which is the loss mask and
-what the normaliser counts. A ``rollout_func`` replaces generation.
-The scored rows go through the same buffer, so resume stays exact without any environment state.
-
-Images (a vision-language policy, e.g. ``tiny-vl``, on prompts with an ``images``/``image`` column, processed by the
-:class:`~lit_trainer.data.prompt.PromptDataModule` with the model's processor). Each prompt row carries its image inputs
-(:mod:`lit_trainer.data.vision.prompt`: per-image tensors kept per row, so the ``num_generations`` copies of a prompt
-and the buffer's shuffle keep every row with its own pictures); ``generate``, the policy, old and reference log-probs
-(plain or chunked head) and validation all get the rows' image inputs with their ids, and the image token is never
-sampled (as TRL 1.16). The reward functions get the decoded images under the column's name (``images``: a list of PIL
-images per completion) and the conversational prompts with the images filled in, as TRL's. Asynchronous rollouts, tools
-and environments, ``rollout_func``, continuous batching and ``chat_template_kwargs`` do not carry images yet: refused at
-setup (:meth:`GRPOModule._check_images`).
-
-This file holds the options, the lifecycle and checkpoint hooks, the training step with its normaliser, the policy
-loss and validation. Its private parts are beside it in this package: one generation round (generate, score, buffer)
-is :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`; sampling and decoding the completions are in
-:mod:`lit_trainer.generation` (``self.rollouts``); calling the reward functions (``_reward_calls``), the rollout
-buffer (``_rollout_buffer``), the step normaliser (``_normaliser``) and the option checks (``_options``) each have
-a file.
+This file holds GRPO's options, its round (advantages, then the old/reference log-probs), the training-step
+normaliser and entropy bonus, and the policy loss. Its private parts are beside it in this package: the entropy control
+(``_entropy``), the step normaliser (``_normaliser``), asynchronous rollouts (``_async``); the shared rollout pieces
+(``_rollouts``, ``_reward_calls``, ``_rollout_buffer``, ``_completion_table``, ``_options``) are used by the base too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric
-from transformers import GenerationConfig
-from typing_extensions import Self, override
+from typing_extensions import override
 
 from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.dist import gather_from_all_ranks
-from lit_trainer.core.stop_request import stop_check
-from lit_trainer.data.loader import NUM_ITEMS_KEY
-from lit_trainer.data.prompt import PROMPTS, RolloutGeometry
-from lit_trainer.data.samplers.repeat_sampler import resolve_generation_geometry
-from lit_trainer.data.vision import prompt as vision_prompt
-from lit_trainer.generation import (
-    ContinuousBatchingEngine,
-    GenerateEngine,
-    RolloutEngine,
-    RolloutGenerator,
-    SamplingOptions,
-    make_engine,
-)
+from lit_trainer.data.prompt import PROMPTS
+from lit_trainer.generation import ContinuousBatchingEngine, GenerateEngine, RolloutEngine
 from lit_trainer.generation import engines as rollout
-from lit_trainer.generation.agentic import agentic_batch, resolve_rollout_func
-from lit_trainer.generation.agentic.environments import Environments, describe_factories
-from lit_trainer.generation.agentic.tools import resolve_tools, tool_name
 from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
-from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards
+from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
 from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
-from lit_trainer.losses.logprobs import IGNORE_INDEX
-from lit_trainer.models import is_vision_model
-from lit_trainer.modules.base import BaseModule
-from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin
 from lit_trainer.modules.grpo._async import AsyncRolloutMixin
-from lit_trainer.modules.grpo._completion_table import write_completion_table
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
-from lit_trainer.modules.grpo._options import OPTION_NAMES, CacheImplementation, check_grpo_options
-from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
-from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, SAMPLING_LOGPS, RolloutBuffer
-from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
-from lit_trainer.modules.reference import ReferenceModel
-from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
+from lit_trainer.modules.grpo._options import CacheImplementation, check_options
+from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
+from lit_trainer.modules.online_rl import OnlineRLModule
+from lit_trainer.rewards import RewardModelInputs
 
-_STATE_KEY = "grpo_rollouts"
 _ENTROPY_KEY = "grpo_entropy_control"
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 
@@ -112,53 +59,23 @@ _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 __all__ = ["ContinuousBatchingEngine", "GRPOModule", "GenerateEngine", "RolloutEngine"]
 
 
-class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseModule):
+class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
-    ``per_device_train_batch_size`` (completions per micro-batch per rank).
+    ``per_device_train_batch_size`` (completions per micro-batch per rank). The arguments not listed here (the model,
+    reward functions and models, rollout geometry and sampling, ``mask_truncated_completions``, ``eval_do_sample``, the
+    reference's ``sync_ref_model`` options, completion logging, the generation engine, tools, environments,
+    ``rollout_func``, ``chat_template_kwargs``, ``generation_seed``, ``learning_rate``) are
+    :class:`~lit_trainer.modules.online_rl.OnlineRLModule`'s, with the same defaults (TRL's ``GRPOConfig``).
 
     Args:
-        model: preset name, local directory, hub id, or a ``PreTrainedModel``.
-        reward_funcs: callables ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` or their
-            import paths (``"lit_trainer.rewards.arithmetic_reward"``), and reward models: a sequence-classification
-            ``PreTrainedModel``, or a directory / preset / hub id ``org/name`` loaded with one label (a string is a
-            model when it is an existing directory, a preset name or contains '/'; otherwise an import path). Each
-            model scores ``prompt + completion`` (see :class:`~lit_trainer.rewards.RewardModelScorer`); only these run.
-        reward_weights: one weight per function (default all 1.0); an environment's ``get_reward`` gets 1.0.
-        reward_processing_classes: one entry per ``reward_funcs`` entry: for a reward model its tokenizer (object or
-            path; None = the model's own), None for functions (TRL 1.16's argument).
-        reward_model_batch_size: rows per reward-model forward pass (None = a rank's whole generation batch in one
-            pass, as TRL).
-        reward_model_inputs: what a reward model reads for standard (string) prompts: ``"as_trained"`` (default)
-            ``prompt + completion + EOS`` with the reward tokenizer's special tokens, the rows reward models are
-            trained on (:class:`~lit_trainer.modules.reward.RewardModule`, TRL's ``RewardTrainer``); ``"trl"``
-            TRL 1.16's ``GRPOTrainer`` text, ``prompt + completion`` without EOS or special tokens (a deliberate
-            difference from TRL: a reward model trained on EOS-ended rows ranks answers near chance on that text,
-            docs/reward.md). Conversational prompts go through the chat template either way.
-        num_generations: completions per prompt ``G`` (>= 2).
-        steps_per_generation: micro-steps served by one generation (default: ``accumulate_grad_batches``).
-        generation_batch_size: completions per generation over all ranks (exclusive with the above).
-        num_iterations: passes over each generation batch (``mu``; > 1 stores old log-probs).
-        max_completion_length: new-token budget per completion (also the Dr. GRPO constant).
-        temperature: sampling temperature; log-probs and entropy use logits divided by it, as the reference.
-        top_p: nucleus sampling (1.0 = off).
-        top_k: top-k sampling (0 = off).
-        min_p: min-p sampling (None = off).
-        repetition_penalty: 1.0 = off.
-        generation_kwargs: extra ``GenerationConfig`` fields (win over the options above).
-        mask_truncated_completions: drop completions without EOS from the loss (their rewards still count).
-        eval_do_sample: validation samples each held-out prompt's completion with the training settings
-            (``temperature``, ``top_p``, ...; seeded by ``generation_seed`` and the batch, so two validations of the
-            same weights agree) instead of the default greedy completion: what the policy does when it explores, e.g.
-            how often it calls a tool, rather than its single most likely answer.
         loss_type: grpo, bnpo, dr_grpo, dapo (default), cispo, sapo, luspo, vespo.
         epsilon: lower clip; also the upper one when ``epsilon_high`` is None.
         epsilon_high: upper clip (and the CISPO cap).
         delta: two-sided cap of the unclipped ratio (> 1), None = off.
-        beta: KL coefficient; != 0 keeps a frozen in-memory copy of the initial policy as reference model (with
-            ``peft_config`` no copy: the policy with its adapters disabled, or the adapter ``adapter_path`` started
-            from; see :class:`~lit_trainer.modules.base._peft.AdapterReference`).
+        beta: KL coefficient of the loss's ``beta * KL(policy || reference)`` term (the reference: see
+            :class:`~lit_trainer.modules.online_rl.OnlineRLModule`).
         use_bias_correction_kl: weight the k3 KL by the per-token ratio.
         importance_sampling_level: "token" or "sequence" (GSPO).
         scale_rewards: "group", "batch" or "none".
@@ -169,11 +86,6 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
         vespo_lambda_pos: VESPO rate ``lambda`` for advantages >= 0.
         vespo_k_neg: VESPO ``k`` for negative advantages.
         vespo_lambda_neg: VESPO ``lambda`` for negative advantages.
-        sync_ref_model: TR-DPO for the KL reference: after every ``ref_model_sync_steps``-th optimizer step
-            ``θ_ref ← (1−α)θ_ref + αθ_policy`` (needs ``beta != 0`` and no ``peft_config``/``adapter_path``; shared
-            with :class:`~lit_trainer.modules.dpo.DPOModule`).
-        ref_model_mixup_alpha: ``α`` of TR-DPO, in [0, 1].
-        ref_model_sync_steps: TR-DPO period in optimizer steps.
         top_entropy_quantile: ``ρ``: train the policy term on the tokens whose entropy is in the top ``ρ`` fraction
             (threshold: the ``1 − ρ`` quantile of the masked entropies of every rank's micro-batch); 1.0 = all tokens.
         entropy_coef: entropy bonus: the loss becomes ``policy − c * H`` with ``H`` the mean token entropy (with
@@ -190,34 +102,6 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
             dropped from the policy term when its mean ``sampling − logp`` exceeds this (e.g. 0.5); None = off.
             ``sampling`` is the rollout worker's log-prob on a round with the importance-sampling correction (TRL's
             vLLM log-prob), else ``old`` (the current log-prob, detached, when the round stores none).
-        log_completions: at every logging step, write the last round's prompts, completions, rewards per function and
-            advantages (all ranks' rows) to the console (rank 0, rich), ``completions.csv`` in a CSVLogger's folder,
-            TensorBoard (``add_text``) and any logger with ``log_table`` (WandbLogger, Trackio).
-        num_completions_to_print: rows printed on the console (a sample seeded by the step); None = all.
-        log_unique_prompts: the loggers get one row per distinct prompt (its first completion) instead of all rows.
-        cache_implementation: ``GenerationConfig.cache_implementation`` of the sampling ``generate`` (e.g.
-            ``"static"``); None = the model's default (dynamic).
-        use_transformers_continuous_batching: generate with transformers' continuous-batching engine
-            (``generate_batch``, paged KV cache) instead of ``generate``; not under sharding.
-        transformers_continuous_batching_config: ``transformers.ContinuousBatchingConfig`` fields
-            (``max_memory_percent`` defaults to 0.5, as the reference).
-        use_transformers_paged: deprecated alias of ``use_transformers_continuous_batching`` (as in TRL 1.16).
-        tools: functions the model may call (callables or import paths; type hints and a Google docstring give their
-            schema). Their schemas go to the chat template (``tools=``), calls in a completion
-            (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` for the presets) are run and their results
-            appended as ``tool`` messages, and generation continues, all rows of a round together; tool-result tokens
-            get no loss (see :mod:`lit_trainer.generation.agentic.multi_turn`). Needs conversational prompts.
-        environment_factory: TRL 1.16's environments: a factory (class, function or import path) making one
-            environment per rollout, or a dict of them chosen by an ``environment`` column; ``reset(**row)`` starts
-            a rollout, public methods are tools, ``get_reward()`` is an extra reward function named after the class
-            (see :mod:`lit_trainer.generation.agentic.environments`).
-        max_tool_calling_iterations: tool rounds per rollout at most (None = until no call or no room).
-        rollout_func: replaces generation: ``rollout_func(prompts, module) -> {"prompt_ids", "completion_ids",
-            "logprobs", ...}`` (lists, one per row; a callable or import path). An ``env_mask`` (1 = model token)
-            masks the loss; other keys reach the reward functions as keywords (see
-            :mod:`lit_trainer.generation.agentic`).
-        chat_template_kwargs: extra ``apply_chat_template`` keywords (template variables) for conversational
-            prompts, tool messages and the reward models' texts, as TRL 1.16's ``GRPOConfig.chat_template_kwargs``.
         max_staleness: asynchronous rollouts: a worker process per rank (its own copy of the policy) samples the next
             rounds while this one trains, round ``q`` with the weights of round ``q - max_staleness`` (the worker
             waits for them: no round is ever staler, none is dropped). 0 runs the synchronous computation in the
@@ -238,16 +122,13 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
         sampler_check_threshold: every round, the worker's log-probs are compared with the trainer's for the same
             weights version (``sampler_check/logp_gap_mean`` and ``_max``); a mean absolute gap above this warns once
             (a weight sync that did not reach the worker). None skips the check and its forward pass.
-        generation_seed: seed of sampling and of the buffer shuffle (hashed with the round and the rank); None = the
-            torch initial seed when fitting starts (the CLI's ``seed_everything``).
-        learning_rate: peak learning rate (TRL's ``GRPOConfig`` default 1e-6).
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
-        ValueError: on any invalid option (see :func:`check_grpo_options`), a bad reward function or weight count,
-            ``sync_ref_model`` with ``beta=0`` or a peft-wrapped policy; at setup, on a batch geometry the reference
-            rejects (the message gives a valid one), the entropy bonus on a step whose gradient is rescaled at its end,
-            or continuous batching under sharding.
+        ValueError: on any invalid option (:func:`~lit_trainer.modules.grpo._options.check_options`), a bad reward
+            function or weight count, ``sync_ref_model`` with ``beta=0`` or a peft-wrapped policy; at setup, on a
+            batch geometry the reference rejects (the message gives a valid one), the entropy bonus on a step whose
+            gradient is rescaled at its end, or continuous batching under sharding.
 
     Example::
 
@@ -258,11 +139,6 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
     """
 
     RUN_NAME: ClassVar[str] = "grpo"  # the run folder `lit-trainer fit` uses without --run_name
-
-    uses_reference_adapter = True
-    #: the bar shows the window's mean reward: the policy loss of a round is near 0 by construction (advantages are
-    #: centred per group), so the reward is what says whether the policy improves
-    PROGRESS_BAR_METRICS: ClassVar[dict[str, str]] = {"reward": "reward"}
 
     def __init__(
         self,
@@ -337,159 +213,74 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
         learning_rate: float = 1e-6,
         **kwargs: Any,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
-        name = type(self).__name__  # the class the user constructed (RLOOModule too): named in every message
-        check_grpo_options(options, name)
-        if use_transformers_paged:
-            warnings.warn(
-                f"`{name}(use_transformers_paged=True)` is deprecated (as in TRL 1.16): use "
-                "`use_transformers_continuous_batching=True`.",
-                FutureWarning,
-                stacklevel=2,
-            )
-        super().__init__(model, learning_rate=learning_rate, **kwargs)
-        self.reference = ReferenceModel(
-            self, sync=sync_ref_model, mixup_alpha=ref_model_mixup_alpha, sync_steps=ref_model_sync_steps
+        # every option here (the base checks its own again): the first invalid one is reported, in the table's order
+        check_options({k: v for k, v in locals().items() if k not in ("self", "kwargs")}, type(self).__name__)
+        super().__init__(
+            model,
+            reward_funcs=reward_funcs,
+            reward_weights=reward_weights,
+            reward_processing_classes=reward_processing_classes,
+            reward_model_batch_size=reward_model_batch_size,
+            reward_model_inputs=reward_model_inputs,
+            num_generations=num_generations,
+            steps_per_generation=steps_per_generation,
+            generation_batch_size=generation_batch_size,
+            num_iterations=num_iterations,
+            max_completion_length=max_completion_length,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            generation_kwargs=generation_kwargs,
+            mask_truncated_completions=mask_truncated_completions,
+            eval_do_sample=eval_do_sample,
+            beta=beta,
+            sync_ref_model=sync_ref_model,
+            ref_model_mixup_alpha=ref_model_mixup_alpha,
+            ref_model_sync_steps=ref_model_sync_steps,
+            log_completions=log_completions,
+            num_completions_to_print=num_completions_to_print,
+            log_unique_prompts=log_unique_prompts,
+            cache_implementation=cache_implementation,
+            use_transformers_continuous_batching=use_transformers_continuous_batching,
+            transformers_continuous_batching_config=transformers_continuous_batching_config,
+            use_transformers_paged=use_transformers_paged,
+            tools=tools,
+            environment_factory=environment_factory,
+            max_tool_calling_iterations=max_tool_calling_iterations,
+            rollout_func=rollout_func,
+            chat_template_kwargs=chat_template_kwargs,
+            generation_seed=generation_seed,
+            learning_rate=learning_rate,
+            **kwargs,
         )
-        self.continuous_batching = use_transformers_continuous_batching or use_transformers_paged
-        self.engine: RolloutEngine = make_engine(
-            self.continuous_batching, transformers_continuous_batching_config, rollout_engine
-        )
-        # the round's sampling: options and engine, no attribute of this module (the async worker builds its own)
-        self.rollouts = RolloutGenerator(self.engine, SamplingOptions.from_hparams(self.hparams), self.tokenizer)
         self._entropy = EntropyControl(
             entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
         )
         self._restored_entropy: dict[str, Any] | None = None
-        self.completion_table: tuple[list[str], list[list[Any]]] | None = None  # the last round's (log_completions)
-        self.tools = resolve_tools(tools)
-        self.environments = Environments(environment_factory, self.tools) if environment_factory is not None else None
-        self.agentic = bool(self.tools) or self.environments is not None
-        self.rollout_func = resolve_rollout_func(rollout_func)
-        own_rewards = self.environments.reward_funcs if self.environments is not None else []
-        given = [] if own_rewards and not as_list(reward_funcs) else reward_funcs  # an environment may own the reward
-        self.reward_funcs = (
-            resolve_reward_funcs(
-                given,
-                reward_processing_classes,
-                batch_size=reward_model_batch_size,
-                trust_remote_code=kwargs.get("trust_remote_code", False),
-                reward_model_inputs=reward_model_inputs,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-            if as_list(given) or not own_rewards
-            else []
-        )
-        if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"`reward_weights` has {len(reward_weights)} entries for {len(self.reward_funcs)} reward "
-                "functions: give one weight per function (or none for all 1.0)."
-            )
-        self.reward_weights = None if reward_weights is None else [*reward_weights, *[1.0] * len(own_rewards)]
-        self.reward_funcs += own_rewards
-        self.reward_names = [reward_function_name(f) for f in self.reward_funcs]
-        self.reward_extra: dict[str, list[Any]] = {}  # the last scoring's `log_extra` columns (this rank's rows)
-        ignore = ["model", "tokenizer", "optimizer", "lr_scheduler", "reward_funcs", "reward_processing_classes"]
-        ignore += ["tools", "environment_factory", "rollout_func"]
-        self.save_hyperparameters(ignore=ignore)
-        self.hparams["reward_funcs"] = [spec_name(f) for f in as_list(reward_funcs)]  # names only: checkpoint-safe
-        self.hparams["tools"] = [t if isinstance(t, str) else tool_name(t) for t in as_list(tools or [])]
-        if environment_factory is not None:
-            self.hparams["environment_factory"] = describe_factories(environment_factory)
-        if rollout_func is not None:
-            self.hparams["rollout_func"] = rollout_func if isinstance(rollout_func, str) else tool_name(rollout_func)
-        if reward_processing_classes is not None:
-            self.hparams["reward_processing_classes"] = [
-                None if t is None else t if isinstance(t, str) else getattr(t, "name_or_path", type(t).__name__)
-                for t in as_list(reward_processing_classes)
-            ]
-        self.ref_model = None  # beta = 0: no KL term, no reference
-        if beta != 0:
-            self.reference.build(None)  # a frozen copy; under peft the policy with its adapters disabled, no copy
-        self.rollout_geometry: RolloutGeometry | None = None
-        self._buffer: RolloutBuffer | None = None
-        self._restored: dict[str, Any] | None = None
         self._normaliser: StepNormaliser | None = None
-        self._seed = generation_seed
-        self.val_metrics.add("reward", MeanMetric(nan_strategy="ignore"))
-        self._val_reward_means = [
-            self.val_metrics.add(f"rewards/{name}/mean", MeanMetric(nan_strategy="ignore"))
-            for name in self.reward_names
-        ]  # one per function, even when two share a name
+
+    @override
+    def _rollout_engine_path(self) -> str | None:
+        return self.hparams.rollout_engine  # the worker's engine class samples this process's rounds too
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if stage != "fit":
-            return
-        datamodule = getattr(self.trainer, "datamodule", None)
-        batch_size = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
-        if batch_size is None:
-            raise ValueError(
-                f"{type(self).__name__} needs a PromptDataModule passed as `trainer.fit(module, datamodule=...)`: its "
-                "`batch_size` is the per-device train batch size."
-            )
-        hp = self.hparams
-        spg, gbs = resolve_generation_geometry(
-            batch_size,
-            hp.num_generations,
-            self.trainer.world_size,
-            self.trainer.accumulate_grad_batches,
-            hp.steps_per_generation,
-            hp.generation_batch_size,
-        )
-        self.rollout_geometry = RolloutGeometry(hp.num_generations, spg, gbs, hp.num_iterations)
-        self._buffer = RolloutBuffer(spg, hp.num_iterations)
-        self._check_geometry(spg)
-        self._check_async()
-        if getattr(datamodule, "image_column", None) is not None:
-            self._check_images(datamodule.image_column)
-
-    def _check_images(self, column: str) -> None:
-        """Prompts with images: refuse a text-only policy and what does not carry images yet (asynchronous rollouts,
-        tools and environments, ``rollout_func``, continuous batching, ``chat_template_kwargs``)."""
-        hp, name = self.hparams, type(self).__name__
-        if not is_vision_model(self.model):
-            raise ValueError(
-                f"The prompts have images (column {column!r}) but the {name} policy is a text-only model: train a "
-                "vision-language model (model: tiny-vl, or a saved image-text-to-text model), or drop the image column."
-            )
-        refused = {
-            "max_staleness": (hp.get("max_staleness") is not None, "the rollout worker is sent prompt ids only"),
-            "tools / environment_factory": (self.agentic, "tool and environment turns are rendered as text only"),
-            "rollout_func": (self.rollout_func is not None, "a rollout_func receives the prompts without the images"),
-            "use_transformers_continuous_batching": (
-                self.continuous_batching,
-                "transformers' continuous batching takes token ids only (TRL 1.16 refuses it for processors too)",
-            ),
-            "chat_template_kwargs": (
-                bool(hp.get("chat_template_kwargs")),
-                "the prompts with images are rendered by the data module, which does not know the module's template "
-                "options",
-            ),
-        }
-        for option, (used, why) in refused.items():
-            if used:
-                raise ValueError(
-                    f"{name}: `{option}` is not supported with prompts that have images (column {column!r}): {why}. "
-                    f"Unset `{option}`, or train on text prompts."
-                )
+        if stage == "fit":
+            self._check_async()
 
     @override
-    def sequence_budget(self, longest_row: int, positions: int) -> tuple[int, str, str]:
-        """The longest prompt plus ``max_completion_length`` (see :meth:`BaseModule.sequence_budget`)."""
-        budget = self.hparams.max_completion_length
-        what = (
-            f"the longest prompt ({longest_row} tokens) + max_completion_length={budget} = {longest_row + budget} "
-            "tokens" + (" (the prompt counted without the tools' schemas)" if self.agentic else "")
-        )
-        room = positions - longest_row
-        fix = f"lower max_completion_length to at most {room}, or" if room > 0 else "lower"
-        return longest_row + budget, what, f"{fix} the data module's `max_length` (longer prompts are dropped)"
+    def _image_refusals(self) -> dict[str, tuple[bool, str]]:
+        max_staleness = (self.hparams.max_staleness is not None, "the rollout worker is sent prompt ids only")
+        return {"max_staleness": max_staleness, **super()._image_refusals()}
 
+    @override
     def _check_geometry(self, spg: int) -> None:
-        """Refuse what cannot be exact with this ``steps_per_generation`` and strategy (the fix in the message)."""
+        """Refuse what cannot be exact with this ``steps_per_generation`` and strategy (the fix in the message): the
+        token normaliser's correction and the entropy bonus, then the base's checks."""
         hp, accumulate = self.hparams, self.trainer.accumulate_grad_batches
         strategy, name = type(self.trainer.strategy).__name__, type(self).__name__
         corrected = hp.loss_type in _TOKEN_NORMALISED and spg % accumulate
@@ -508,45 +299,21 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
                 "whole gradient, entropy bonus included. Make steps_per_generation a multiple of "
                 "accumulate_grad_batches, or turn the entropy bonus off."
             )
-        if self.continuous_batching and _sharding.is_sharded(self.model):
-            raise ValueError(
-                f"`{name}(use_transformers_continuous_batching=True)` cannot generate with sharded weights "
-                f"({strategy}): every forward is a collective and the engine schedules each rank on its own. Use "
-                "strategy 'ddp', or plain `generate` (use_transformers_continuous_batching=False)."
-            )
+        super()._check_geometry(spg)
 
     @override
     def on_fit_start(self) -> None:
-        if self._restored is not None and self._buffer is not None:
-            state, self._restored = self._restored, None
-            self._seed = int(state["seed"])
-            ranks = state.get("ranks", [state])  # older checkpoints: one state, with rollouts on a single process
-            if len(ranks) == self.trainer.world_size == int(state["world_size"]):
-                self._buffer.load_state_dict(ranks[self.global_rank], self.device)
-            else:  # another world size: counters only, the interrupted round is regenerated
-                self._buffer.load_state_dict({k: ranks[0][k] for k in ("served", "rounds")}, self.device)
+        super().on_fit_start()
         if self._restored_entropy is not None:
             state, self._restored_entropy = self._restored_entropy, None
             windows = state["windows"]  # another world size: the interrupted step's entropy window starts empty
             window = windows[self.global_rank] if len(windows) == self.trainer.world_size else None
             self._entropy.load_state_dict({**state, "window": window}, self.device)
-        if self._seed is None:
-            self._seed = torch.initial_seed()
-        self.reset_reference_sync()
         self._start_worker()
-
-    @override
-    def train(self, mode: bool = True) -> Self:
-        super().train(mode)
-        self.reference.keep_eval()  # the frozen reference never runs dropout
-        return self
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self._buffer is not None:
-            ranks = gather_from_all_ranks(self._buffer.state_dict(with_rollouts=True))  # a collective under DDP
-            checkpoint[_STATE_KEY] = {"seed": self._seed, "world_size": len(ranks), "ranks": ranks}
         if self._entropy.enabled:
             state = self._entropy.state_dict()
             windows = gather_from_all_ranks(state.pop("window"))  # a collective under DDP
@@ -555,49 +322,76 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        self._restored = checkpoint.get(_STATE_KEY)
         self._restored_entropy = checkpoint.get(_ENTROPY_KEY)
 
+    # ------------------------------------------------------------------------------------------------ rollouts
     @override
-    def _write_logs(self) -> None:
-        """The step's logs, and with ``log_completions`` the last round's completions table (rank 0)."""
-        super()._write_logs()
-        if self.hparams.log_completions and self.completion_table is not None and self.trainer.is_global_zero:
-            columns, rows = self.completion_table
-            step = self.trainer.global_step - 1  # the step Lightning gives this step's metrics (metrics.csv, TB)
-            write_completion_table(
-                self.trainer.loggers,
-                columns,
-                rows,
-                step,
-                num_to_print=self.hparams.num_completions_to_print,
-                unique_prompts=self.hparams.log_unique_prompts,
+    @torch.no_grad()
+    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False, position: tuple[int, int] = (0, 0)) -> None:
+        """Generate, score (GRPO's advantages first), add the old/reference log-probs and buffer one round.
+
+        ``can_stop``: the round starts an optimizer step (nothing of the step is applied yet), so a stop request (a
+        signal, :mod:`lit_trainer.core.stop_request`) may end its generation early; the ranks then agree, right after
+        generating, whether to drop the round and save the last finished step (the callback raises) or go on.
+        ``position``: ``(epoch, batch index)`` of the round's first micro-step (where the rollout worker of an
+        asynchronous run reads the next rounds' prompts from, :mod:`lit_trainer.modules.grpo._async`).
+        """
+        if self._worker is not None:
+            rows, completions, scoring_batch, decoded, tool_metrics, behaviour, staleness = self._async_rows(
+                batch, can_stop, position
             )
+        else:
+            rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
+            behaviour = None
+        advantages, metrics = self._score(scoring_batch, completions, decoded)
+        metrics.update(tool_metrics)
+        rows["advantages"] = advantages
+        if behaviour is not None:
+            self._off_policy_terms(rows, behaviour, staleness, metrics)
+        elif self._stores_old_logps():
+            rows["old_logps"] = self._chunked_logps(self.model, rows)
+        if self.ref_model is not None:
+            rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
+        self._buffer_round(rows, metrics)
+
+    def _score(
+        self, batch: dict[str, Any], completions: rollout.Completions, decoded: tuple | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics).
+
+        ``decoded``: ``(texts, kept ids, extra reward keywords)`` of an agentic round (else decoded here); the length
+        metrics count ``completions.mask``, the model's tokens."""
+        hp = self.hparams
+        table, functions, texts, logged = self._gathered_scores(batch, completions, decoded)
+        all_rewards, all_lengths = table[:, :functions], table[:, functions]
+        all_truncated = table[:, functions + 1].bool()
+        scoring = {"reward_weights": self.reward_weights, "scale_rewards": hp.scale_rewards}  # shared by both calls
+        advantages = grpo_advantages(
+            all_rewards, hp.num_generations, aggregation=hp.multi_objective_aggregation, **scoring
+        )
+        rows = len(texts)
+        metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_names=self.reward_names, **scoring)
+        metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
+        metrics.update(logged)
+        if hp.log_completions:
+            self._record_completions(batch[PROMPTS], texts, all_rewards, advantages)
+        return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
 
     # ---------------------------------------------------------------------------------------------- training
     @override
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        batch.pop(NUM_ITEMS_KEY, None)
-        if batch_idx == 0:
-            self._buffer.end_round()  # an epoch always starts a round (even if the last one was cut short)
-        new_window = self._enter_window(batch_idx)
-        start, stop = self.step_window(batch_idx)
-        if self._buffer.needs_refill:  # a round that starts an optimizer step may be stopped by a signal
-            self._make_rollouts(batch, can_stop=batch_idx == start, position=(self.trainer.current_epoch, batch_idx))
-        micro, slice_index = self._buffer.next()
-        num_items = self._num_items(slice_index, stop - batch_idx, new_window, batch_idx - start)
-        loss, metrics = self.compute_loss(micro, num_items)
-        world = self.trainer.world_size
-        share = (stop - start) * world  # micro-steps of this optimizer step x ranks
-        contribution = loss if num_items is not None else loss / share
-        step_ends = batch_idx + 1 == stop or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if self._entropy.enabled:
-            contribution, metrics = self._add_entropy_bonus(contribution, metrics, share, step_ends)
-        masks = {"prompt_attention_mask": micro["prompt_mask"], "completion_attention_mask": micro["completion_mask"]}
-        self._track(contribution.detach(), {**metrics, **self._buffer.metrics}, masks)
-        if num_items is not None and step_ends and (factor := self._normaliser.correction()) is not None:
+    def _add_step_terms(
+        self, contribution: Tensor, metrics: dict[str, Tensor], share: int, step_ends: bool
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The entropy bonus, when on."""
+        if not self._entropy.enabled:
+            return contribution, metrics
+        return self._add_entropy_bonus(contribution, metrics, share, step_ends)
+
+    @override
+    def _end_normalised_step(self) -> None:
+        """Correct the step's provisional token normaliser (module docstring)."""
+        if (factor := self._normaliser.correction()) is not None:
             self.rescale_step_gradients(factor)
-        return contribution * self.trainer.accumulate_grad_batches * world
 
     def _add_entropy_bonus(
         self, contribution: Tensor, metrics: dict[str, Tensor], share: int, step_ends: bool
@@ -615,6 +409,7 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
             metrics["entropy_coef"] = torch.tensor(self._entropy.coef * micro_steps, device=self.device)
         return contribution, metrics
 
+    @override
     def _num_items(self, slice_index: int, remaining: int, new_window: bool, done: int = 0) -> Tensor | None:
         """The dapo/cispo normaliser of this micro-step (module docstring); None for per-micro-batch-mean types.
 
@@ -698,103 +493,3 @@ class GRPOModule(GRPORolloutMixin, AsyncRolloutMixin, ReferenceSyncMixin, BaseMo
         masks = [m for m in (entropy_mask, sequence_mask) if m is not None]
         policy_mask = masks[0] * masks[1] if len(masks) == 2 else (masks[0] if masks else None)
         return entropy_mask, policy_mask
-
-    def completion_logps(
-        self, model: Any, rows: dict[str, Tensor], with_entropy: bool = False, entropy_grad: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs (B, C) of the completion tokens under ``model``, logits divided by the temperature.
-
-        The input is ``[left-padded prompt ; right-padded completion]`` with position ids from the attention mask
-        (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy when asked (with gradient
-        only when ``entropy_grad``: the entropy bonus). Rows of prompts with images carry their image inputs
-        (:mod:`lit_trainer.data.vision.prompt`), passed to the model with the ids.
-        """
-        completion = rows["completion_ids"]
-        ids = torch.cat([rows["prompt_ids"], completion], dim=1)
-        attention = torch.cat([rows["prompt_mask"], rows.get(ATTENTION, rows["completion_mask"])], dim=1)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        # the last C + 1 positions: position i predicts completion token i, the last one nothing
-        targets = torch.cat([completion, completion.new_full((completion.shape[0], 1), IGNORE_INDEX)], dim=1)
-        scores = self.score_tokens(
-            model,
-            targets,
-            temperature=self.hparams.temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=False,
-            **vision_prompt.model_image_inputs(rows, completion.shape[1]),  # prompts with images: the same images
-        )
-        logps = scores.logps[:, :-1]
-        if not with_entropy:
-            return logps, None
-        entropy = scores.entropy[:, :-1]
-        return logps, entropy
-
-    # -------------------------------------------------------------------------------------------- validation
-    def _validation_completions(self, batch: dict[str, Any], config: Any, eos: list[int]) -> tuple:
-        """``(texts, rewards, logged metrics)`` of one validation batch under ``config``; a stop request (a signal)
-        cuts the generation short (the validation is then not logged, see :meth:`on_validation_epoch_end`)."""
-        should_stop = stop_check(self.trainer)
-        if self.agentic:  # the same multi-turn loop with tools
-            agentic = self._tool_round(batch, config, eos, should_stop)
-            texts, kept = agentic.texts, agentic.kept
-            rewards, logged = score_completions(self, agentic_batch(batch, agentic), texts, kept, agentic.reward_kwargs)
-            logged.update(agentic.tool_metrics)
-            return texts, rewards, logged
-        prompt_ids, prompt_mask = self._prompt_inputs(batch)
-        images = vision_prompt.model_image_inputs(batch)
-        completions = rollout.generate_completions(
-            self.model, prompt_ids, prompt_mask, config, eos, _sharding.is_sharded(self.model), should_stop, images
-        )
-        texts, kept = rollout.decode_completions(self.tokenizer, completions, is_conversational(batch[PROMPTS]))
-        rewards, logged = score_completions(self, batch, texts, kept)
-        return texts, rewards, logged
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        """Log the validation metrics, unless a stop request cut its generations short on some rank (all ranks
-        agree): a validation of truncated completions is not logged, and the stopped run does not repeat it."""
-        should_stop = stop_check(self.trainer)
-        stopped = should_stop is not None and should_stop()
-        if self.trainer.world_size > 1:
-            flag = torch.tensor(float(stopped), device=self.device)
-            stopped = bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
-        if stopped:
-            self.val_metrics.reset()
-            return
-        super().on_validation_epoch_end()
-
-    @override
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """One completion of each held-out prompt (greedy, or sampled with ``eval_do_sample``), scored by the reward
-        functions (``val_reward``)."""
-        eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        if self.hparams.eval_do_sample:
-            config = self._sampling_config(eos)
-            seed = torch.initial_seed() if self._seed is None else self._seed
-            sampling = rollout.seeded_rng(
-                rollout.rollout_seed(seed, batch_idx, self.global_rank, stream=2), self.device
-            )
-        else:
-            config = GenerationConfig(
-                max_new_tokens=self.hparams.max_completion_length,
-                do_sample=False,
-                pad_token_id=self._pad_token_id(eos),
-                eos_token_id=eos,
-                use_cache=True,
-                **({"suppress_tokens": ids} if (ids := self._image_token_ids()) else {}),
-            )
-            sampling = contextlib.nullcontext()
-        with sampling:
-            texts, rewards, logged = self._validation_completions(batch, config, eos)
-        for name, value in logged.items():
-            self.log(f"val_{name}", value, on_epoch=True, sync_dist=True, batch_size=len(texts))
-        rewards = rewards.to(self.device)
-        weights = torch.as_tensor(self.reward_weights or [1.0] * rewards.shape[1], device=self.device)
-        total = torch.nansum(rewards * weights, dim=1).masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
-        self.val_metrics["reward"].update(total)
-        for metric, column in zip(self._val_reward_means, rewards.T):
-            metric.update(column)

@@ -1,4 +1,5 @@
-"""Validation of the GRPOModule options: ranges and choices, each error naming the value and a valid setting."""
+"""Validation of the online-RL options (:class:`~lit_trainer.modules.online_rl.OnlineRLModule`'s and its subclasses'):
+ranges and choices, each error naming the value and a valid setting."""
 
 from __future__ import annotations
 
@@ -69,46 +70,44 @@ CacheImplementation = Literal[
     "offloaded_hybrid_chunked", "dynamic", "offloaded", "quantized",
 ]  # fmt: skip
 """transformers' KV-cache implementations (``GenerationConfig.cache_implementation``)."""
-_FLAGS = (
-    "sync_ref_model", "use_adaptive_entropy", "log_completions", "use_transformers_continuous_batching",
-    "use_transformers_paged", "cache_implementation", "rollout_importance_sampling_correction",
-)  # fmt: skip
-OPTION_NAMES = frozenset(_RANGES) | frozenset(_CHOICES) | frozenset(_FLAGS)
-"""The ``GRPOModule`` arguments :func:`check_grpo_options` expects."""
 
 
-def check_grpo_options(options: dict[str, Any], owner: str = "GRPOModule") -> None:
-    """Validate GRPO options; every message names the value and a valid setting.
+def check_options(options: dict[str, Any], owner: str) -> None:
+    """Validate the options given (any subset of an online-RL module's arguments; the others are not looked at); every
+    message names the value and a valid setting.
 
     Args:
-        options: the option values by name (:data:`OPTION_NAMES`).
-        owner: the class the user constructed, named in the messages (``RLOOModule`` for RLOO).
+        options: option values by name; names without a rule here are ignored.
+        owner: the class the user constructed, named in the messages (``GRPOModule``, ``RLOOModule``).
 
     Raises:
-        ValueError: on an out-of-range value, an unknown choice, or both ``steps_per_generation`` and
-            ``generation_batch_size``.
+        ValueError: on an out-of-range value, an unknown choice, or two options that do not go together (e.g. both
+            ``steps_per_generation`` and ``generation_batch_size``).
     """
     for name, (valid, fix) in _RANGES.items():
-        if not valid(options[name]):
+        if name in options and not valid(options[name]):
             raise ValueError(f"`{owner}({name}={options[name]!r})` is invalid: {fix}.")
     for name, literal in _CHOICES.items():
-        if options[name] not in get_args(literal):
+        if name in options and options[name] not in get_args(literal):
             raise ValueError(f"`{owner}({name}={options[name]!r})` is invalid: choose one of {get_args(literal)}.")
-    if options["loss_type"] == "vespo" and options["importance_sampling_level"] != "token":
+    if options.get("loss_type") == "vespo" and options.get("importance_sampling_level", "token") != "token":
         raise ValueError(
             f"`{owner}(loss_type='vespo')` weights each sequence by its own summed log-ratio: "
             "`importance_sampling_level` must be 'token'."
         )
-    _check_option_pairs(options, owner)
-    if options["steps_per_generation"] is not None and options["generation_batch_size"] is not None:
+    if {"cache_implementation", "sync_ref_model", "beta", "use_transformers_continuous_batching"} <= options.keys():
+        _check_shared_pairs(options, owner)
+    if {"entropy_coef_min", "max_staleness", "rollout_importance_sampling_mode", "loss_type"} <= options.keys():
+        _check_grpo_pairs(options, owner)
+    if options.get("steps_per_generation") is not None and options.get("generation_batch_size") is not None:
         raise ValueError(
             "`steps_per_generation` and `generation_batch_size` are mutually exclusive: set only one "
             "(generation_batch_size = batch_size x world_size x steps_per_generation)."
         )
 
 
-def _check_option_pairs(options: dict[str, Any], owner: str) -> None:
-    """Options that only make sense together (TRL 1.16's conditions, with the fix in the message)."""
+def _check_shared_pairs(options: dict[str, Any], owner: str) -> None:
+    """Options of every online-RL module that only make sense together (TRL 1.16's conditions, with the fix)."""
     cache = options["cache_implementation"]
     if cache is not None and cache not in get_args(CacheImplementation):
         raise ValueError(
@@ -120,6 +119,16 @@ def _check_option_pairs(options: dict[str, Any], owner: str) -> None:
             f"`{owner}(sync_ref_model=True)` with beta=0.0 is invalid: without the KL term there is no reference "
             "model to synchronise. Set beta > 0 (e.g. 0.04), or sync_ref_model=False."
         )
+    continuous = options["use_transformers_continuous_batching"] or options["use_transformers_paged"]
+    if continuous and cache is not None:
+        raise ValueError(
+            f"`{owner}(cache_implementation={cache!r})` applies to `generate`, but continuous batching uses its "
+            "own paged cache: set cache_implementation=None, or use_transformers_continuous_batching=False."
+        )
+
+
+def _check_grpo_pairs(options: dict[str, Any], owner: str) -> None:
+    """GRPOModule's options that only make sense together (TRL 1.16's conditions, with the fix in the message)."""
     if options["entropy_coef_min"] > options["entropy_coef_max"]:
         raise ValueError(
             f"`{owner}(entropy_coef_min={options['entropy_coef_min']}, entropy_coef_max="
@@ -142,10 +151,4 @@ def _check_option_pairs(options: dict[str, Any], owner: str) -> None:
         raise ValueError(
             f"`{owner}(loss_type='vespo', rollout_importance_sampling_mode={mode!r})`: VESPO folds a per-token "
             "ratio into its weights (as TRL); use 'token_truncate' or 'token_mask'."
-        )
-    continuous = options["use_transformers_continuous_batching"] or options["use_transformers_paged"]
-    if continuous and cache is not None:
-        raise ValueError(
-            f"`{owner}(cache_implementation={cache!r})` applies to `generate`, but continuous batching uses its "
-            "own paged cache: set cache_implementation=None, or use_transformers_continuous_batching=False."
         )

@@ -1,6 +1,7 @@
-"""The rollout mixin of :class:`~lit_trainer.modules.grpo.GRPOModule`: one generation round (sample with a seeded
-RNG, score with the reward functions gathered over ranks, compute advantages and the old/reference log-probs when
-needed, shuffle and buffer the round's micro-batches), and the generation padding id validation uses too. The small
+"""The rollout mixin of :class:`~lit_trainer.modules.online_rl.OnlineRLModule` (GRPO's and RLOO's rounds): the
+shared steps of one generation round (sample with a seeded RNG, score with the reward functions gathered over ranks,
+compute log-probs in chunks, shuffle and buffer the round's micro-batches; each module's ``_make_rollouts`` puts them
+together with its advantages), and the generation padding id validation uses too. The small
 stateless pieces are in :mod:`lit_trainer.generation.engines`, the sampling options and engine in
 :class:`~lit_trainer.generation.RolloutGenerator` (``self.rollouts``); the buffer is
 :class:`~lit_trainer.modules.grpo._rollout_buffer.RolloutBuffer`."""
@@ -23,7 +24,6 @@ from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
 from lit_trainer.data.vision import prompt as vision_prompt
 from lit_trainer.generation import engines as rollout
 from lit_trainer.generation.agentic import AgenticRound, agentic_batch
-from lit_trainer.losses.grpo_advantages import grpo_advantages, grpo_reward_metrics
 from lit_trainer.modules.grpo._completion_table import render_text
 from lit_trainer.modules.grpo._reward_calls import score_completions
 from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
@@ -31,9 +31,9 @@ from lit_trainer.rewards import is_conversational
 
 
 class GRPORolloutMixin:
-    """Generation rounds of :class:`~lit_trainer.modules.grpo.GRPOModule` (reads ``self._buffer``, ``self._seed``,
-    ``self.rollout_geometry``, ``self.ref_model``, ``self.reward_names`` and the hyperparameters; calls
-    ``self.completion_logps`` and ``self._prompt_rows``)."""
+    """Generation rounds of :class:`~lit_trainer.modules.online_rl.OnlineRLModule` (reads ``self._buffer``,
+    ``self._seed``, ``self.rollout_geometry``, ``self.ref_model``, ``self.reward_names`` and the hyperparameters;
+    calls ``self.completion_logps`` and ``self._prompt_rows``)."""
 
     def _gather_rows(self, local: Tensor) -> Tensor:
         """Rows of every rank, rank order (the reference gathers rewards before normalising)."""
@@ -60,34 +60,6 @@ class GRPORolloutMixin:
             [render(self.tokenizer, p, add_generation_prompt=True, **options) for p in batch[PROMPTS]]
         )
         return rows["prompt_ids"], rows["prompt_mask"]
-
-    @torch.no_grad()
-    def _make_rollouts(self, batch: dict[str, Any], can_stop: bool = False, position: tuple[int, int] = (0, 0)) -> None:
-        """Generate, score and buffer one round (see the :mod:`lit_trainer.modules.grpo` docstring).
-
-        ``can_stop``: the round starts an optimizer step (nothing of the step is applied yet), so a stop request (a
-        signal, :mod:`lit_trainer.core.stop_request`) may end its generation early; the ranks then agree, right after
-        generating, whether to drop the round and save the last finished step (the callback raises) or go on.
-        ``position``: ``(epoch, batch index)`` of the round's first micro-step (where the rollout worker of an
-        asynchronous run reads the next rounds' prompts from, :mod:`lit_trainer.modules.grpo._async`).
-        """
-        if self._worker is not None:
-            rows, completions, scoring_batch, decoded, tool_metrics, behaviour, staleness = self._async_rows(
-                batch, can_stop, position
-            )
-        else:
-            rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
-            behaviour = None
-        advantages, metrics = self._score(scoring_batch, completions, decoded)
-        metrics.update(tool_metrics)
-        rows["advantages"] = advantages
-        if behaviour is not None:
-            self._off_policy_terms(rows, behaviour, staleness, metrics)
-        elif self._stores_old_logps():
-            rows["old_logps"] = self._chunked_logps(self.model, rows)
-        if self.ref_model is not None:
-            rows["ref_logps"] = self._chunked_logps(self.ref_model, rows)
-        self._buffer_round(rows, metrics)
 
     def _stores_old_logps(self) -> bool:
         """Whether a round keeps its generation-time log-probs (used across optimizer steps); read per round, since a
@@ -187,29 +159,6 @@ class GRPORolloutMixin:
                 "[lit_trainer] Every reward function returned None for some completions: their advantage is 0."
             )
         return table, functions, texts, logged
-
-    def _score(
-        self, batch: dict[str, Any], completions: rollout.Completions, decoded: tuple | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Rewards of this rank's rows, gathered over ranks -> (this rank's advantages, generation metrics).
-
-        ``decoded``: ``(texts, kept ids, extra reward keywords)`` of an agentic round (else decoded here); the length
-        metrics count ``completions.mask``, the model's tokens."""
-        hp = self.hparams
-        table, functions, texts, logged = self._gathered_scores(batch, completions, decoded)
-        all_rewards, all_lengths = table[:, :functions], table[:, functions]
-        all_truncated = table[:, functions + 1].bool()
-        scoring = {"reward_weights": self.reward_weights, "scale_rewards": hp.scale_rewards}  # shared by both calls
-        advantages = grpo_advantages(
-            all_rewards, hp.num_generations, aggregation=hp.multi_objective_aggregation, **scoring
-        )
-        rows = len(texts)
-        metrics = grpo_reward_metrics(all_rewards, hp.num_generations, reward_names=self.reward_names, **scoring)
-        metrics.update(rollout.completion_metrics(all_lengths, all_truncated))
-        metrics.update(logged)
-        if hp.log_completions:
-            self._record_completions(batch[PROMPTS], texts, all_rewards, advantages)
-        return advantages[self.global_rank * rows : (self.global_rank + 1) * rows], metrics
 
     def _record_completions(self, prompts: Sequence[Any], texts: Sequence[Any], rewards: Tensor, adv: Tensor) -> None:
         """Keep the round's table (rows of every rank, on rank 0) for ``log_completions``: prompt, completion, one
