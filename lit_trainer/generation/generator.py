@@ -45,7 +45,7 @@ class SamplingOptions:
 
     @classmethod
     def from_hparams(cls, hparams: Mapping[str, Any]) -> SamplingOptions:
-        """The options read from a module's hyperparameters (or the worker's copy of them)."""
+        """The options read from a module's hyperparameters (GRPO's and RLOO's have every field)."""
         return cls(**{f.name: hparams[f.name] for f in fields(cls)})
 
 
