@@ -10,6 +10,8 @@ tests/test_grpo_async_paths.py.
 
 from __future__ import annotations
 
+import pickle
+import queue
 import signal
 import sys
 import types
@@ -30,7 +32,8 @@ from lit_trainer.data.prompt import RolloutGeometry
 from lit_trainer.generation.engines import make_engine
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo._async._errors import death_message
-from lit_trainer.modules.grpo._async._worker import SharedWeights
+from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, worker_main
+from lit_trainer.modules.grpo._logps import CompletionScorer
 
 WARNING = "rollout worker's log-probs differ"
 SAME_WEIGHTS_GAP = 1e-5  # largest |delta log p| of the sampler check on the same weights (see its first use)
@@ -129,16 +132,21 @@ def test_continuous_batching_in_the_worker_is_the_synchronous_run():
 
 @pytest.mark.slow
 def test_a_worker_that_cannot_import_a_class_says_why(monkeypatch):
-    """A class the worker cannot import (a module subclass defined in a notebook: its module exists in the training
-    process only) killed the worker while it unpickled its arguments, before it could report anything, and the fit
-    failed with "died with exit code 1 (out of memory?)". The error now starts with the worker's exception."""
+    """A class the worker cannot import (a module subclass's behaviour scorer defined in a notebook: its module exists
+    in the training process only) killed the worker while it unpickled its arguments, before it could report anything,
+    and the fit failed with "died with exit code 1 (out of memory?)". The error now starts with the worker's
+    exception."""
     notebook = types.ModuleType("notebook_cell")
 
-    class NotebookGRPO(GRPOModule):
+    class NotebookScorer(CompletionScorer):
         pass
 
-    NotebookGRPO.__module__, NotebookGRPO.__qualname__ = "notebook_cell", "NotebookGRPO"
-    notebook.NotebookGRPO = NotebookGRPO
+    class NotebookGRPO(GRPOModule):
+        def behaviour_scorer(self) -> NotebookScorer:
+            return NotebookScorer(self.hparams.temperature)
+
+    NotebookScorer.__module__, NotebookScorer.__qualname__ = "notebook_cell", "NotebookScorer"
+    notebook.NotebookScorer = NotebookScorer
     monkeypatch.setitem(sys.modules, "notebook_cell", notebook)  # importable here, not in a new process
     module = NotebookGRPO(
         tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward], num_generations=4,
@@ -218,6 +226,89 @@ def test_a_rollout_func_cannot_run_in_the_worker():
     with pytest.raises(ValueError, match="rollout_func runs in the training process"):
         L.Trainer(max_steps=1, **QUIET).fit(module, datamodule=data(n=16, batch_size=8))
     assert module._worker is None
+
+
+class ShiftedScorer(CompletionScorer):
+    """A subclass's behaviour scorer: the default forward, shifted by 1 (a marker no default forward gives)."""
+
+    def __call__(self, model: Any, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        return super().__call__(model, rows) + 1.0
+
+
+class ShiftedGRPO(GRPOModule):
+    """A subclass with its own log-prob forward and the scorer that runs it in the rollout worker."""
+
+    def completion_logps(self, model: Any, rows: dict[str, torch.Tensor], **options: Any) -> tuple:
+        logps, entropy = super().completion_logps(model, rows, **options)
+        return logps + 1.0, entropy
+
+    def behaviour_scorer(self) -> ShiftedScorer:
+        return ShiftedScorer(self.hparams.temperature)
+
+
+class ForwardOnly(GRPOModule):
+    def completion_logps(self, model: Any, rows: dict[str, torch.Tensor], **options: Any) -> tuple:
+        return super().completion_logps(model, rows, **options)
+
+
+def _worker_round(module: GRPOModule) -> dict[str, Any]:
+    """One round of 8 rows (2 prompts x 4) from ``module``'s worker spec, run by ``worker_main`` in this process: the
+    spec pickled as it travels to the worker process, unpickled by the worker, its weights published as version 0."""
+    tokenizer = module.tokenizer
+    ids = torch.tensor([tokenizer("10+11=").input_ids[:-1]] * 4 + [tokenizer("12+11=").input_ids[:-1]] * 4)
+    batch = {"prompts": ["10+11="] * 4 + ["12+11="] * 4, "prompt_input_ids": ids, "prompt_attention_mask": ids > -1}
+    module.rollout_geometry = RolloutGeometry(4, 2, 8, 1)  # what setup sets: two micro-batches of 4 rows per round
+    spec = module._worker_spec(module.model, "cpu")
+    weights = SharedWeights({n: p.detach() for n, p in module.model.named_parameters()}, slots=1)
+    weights.publish(0, dict(module.model.named_parameters()))
+    requests, results = queue.Queue(), queue.Queue()
+    for request in (RoundRequest(0, 0, batch, seed=3, training=False), None):
+        requests.put(request)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the worker ignores both
+    try:
+        worker_main(Deferred(data=pickle.dumps(spec)), requests, results, weights)
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    assert results.get_nowait()[1] == "started"
+    index, status, result = results.get_nowait()
+    assert (index, status) == (0, "ok"), result
+    return result
+
+
+def test_a_subclass_scorer_reaches_the_worker_and_matches_its_forward():
+    """The extension point of the worker's behaviour log-probs: a subclass's ``behaviour_scorer`` is pickled to the
+    worker and runs there. Its log-probs of the first group are the trainer's ``completion_logps`` bit for bit (what
+    the sampler check compares, same rows, same shapes), and the rest equal them to the sampler check's calibrated
+    gap (other chunk shapes); the default forward is 1 away."""
+    torch.manual_seed(0)
+    module = ShiftedGRPO(tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward],
+                         num_generations=4, max_completion_length=4, rollout_worker_threads=1)  # fmt: skip
+    result = _worker_round(module)
+    rows, behaviour = result["rows"], result["sampling_logps"]
+    with torch.no_grad():
+        mine = module.completion_logps(module.model, rows)[0]
+        head = module.completion_logps(module.model, {k: v[:4] for k, v in rows.items()})[0]
+        default = GRPOModule.completion_logps(module, module.model, rows)[0]
+    assert behaviour.shape == (8, rows["completion_ids"].shape[1])
+    assert torch.equal(behaviour[:4], head)
+    torch.testing.assert_close(behaviour, mine, rtol=0, atol=SAME_WEIGHTS_GAP)
+    torch.testing.assert_close(behaviour - 1.0, default, rtol=0, atol=SAME_WEIGHTS_GAP)
+
+
+def test_a_forward_override_without_a_scorer_override_warns():
+    """A subclass's own ``completion_logps`` does not reach the worker by itself: starting the worker says so (a
+    module that overrides neither, or both, does not warn)."""
+    modules = [ForwardOnly(tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward]), grpo()]
+    modules.append(ShiftedGRPO(tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward]))
+    for module in modules:
+        module.rollout_geometry = RolloutGeometry(4, 1, 4, 1)
+    with pytest.warns(UserWarning, match="ForwardOnly overrides completion_logps but not behaviour_scorer"):
+        modules[0]._worker_spec(modules[0].model, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for module in modules[1:]:
+            module._worker_spec(module.model, "cpu")
 
 
 def test_a_rollout_engine_must_be_a_rollout_engine():

@@ -195,20 +195,19 @@ def _round(rows: int, tokens: int, engine: str | None = None) -> tuple[Any, Any,
     import transformers
 
     from helpers.models import tiny_llama
-    from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
+    from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS, RolloutGeometry
     from lit_trainer.modules.grpo import GRPOModule
-    from lit_trainer.modules.grpo._async._worker import RoundRequest, SharedWeights, WorkerSpec
+    from lit_trainer.modules.grpo._async._worker import RoundRequest, SharedWeights
     from lit_trainer.rewards import format_reward
 
     tokenizer, model = transformers.ByT5Tokenizer(), tiny_llama(0, hidden=64, positions=tokens + 16)
     module = GRPOModule(
         model, tokenizer=tokenizer, reward_funcs=[format_reward], num_generations=8, max_completion_length=tokens,
-        generation_kwargs={"min_new_tokens": tokens}, generation_seed=0,
+        generation_kwargs={"min_new_tokens": tokens}, generation_seed=0, rollout_engine=engine,
+        rollout_worker_threads=1,
     )  # fmt: skip
-    spec = WorkerSpec(
-        module_class=GRPOModule, model=model, tokenizer=tokenizer, hparams=dict(module.hparams), tools=[],
-        environments=None, continuous_batching=False, engine=engine, steps_per_generation=1, device="cpu", threads=1,
-    )  # fmt: skip
+    module.rollout_geometry = RolloutGeometry(8, 1, rows, 1)  # what setup sets: one micro-batch per round
+    spec = module._worker_spec(model, "cpu")
     weights = SharedWeights({n: p.detach() for n, p in model.named_parameters()}, slots=1)
     weights.publish(0, dict(model.named_parameters()))
     ids = torch.tensor([tokenizer("12+11=").input_ids[:-1]] * rows)  # without the tokenizer's EOS
@@ -266,15 +265,15 @@ def test_a_worker_exits_at_once_when_its_trainer_is_killed_mid_round():
     exited = _kill_trainer_while_busy(spec, weights, request, lambda pid: _cpu_seconds(pid) > 1.0)
     assert exited < EXIT_BOUND, exited
 
-    from lit_trainer.modules.grpo._async._worker import RolloutSampler, _bind_module_methods
+    from lit_trainer.modules.grpo._async._worker import WorkerRounds
 
     threads = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     try:
-        _bind_module_methods(spec.module_class)
-        sampler, started = RolloutSampler(spec), time.monotonic()
+        worker, started = WorkerRounds(spec), time.monotonic()  # the worker's model and rollout generator
         cut = lambda: time.monotonic() - started > 2 * EXIT_BOUND  # ends the generation early
-        rows = sampler._sample_round(request.batch, request.seed, cut)[0]
+        batch, seed = request.batch, request.seed
+        rows = worker.rollouts.sample_round(worker.model, batch, seed, device=worker.device, should_stop=cut).rows
     finally:
         torch.set_num_threads(threads)
     assert rows["completion_ids"].shape[1] < 400, f"all 400 tokens in under {2 * EXIT_BOUND} s: make the round longer"

@@ -75,14 +75,14 @@ from lit_trainer.generation import engines as rollout
 from lit_trainer.generation.agentic import agentic_batch, resolve_rollout_func
 from lit_trainer.generation.agentic.environments import Environments, describe_factories
 from lit_trainer.generation.agentic.tools import resolve_tools, tool_name
-from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.models import is_vision_model
 from lit_trainer.modules.base import BaseModule
 from lit_trainer.modules.base._ref_sync import ReferenceSyncMixin
 from lit_trainer.modules.grpo._completion_table import write_completion_table
+from lit_trainer.modules.grpo._logps import completion_logps
 from lit_trainer.modules.grpo._options import CacheImplementation, check_options
 from lit_trainer.modules.grpo._reward_calls import as_list, resolve_reward_funcs, score_completions, spec_name
-from lit_trainer.modules.grpo._rollout_buffer import ATTENTION, RolloutBuffer
+from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
 from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
 from lit_trainer.modules.reference import ReferenceModel
 from lit_trainer.rewards import RewardModelInputs, is_conversational, reward_function_name
@@ -502,31 +502,18 @@ class OnlineRLModule(GRPORolloutMixin, ReferenceSyncMixin, BaseModule):
         The input is ``[left-padded prompt ; right-padded completion]`` with position ids from the attention mask
         (as ``generate`` uses), so the log-probs match the sampling distribution. Entropy when asked (with gradient
         only when ``entropy_grad``: the entropy bonus). Rows of prompts with images carry their image inputs
-        (:mod:`lit_trainer.data.vision.prompt`), passed to the model with the ids.
+        (:mod:`lit_trainer.data.vision.prompt`), passed to the model with the ids. The forward is
+        :func:`~lit_trainer.modules.grpo._logps.completion_logps` with this module's :meth:`score_tokens`; GRPO's
+        rollout worker runs its ``behaviour_scorer``'s (override both to change it).
         """
-        completion = rows["completion_ids"]
-        ids = torch.cat([rows["prompt_ids"], completion], dim=1)
-        attention = torch.cat([rows["prompt_mask"], rows.get(ATTENTION, rows["completion_mask"])], dim=1)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        # the last C + 1 positions: position i predicts completion token i, the last one nothing
-        targets = torch.cat([completion, completion.new_full((completion.shape[0], 1), IGNORE_INDEX)], dim=1)
-        scores = self.score_tokens(
+        return completion_logps(
+            self.score_tokens,
             model,
-            targets,
+            rows,
             temperature=self.hparams.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=False,
-            **vision_prompt.model_image_inputs(rows, completion.shape[1]),  # prompts with images: the same images
         )
-        logps = scores.logps[:, :-1]
-        if not with_entropy:
-            return logps, None
-        entropy = scores.entropy[:, :-1]
-        return logps, entropy
 
     # -------------------------------------------------------------------------------------------- validation
     def _validation_completions(self, batch: dict[str, Any], config: Any, eos: list[int]) -> tuple:

@@ -15,25 +15,23 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.dist import gather_from_all_ranks
 from lit_trainer.core.stop_request import stop_check, stop_in_step
-from lit_trainer.data.chat import render
-from lit_trainer.data.prompt import PROMPT_IDS, PROMPT_MASK, PROMPTS
+from lit_trainer.data.prompt import PROMPTS
 from lit_trainer.data.samplers.repeat_sampler import needs_old_logps
-from lit_trainer.data.vision import prompt as vision_prompt
+from lit_trainer.generation import Round
 from lit_trainer.generation import engines as rollout
-from lit_trainer.generation.agentic import AgenticRound, agentic_batch
+from lit_trainer.generation.agentic import AgenticRound
 from lit_trainer.modules.grpo._completion_table import render_text
+from lit_trainer.modules.grpo._logps import chunked_logps
 from lit_trainer.modules.grpo._reward_calls import score_completions
-from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
 from lit_trainer.rewards import is_conversational
 
 
 class GRPORolloutMixin:
     """Generation rounds of :class:`~lit_trainer.modules.online_rl.OnlineRLModule` (reads ``self._buffer``,
     ``self._seed``, ``self.rollout_geometry``, ``self.ref_model``, ``self.reward_names`` and the hyperparameters;
-    calls ``self.completion_logps`` and ``self._prompt_rows``)."""
+    calls ``self.completion_logps`` and ``self.rollouts``)."""
 
     def _gather_rows(self, local: Tensor) -> Tensor:
         """Rows of every rank, rank order (the reference gathers rewards before normalising)."""
@@ -50,16 +48,9 @@ class GRPORolloutMixin:
         return self.rollouts.image_token_ids(self.model)
 
     def _prompt_inputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """Left-padded prompt ids and mask for ``generate``: the data module's, or, for conversational prompts with
-        ``chat_template_kwargs``, the prompts rendered again with them (TRL 1.16 renders its prompts with
-        ``GRPOConfig.chat_template_kwargs``; the data module does not know the module's options)."""
-        options = self.hparams.chat_template_kwargs
-        if not options or not is_conversational(batch[PROMPTS]):
-            return batch[PROMPT_IDS], batch[PROMPT_MASK]
-        rows = self._prompt_rows(
-            [render(self.tokenizer, p, add_generation_prompt=True, **options) for p in batch[PROMPTS]]
-        )
-        return rows["prompt_ids"], rows["prompt_mask"]
+        """Left-padded prompt ids and mask for ``generate``, rendered again with ``chat_template_kwargs``
+        (:meth:`~lit_trainer.generation.RolloutGenerator.prompt_inputs`)."""
+        return self.rollouts.prompt_inputs(batch, self.device)
 
     def _stores_old_logps(self) -> bool:
         """Whether a round keeps its generation-time log-probs (used across optimizer steps); read per round, since a
@@ -80,49 +71,17 @@ class GRPORolloutMixin:
             stop_in_step(self.trainer)  # raises when the run stops here; the partial round is dropped
         return sampled
 
-    def _sample_round(self, batch: dict[str, Any], seed: int, should_stop: Any = None) -> tuple:
-        """Sample one round's rows on the RNG seeded with ``seed``: tools, environments and ``rollout_func``, or the
-        engine (``generate`` or continuous batching). With ``mask_truncated_completions`` truncated completions leave
-        the completion mask here, before any log-prob. Returns ``(rows, completions, the batch the reward functions
-        read, the decoded agentic texts or None, tool metrics)``.
-
-        The rollout worker process runs this same method on its copy of the policy
-        (:mod:`lit_trainer.modules.grpo._async`), so a round is the same computation in either process."""
-        hp = self.hparams
-        prompt_ids, prompt_mask = self._prompt_inputs(batch)
-        eos = rollout.eos_token_ids(self.model, self.tokenizer)
-        config = self._sampling_config(eos)
-        custom = self.agentic or self.rollout_func is not None
-        images = {k: batch[k] for k in vision_prompt.row_image_keys(batch)}  # per row (refused with custom rounds)
-        with rollout.seeded_rng(seed, self.device):
-            if self.rollout_func is not None:
-                agentic = self._custom_round(batch, eos, config.pad_token_id)
-            elif self.agentic:
-                agentic = self._tool_round(batch, config, eos, should_stop)
-            else:
-                completions = self.rollouts.generate(
-                    self.model,
-                    prompt_ids,
-                    prompt_mask,
-                    config,
-                    eos,
-                    synced=_sharding.is_sharded(self.model),
-                    should_stop=should_stop,
-                    images=vision_prompt.model_image_inputs(images),
-                )
-        if custom:
-            rows, completions = agentic.rows, agentic.completions
-            scoring = (agentic_batch(batch, agentic), (agentic.texts, agentic.kept, agentic.reward_kwargs))
-            tool_metrics = agentic.tool_metrics
-        else:
-            rows = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions.ids}
-            rows["completion_mask"] = completions.mask
-            rows.update(images)  # the image inputs follow their rows through the buffer's shuffle
-            scoring, tool_metrics = (batch, None), {}
-        if hp.mask_truncated_completions:
-            kept = (~completions.truncated).unsqueeze(1).to(rows["completion_mask"])  # its dtype and device
-            rows["completion_mask"] = rows["completion_mask"] * kept
-        return rows, completions, scoring[0], scoring[1], tool_metrics
+    def _sample_round(self, batch: dict[str, Any], seed: int, should_stop: Any = None) -> Round:
+        """Sample one round's rows on the RNG seeded with ``seed``: ``self.rollouts``'s
+        :meth:`~lit_trainer.generation.RolloutGenerator.sample_round` with this module's tools, environments and
+        ``rollout_func`` (which gets the module as its second argument). The rollout worker process runs the same
+        method of its own generator on its copy of the policy (:mod:`lit_trainer.modules.grpo._async`), so a round is
+        the same computation in either process."""
+        return self.rollouts.sample_round(
+            self.model, batch, seed, device=self.device, tools=self.tools, environments=self.environments,
+            rollout_func=self.rollout_func, caller=self, reduce=self._reduce(), owner=type(self).__name__,
+            should_stop=should_stop,
+        )  # fmt: skip
 
     def _buffer_round(self, rows: dict[str, Tensor], metrics: dict[str, Tensor]) -> None:
         """Shuffle the round's rows with a seeded generator, split them into micro-batches and buffer them with each
@@ -184,30 +143,15 @@ class GRPORolloutMixin:
     def _tool_round(self, batch: dict[str, Any], config: Any, eos: list[int], should_stop: Any = None) -> AgenticRound:
         """A tools / environments round of ``self.rollouts``
         (:meth:`~lit_trainer.generation.RolloutGenerator.tool_round`)."""
-        hp = self.hparams
+        options = self.rollouts.options
         return self.rollouts.tool_round(
             self.model, batch, config, eos, tools=list(self.tools), environments=self.environments,
-            chat_template_kwargs=hp.chat_template_kwargs, max_tool_calling_iterations=hp.max_tool_calling_iterations,
+            chat_template_kwargs=options.chat_template_kwargs,
+            max_tool_calling_iterations=options.max_tool_calling_iterations,
             device=self.device, reduce=self._reduce(), owner=type(self).__name__, should_stop=should_stop,
         )  # fmt: skip
-
-    def _custom_round(self, batch: dict[str, Any], eos: list[int], pad: int) -> AgenticRound:
-        """A ``rollout_func`` round (:meth:`~lit_trainer.generation.RolloutGenerator.custom_round`); the function gets
-        the module as its second argument."""
-        return self.rollouts.custom_round(
-            self.rollout_func, self, batch, eos, pad, tools=list(self.tools), device=self.device
-        )
-
-    def _prompt_rows(self, prompt_ids: list[list[int]]) -> dict[str, Tensor]:
-        return self.rollouts.prompt_rows(prompt_ids, self.device)
 
     def _chunked_logps(self, model: Any, rows: dict[str, Tensor]) -> Tensor:
         """Log-probs of the whole generation batch in chunks of one micro-batch (no grad)."""
         size = max(1, rows["prompt_ids"].shape[0] // self.rollout_geometry.steps_per_generation)
-        keys = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", ATTENTION) if k in rows]
-        keys += vision_prompt.row_image_keys(rows)
-        chunks = [
-            self.completion_logps(model, {k: rows[k][i : i + size] for k in keys})[0]
-            for i in range(0, rows["prompt_ids"].shape[0], size)
-        ]
-        return torch.cat(chunks)
+        return chunked_logps(lambda m, r: self.completion_logps(m, r)[0], model, rows, size)

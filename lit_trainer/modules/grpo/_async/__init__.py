@@ -41,7 +41,7 @@ import contextlib
 import copy
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_metrics
 from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
+from lit_trainer.modules.grpo._logps import CompletionScorer
 from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
@@ -89,7 +90,7 @@ class RolloutWorker:
     """The training process's handle on one rollout worker process.
 
     Args:
-        spec: what the worker builds its sampler from.
+        spec: what the worker builds its rollout generator from.
         weights: the shared weight slots (also held by the worker).
     """
 
@@ -230,24 +231,51 @@ class AsyncRolloutMixin:
         copies, self._worker_model = self._worker_model, ()
         model = copies[0] if copies else strip_hooks(copy.deepcopy(self.model)).to("cpu")
         model.requires_grad_(False)
-        spec = WorkerSpec(
-            module_class=type(self),
-            model=model,
-            tokenizer=self.tokenizer,
-            hparams=dict(hp),  # plain values: what the sampling code reads, whatever it reads
-            tools=list(self.tools),
-            environments=self.environments,
-            continuous_batching=self.continuous_batching,
-            engine=hp.rollout_engine,
-            steps_per_generation=self.rollout_geometry.steps_per_generation,
-            device=device,
-            threads=hp.rollout_worker_threads or torch.get_num_threads(),
-        )
+        spec = self._worker_spec(model, device)
         trainable = self._trainable()
         weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=hp.max_staleness + 1)
         # (a DTensor's shape and dtype are the full parameter's)
         self._worker = RolloutWorker(spec, weights)
         self._async_first = None
+
+    def _worker_spec(self, model: torch.nn.Module, device: str) -> WorkerSpec:
+        """What this rank's worker builds its rollout generator from: ``model`` (its copy of the policy), the
+        module's sampling options, engine choice, tools, environments and :meth:`behaviour_scorer`."""
+        hp = self.hparams
+        forward = [n for n in ("completion_logps", "score_tokens") if _overrides(type(self), n)]
+        if forward and not _overrides(type(self), "behaviour_scorer"):
+            rank_zero_warn(
+                f"[lit_trainer] {type(self).__name__} overrides {' and '.join(forward)} but not behaviour_scorer: "
+                "the rollout worker scores its rounds with the default forward, and the sampler check will see the "
+                "gap. Override behaviour_scorer to return a picklable (model, rows) -> log-probs running your forward."
+            )
+        return WorkerSpec(
+            model=model,
+            tokenizer=self.tokenizer,
+            options=self.rollouts.options,
+            continuous_batching=self.continuous_batching,
+            continuous_batching_config=hp.transformers_continuous_batching_config,
+            engine=hp.rollout_engine,
+            tools=list(self.tools),
+            environments=self.environments,
+            scorer=self.behaviour_scorer(),
+            group=hp.num_generations,
+            steps_per_generation=self.rollout_geometry.steps_per_generation,
+            owner=type(self).__name__,
+            device=device,
+            threads=hp.rollout_worker_threads or torch.get_num_threads(),
+        )
+
+    def behaviour_scorer(self) -> Callable[[Any, dict[str, Tensor]], Tensor]:
+        """The forward the rollout worker runs for the behaviour log-probs of its rounds: ``scorer(model, rows)`` ->
+        ``(B, C)`` per-token log-probs of the rows' completion tokens, as ``completion_logps(model, rows)[0]``
+        computes them in the trainer (the sampler check compares the two). It is pickled to the worker process, so it
+        must be picklable and its class importable there (a top-level class or function, not a lambda or a class
+        defined in a notebook). Override it together with ``completion_logps`` (or ``score_tokens``); the default is
+        :func:`~lit_trainer.modules.grpo._logps.completion_logps` with the temperature and the ``chunked_logits``
+        options, as this module runs it."""
+        hp = self.hparams
+        return CompletionScorer(hp.temperature, hp.get("chunked_logits", "auto"), hp.get("logits_chunk_size"))
 
     def _close_worker(self) -> None:
         worker, self._worker = self._worker, None
@@ -426,6 +454,11 @@ class AsyncRolloutMixin:
             finally:
                 for name, p in params.items():
                     p.copy_(saved[name])
+
+
+def _overrides(cls: type, name: str) -> bool:
+    """Whether a subclass redefines method ``name`` below the class that first defines it."""
+    return sum(name in vars(c) for c in cls.__mro__) > 1
 
 
 def _same_prompts(sampled: dict[str, Any], actual: dict[str, Any]) -> bool:

@@ -1,9 +1,11 @@
 """The rollout worker process: its copy of the policy, the shared-memory weight slots, and its loop.
 
 Everything here runs in the worker (a child of the training process) except :class:`SharedWeights`,
-which both sides hold. The worker samples a round with :class:`RolloutSampler`, a stand-in for the module that carries
-what :meth:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin._sample_round` reads (the model, tokenizer, tools,
-environments, engine and hyperparameters), so the worker runs the module's own sampling code.
+which both sides hold. The worker gets a :class:`WorkerSpec` (the rollout generator's inputs: the policy, tokenizer,
+sampling options, engine, tools, environments and the behaviour scorer) and builds from it its own
+:class:`~lit_trainer.generation.RolloutGenerator` (:class:`WorkerRounds`): a round is the generator's
+:meth:`~lit_trainer.generation.RolloutGenerator.sample_round`, as in the training process, and its behaviour log-probs
+the scorer's forward in the trainer's chunks (:func:`~lit_trainer.modules.grpo._logps.chunked_logps`).
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import pickle
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
+
+from lit_trainer.generation import RolloutGenerator, SamplingOptions, make_engine
+from lit_trainer.modules.grpo._logps import chunked_logps
 
 
 class SharedWeights:
@@ -72,64 +77,41 @@ class SharedWeights:
 
 @dataclass
 class WorkerSpec:
-    """What the worker builds its sampler from (pickled to the child; tensors travel through shared memory)."""
+    """The rollout generator's inputs, from which the worker builds its own (pickled to the child; tensors travel
+    through shared memory): no module, only what a round reads.
 
-    module_class: type
-    model: Any
-    tokenizer: Any
-    hparams: dict[str, Any]
-    tools: list[Any]
-    environments: Any
-    continuous_batching: bool
-    engine: str | None
-    steps_per_generation: int
-    device: str
-    threads: int
-
-
-class RolloutSampler:
-    """The module's sampling and scoring-forward code on the worker's own model (built from a :class:`WorkerSpec`).
-
-    It borrows the module class's methods (those of :class:`~lit_trainer.modules.grpo._rollouts.GRPORolloutMixin`,
-    ``completion_logps`` and ``score_tokens``; the agentic rounds are
-    :class:`~lit_trainer.generation.RolloutGenerator`'s): the worker runs the same code as a synchronous round, one
-    process on its own (``trainer.world_size == 1``).
+    Args:
+        model: a hook-free CPU copy of the policy (moved to ``device`` in the worker).
+        tokenizer: the policy's tokenizer.
+        options: the round's sampling options (the module's ``self.rollouts.options``).
+        continuous_batching: sample with transformers' continuous batching.
+        continuous_batching_config: its ``ContinuousBatchingConfig`` fields.
+        engine: import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass, or None.
+        tools: the tool functions.
+        environments: the run's environments, or None.
+        scorer: the behaviour log-prob forward, ``(model, rows) -> (B, C)`` (the module's
+            :meth:`~lit_trainer.modules.grpo._async.AsyncRolloutMixin.behaviour_scorer`).
+        group: rows scored alone first (``num_generations``: the rows the trainer's sampler check scores).
+        steps_per_generation: micro-batches per round (the other rows are scored in chunks of one micro-batch).
+        owner: the module's class name, named in the agentic rounds' messages.
+        device: the worker's device.
+        threads: its CPU threads.
     """
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        from lightning.fabric.utilities.data import AttributeDict
-
-        from lit_trainer.data.prompt import RolloutGeometry
-        from lit_trainer.generation import RolloutGenerator, SamplingOptions, make_engine
-
-        self.device = torch.device(spec.device)
-        self.model = spec.model.to(self.device)
-        self.model.requires_grad_(False)
-        self.tokenizer = spec.tokenizer
-        self.hparams = AttributeDict(spec.hparams)
-        self.tools = spec.tools
-        self.environments = spec.environments
-        self.agentic = bool(self.tools) or self.environments is not None
-        self.rollout_func = None
-        self.continuous_batching = spec.continuous_batching
-        options = self.hparams.get("transformers_continuous_batching_config")
-        self.engine = make_engine(spec.continuous_batching, options, spec.engine)
-        self.rollouts = RolloutGenerator(self.engine, SamplingOptions.from_hparams(self.hparams), self.tokenizer)
-        self.rollout_geometry = RolloutGeometry(1, spec.steps_per_generation, 1, 1)
-        self.trainer = SimpleNamespace(world_size=1)
-        self.global_rank = 0
-
-
-def _bind_module_methods(module_class: type) -> None:
-    """Give :class:`RolloutSampler` the methods of the module's class that sampling and scoring use: those of the two
-    rollout mixins, ``completion_logps`` and ``score_tokens``, looked up on ``module_class`` so that a subclass's
-    overrides run in the worker too."""
-    from lit_trainer.modules.grpo._rollouts import GRPORolloutMixin
-
-    names = {"completion_logps", "score_tokens"}
-    names.update(n for n, v in vars(GRPORolloutMixin).items() if callable(v) and not n.startswith("__"))
-    for name in names:
-        setattr(RolloutSampler, name, getattr(module_class, name))
+    model: Any
+    tokenizer: Any
+    options: SamplingOptions
+    continuous_batching: bool
+    continuous_batching_config: dict[str, Any] | None
+    engine: str | None
+    tools: list[Any]
+    environments: Any
+    scorer: Callable[[Any, dict[str, Tensor]], Tensor]
+    group: int
+    steps_per_generation: int
+    owner: str
+    device: str
+    threads: int
 
 
 @dataclass
@@ -144,42 +126,54 @@ class RoundRequest:
     training: bool = True
 
 
-def sample_request(sampler: RolloutSampler, weights: SharedWeights, loaded: int, request: RoundRequest) -> tuple:
-    """Load the request's weights version (if not loaded), sample the round, and score its tokens with the same
-    chunked forward the trainer uses (the behaviour log-probs). Returns ``(loaded version, result)``."""
-    if request.version != loaded:
-        sampler.engine.load_weights(sampler.model, weights.read(request.version).items())
-        loaded = request.version
-    sampler.model.train(request.training)
-    batch = move_data_to_device(request.batch, sampler.device)
-    with torch.no_grad():
-        rows, completions, scoring_batch, decoded, tool_metrics = sampler._sample_round(batch, request.seed)
-        # the first prompt group alone (the trainer's sampler check scores it with the same shapes), then the rest in
-        # chunks of one micro-batch
-        group = sampler.hparams.num_generations
-        head = {k: v[:group] for k, v in rows.items()}
-        behaviour = sampler.completion_logps(sampler.model, head)[0]
-        if rows["prompt_ids"].shape[0] > group:
-            tail = sampler._chunked_logps(sampler.model, {k: v[group:] for k, v in rows.items()})
-            behaviour = torch.cat([behaviour, tail])  # the rows are not trimmed: every chunk has the full width
-    result = {
-        "rows": rows,
-        "completions": completions,
-        "batch": scoring_batch,
-        "decoded": decoded,
-        "tool_metrics": tool_metrics,
-        "sampling_logps": behaviour,
-        "version": request.version,
-    }
-    return loaded, move_data_to_device(result, "cpu")
+class WorkerRounds:
+    """The worker's side of a round, built from a :class:`WorkerSpec`: its copy of the policy on its device and a
+    :class:`~lit_trainer.generation.RolloutGenerator` of its own, whose
+    :meth:`~lit_trainer.generation.RolloutGenerator.sample_round` is the one the module runs in a synchronous round
+    (one process: no collective)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.model = spec.model.to(self.device)
+        self.model.requires_grad_(False)
+        engine = make_engine(spec.continuous_batching, spec.continuous_batching_config, spec.engine)
+        self.rollouts = RolloutGenerator(engine, spec.options, spec.tokenizer)
+        self.loaded = -1  # the weights version the model holds
+
+    def sample(self, weights: SharedWeights, request: RoundRequest) -> dict[str, Any]:
+        """Load the request's weights version (if not loaded), sample the round, and score its tokens with the
+        scorer in the trainer's chunks (the behaviour log-probs); the result on the CPU."""
+        spec = self.spec
+        if request.version != self.loaded:
+            self.rollouts.engine.load_weights(self.model, weights.read(request.version).items())
+            self.loaded = request.version
+        self.model.train(request.training)
+        batch = move_data_to_device(request.batch, self.device)
+        with torch.no_grad():
+            sampled = self.rollouts.sample_round(
+                self.model, batch, request.seed, device=self.device, tools=spec.tools,
+                environments=spec.environments, owner=spec.owner,
+            )  # fmt: skip
+            rows, count = sampled.rows, sampled.rows["prompt_ids"].shape[0]
+            # the first prompt group alone (the trainer's sampler check scores it with the same shapes), then the rest
+            # in chunks of one micro-batch (the rows are not trimmed: every chunk has the full width)
+            behaviour = spec.scorer(self.model, {k: v[: spec.group] for k, v in rows.items()})
+            if count > spec.group:
+                tail = {k: v[spec.group :] for k, v in rows.items()}
+                size = max(1, (count - spec.group) // spec.steps_per_generation)
+                behaviour = torch.cat([behaviour, chunked_logps(spec.scorer, self.model, tail, size)])
+        result = {**sampled._asdict(), "sampling_logps": behaviour, "version": request.version}
+        return move_data_to_device(result, "cpu")
 
 
 class Deferred:
     """A value pickled with a process's arguments but unpickled only when the process calls :meth:`load`.
 
     The worker unpickles its :class:`WorkerSpec` this way, inside the ``try`` that reports its errors: a class it cannot
-    import (the module's, a tool's or an environment's, defined in a notebook or in a module only the training process
-    can import) then reaches the trainer as a traceback, instead of killing the process before it can report anything.
+    import (a tool's, an environment's or the behaviour scorer's, defined in a notebook or in a module only the
+    training process can import) then reaches the trainer as a traceback, instead of killing the process before it can
+    report anything.
     Tensors are pickled as when they are arguments (shared memory, their handles sent with the process); a value never
     pickled (a ``fork`` start) is returned as it is.
     """
@@ -202,7 +196,7 @@ def exit_with(parent: Any) -> None:
 
 def worker_main(spec: WorkerSpec | Deferred, requests: Any, results: Any, weights: SharedWeights) -> None:
     """The worker loop: take a request, sample it, put ``(round, "ok", result)`` or ``(round, "error", text)``; a
-    failure to start (``spec`` does not unpickle, the sampler cannot be built) is ``(-1, "error", text)``.
+    failure to start (``spec`` does not unpickle, the policy or engine cannot be set up) is ``(-1, "error", text)``.
 
     Ctrl-C and SIGTERM are left to the training process (which stops the worker after saving); the worker exits on a
     ``None`` request, or by itself as soon as the training process is gone (killed), whatever it is doing (sampling,
@@ -217,15 +211,12 @@ def worker_main(spec: WorkerSpec | Deferred, requests: Any, results: Any, weight
     try:
         spec = spec.load() if isinstance(spec, Deferred) else spec
         torch.set_num_threads(spec.threads)
-        _bind_module_methods(spec.module_class)
-        sampler = RolloutSampler(spec)
+        rounds = WorkerRounds(spec)
     except BaseException:  # the trainer raises it with the worker's traceback
         results.put((-1, "error", traceback.format_exc()))
         return
-    loaded = -1
     while (request := requests.get()) is not None:
         try:
-            loaded, result = sample_request(sampler, weights, loaded, request)
-            results.put((request.round_index, "ok", result))
+            results.put((request.round_index, "ok", rounds.sample(weights, request)))
         except BaseException:  # the trainer raises it with the worker's traceback
             results.put((request.round_index, "error", traceback.format_exc()))
