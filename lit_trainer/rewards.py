@@ -326,7 +326,7 @@ def call_reward_functions(
         completion_ids: ``N`` lists of completion token ids.
         columns: other dataset columns, each a list of ``N`` values.
         extra_kwargs: more keyword arguments (``GRPOModule`` passes TRL's ``trainer_state``, ``log_metric`` and
-            ``log_extra``, see :mod:`lit_trainer.modules.grpo._reward_calls`), given to a function that takes
+            ``log_extra``, see :mod:`lit_trainer.modules.online_rl._reward_calls`), given to a function that takes
             ``**kwargs`` or names them (so an older function without them keeps working).
 
     Returns:

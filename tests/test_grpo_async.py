@@ -33,7 +33,7 @@ from lit_trainer.generation.engines import make_engine
 from lit_trainer.modules.grpo import GRPOModule
 from lit_trainer.modules.grpo._async._errors import death_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, worker_main
-from lit_trainer.modules.grpo._logps import CompletionScorer
+from lit_trainer.modules.online_rl._logps import CompletionScorer
 
 WARNING = "rollout worker's log-probs differ"
 SAME_WEIGHTS_GAP = 1e-5  # largest |delta log p| of the sampler check on the same weights (see its first use)

@@ -18,7 +18,7 @@ from test_grpo_module import length_reward
 from helpers.models import tiny_llama
 from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo._completion_table import markdown_table, render_text, write_completion_table
+from lit_trainer.modules.online_rl._completion_table import markdown_table, render_text, write_completion_table
 
 QUIET = {k: v for k, v in GRPO_QUIET.items() if k != "logger"}  # a logger is passed per test
 

@@ -12,7 +12,7 @@ import torch
 from test_grpo_module import grpo
 
 from helpers.trl_grpo import reference_trainer
-from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
+from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
 
 trl = pytest.importorskip("trl")
 from trl import GRPOTrainer  # noqa: E402

@@ -22,7 +22,7 @@ from lit_trainer.data.prompt import PromptDataModule
 from lit_trainer.generation import engines as rollout
 from lit_trainer.models import CHAT_TEMPLATE, build_preset_model, build_tokenizer
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo._reward_calls import resolve_reward_funcs
+from lit_trainer.modules.online_rl._reward_calls import resolve_reward_funcs
 from lit_trainer.rewards import RewardModelScorer, call_reward_functions
 
 PROMPTS = ["12+30=", "7+5=", "99+1="]

@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from test_grpo_module import QUIET, data, grpo
 
 from lit_trainer.models import build_preset_model, build_tokenizer, load_model
-from lit_trainer.modules.grpo._reward_calls import is_model_path, resolve_reward_funcs
+from lit_trainer.modules.online_rl._reward_calls import is_model_path, resolve_reward_funcs
 from lit_trainer.rewards import RewardModelScorer, arithmetic_reward, call_reward_functions
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
+from lit_trainer.modules.online_rl._rollout_buffer import RolloutBuffer
 
 
 def _fill(buffer: RolloutBuffer) -> None:

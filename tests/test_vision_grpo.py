@@ -39,7 +39,7 @@ from lit_trainer.data.vision.images import load_image
 from lit_trainer.data.vision.prompt import ROW_IMAGES, model_image_inputs, pack_row_images
 from lit_trainer.models import build_processor, build_vision_preset
 from lit_trainer.modules.grpo import GRPOModule
-from lit_trainer.modules.grpo._rollout_buffer import RolloutBuffer
+from lit_trainer.modules.online_rl._rollout_buffer import RolloutBuffer
 from lit_trainer.rewards import arithmetic_reward
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

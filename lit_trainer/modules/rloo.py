@@ -41,8 +41,8 @@ from lit_trainer.losses.rloo import (
     rloo_rewards,
     sequence_logps,
 )
-from lit_trainer.modules.grpo._options import check_options
 from lit_trainer.modules.online_rl import OnlineRLModule
+from lit_trainer.modules.online_rl._options import check_options
 
 _RETIRED_OPTIONS = {
     "loss_type": "grpo", "delta": None, "use_bias_correction_kl": True, "importance_sampling_level": "token",

@@ -60,8 +60,8 @@ from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_metrics
 from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
-from lit_trainer.modules.grpo._logps import CompletionScorer
-from lit_trainer.modules.grpo._rollout_buffer import SAMPLING_LOGPS
+from lit_trainer.modules.online_rl._logps import CompletionScorer
+from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
 CLOSE_SECONDS = 5.0
@@ -272,7 +272,7 @@ class AsyncRolloutMixin:
         computes them in the trainer (the sampler check compares the two). It is pickled to the worker process, so it
         must be picklable and its class importable there (a top-level class or function, not a lambda or a class
         defined in a notebook). Override it together with ``completion_logps`` (or ``score_tokens``); the default is
-        :func:`~lit_trainer.modules.grpo._logps.completion_logps` with the temperature and the ``chunked_logits``
+        :func:`~lit_trainer.modules.online_rl._logps.completion_logps` with the temperature and the ``chunked_logits``
         options, as this module runs it."""
         hp = self.hparams
         return CompletionScorer(hp.temperature, hp.get("chunked_logits", "auto"), hp.get("logits_chunk_size"))

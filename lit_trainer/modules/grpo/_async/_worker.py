@@ -5,7 +5,7 @@ which both sides hold. The worker gets a :class:`WorkerSpec` (the rollout genera
 sampling options, engine, tools, environments and the behaviour scorer) and builds from it its own
 :class:`~lit_trainer.generation.RolloutGenerator` (:class:`WorkerRounds`): a round is the generator's
 :meth:`~lit_trainer.generation.RolloutGenerator.sample_round`, as in the training process, and its behaviour log-probs
-the scorer's forward in the trainer's chunks (:func:`~lit_trainer.modules.grpo._logps.chunked_logps`).
+the scorer's forward in the trainer's chunks (:func:`~lit_trainer.modules.online_rl._logps.chunked_logps`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lit_trainer.generation import RolloutGenerator, SamplingOptions, make_engine
-from lit_trainer.modules.grpo._logps import chunked_logps
+from lit_trainer.modules.online_rl._logps import chunked_logps
 
 
 class SharedWeights:

@@ -20,7 +20,7 @@ from lit_trainer.data.vision import prompt as vision_prompt
 from lit_trainer.losses.logprobs import IGNORE_INDEX
 from lit_trainer.modules.base import _logits
 from lit_trainer.modules.base._logits import ChunkedLogits, TokenScores
-from lit_trainer.modules.grpo._rollout_buffer import ATTENTION
+from lit_trainer.modules.online_rl._rollout_buffer import ATTENTION
 
 #: ``(model, rows) -> (B, C)`` per-token log-probs of the rows' completion tokens
 Logps = Callable[[Any, dict[str, Tensor]], Tensor]
