@@ -17,6 +17,7 @@ from examples.customizing.batching import CurriculumSampler, CurriculumSFTDataMo
 from examples.customizing.dpop import DPOPModule, dpop_loss
 from examples.customizing.focal_loss import FocalLossLM, focal_causal_lm_loss
 from examples.customizing.optimizer import EmbeddingLRModule
+from examples.customizing.reinforce import REINFORCEModule, reinforce_advantages, reinforce_loss
 from helpers.accumulation import TEXTS, GradCapture, accum_datamodule, calibrated
 from helpers.ddp import run_lit_trainer
 from helpers.models import tiny_llama
@@ -272,3 +273,60 @@ def test_dpop_config_trains_two_steps_from_the_command_line(tmp_path):
     assert saved["model"]["init_args"]["dpop_lambda"] == 50.0
     rows = (run / "metrics.csv").read_text().splitlines()
     assert len(rows) == 3 and "rewards/margins" in rows[0].split(",")  # two steps, DPO's metrics
+
+
+def test_reinforce_advantages_and_loss_by_hand():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, float("nan")]])
+    # weighted sums with weights (1, 2): 1, 2, 3, 0 (NaN counts 0); their mean 1.5 is every row's baseline
+    advantages = reinforce_advantages(rewards, [1.0, 2.0])
+    torch.testing.assert_close(advantages, torch.tensor([-0.5, 0.5, 1.5, -1.5]))
+    torch.testing.assert_close(reinforce_advantages(rewards[:, :1]), torch.tensor([0.5, -0.5, 0.5, -0.5]))
+    logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([2.0, -1.0])
+    loss = reinforce_loss(logps, adv, mask)
+    # -(2 * (-1 - 2) + (-1) * (-0.5 - 0.5 - 9)) / 2 = -(-6 + 10) / 2 = -2
+    torch.testing.assert_close(loss, torch.tensor(-2.0))
+    loss.backward()  # d/d logp_it = -A_i * mask_it / rows
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, -1.0, 0.0], [0.5, 0.5, 0.5]]))
+
+
+def test_reinforce_module_trains_on_the_batch_baseline_from_its_config():
+    """The example config, parsed by the CLI as `lit-trainer fit` parses it (in process, two short steps): the
+    advantages the module buffers are the recorded rewards minus their mean, and the policy moves."""
+    from lit_trainer.cli import LitTrainerCLI
+    from lit_trainer.cli.runs import default_run_name
+
+    recorded, buffered = [], []
+
+    def counting_reward(prompts, completions, completion_ids, **columns):
+        values = [float(sum(ids) % 7) for ids in completion_ids]  # varies between sampled completions
+        recorded.append(torch.tensor(values))
+        return values
+
+    class Recording(REINFORCEModule):
+        def _buffer_round(self, rows, metrics):
+            buffered.append((rows["advantages"].clone(), metrics))
+            super()._buffer_round(rows, metrics)
+
+    config = ROOT / "examples" / "customizing" / "reinforce.yaml"
+    args = ["--config", str(config), "--trainer.logger=false", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"]
+    args += ["--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
+    args += [
+        "--model.init_args.num_generations=4",
+        "--data.init_args.batch_size=16",
+        "--model.init_args.learning_rate=0.01",
+    ]
+    cli = LitTrainerCLI(args=args, run=False)
+    assert type(cli.model) is REINFORCEModule and cli.model.hparams.beta == 0.0
+    options = {k: v for k, v in cli.model.hparams.items() if k not in ("model", "reward_funcs") and k[0] != "_"}
+    module = Recording("tiny", reward_funcs=[counting_reward], **options)  # the config's options, a recording module
+    before = [p.detach().clone() for p in module.model.parameters()]
+    cli.trainer.fit(module, datamodule=cli.datamodule)
+    assert len(buffered) == 2 and len(recorded) == 2  # one round per optimizer step (steps_per_generation = 1)
+    for rewards, (advantages, metrics) in zip(recorded, buffered):
+        assert rewards.std() > 0  # something to learn from
+        torch.testing.assert_close(advantages, rewards - rewards.mean())
+        torch.testing.assert_close(metrics["reward"], rewards.mean())
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
+    assert default_run_name("examples.customizing.reinforce.REINFORCEModule") == "reinforce"
