@@ -37,7 +37,7 @@ the step), counted after the first ``--skip`` steps, so the worker's one-off sta
 torch and Lightning once per training process, then one forked worker per fit) is left out; it shows as the first
 step's extra time. Also per measured step: the sync runs' time inside the module's sampling (``_generate_rows``,
 its share of the baseline's step is printed), the async runs' ``async/wait_seconds`` (the trainer blocked on the
-worker) and extra log-prob forwards (``_off_policy_terms``: old log-probs for the importance-sampling correction and
+worker) and extra log-prob forwards (``off_policy_terms``: old log-probs for the importance-sampling correction and
 the sampler check), and the CPU seconds of the training process and of the worker (``/proc``): on a machine shared
 with other jobs the wall-clock ratio also measures how much of the second core was free. The reward (mean correctness
 of the round's completions) of every run is printed as a table over the same steps.
@@ -162,7 +162,7 @@ def make_callbacks() -> tuple[Any, Any]:
             if trainer.global_step != self.last:
                 self.last = trainer.global_step
                 self.ends.append(time.perf_counter())
-                worker = getattr(args[0], "_worker", None)
+                worker = args[0].async_rollouts.worker
                 self.cpu.append((time.process_time(), process_cpu(worker.pid) if worker is not None else 0.0))
 
     class MemoryLogger(Logger):
@@ -287,7 +287,7 @@ def run(mode: str, setting: dict[str, Any], start: Any, args: argparse.Namespace
     off_policy_s: list[float] = []
     module._generate_rows = _timed(module._generate_rows, generate_s)
     if asynchronous:
-        module._off_policy_terms = _timed(module._off_policy_terms, off_policy_s)
+        module.async_rollouts.off_policy_terms = _timed(module.async_rollouts.off_policy_terms, off_policy_s)
     data = PromptDataModule(
         tokenizer=source, batch_size=setting["batch_size"], max_length=16, val_size=0, seed=args.seed
     )

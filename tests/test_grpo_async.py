@@ -73,7 +73,7 @@ def test_max_staleness_zero_is_the_synchronous_run_bit_for_bit(tmp_path):
         warnings.simplefilter("always")
         worker = fit(4, tmp_path, steps_per_generation=2, max_staleness=0)
     same_weights(synchronous, worker)
-    assert worker._worker is None
+    assert worker.async_rollouts.worker is None
     log = logged(tmp_path)
     assert (log["async/staleness"].dropna() == 0).all()
     gaps = log["sampler_check/logp_gap_max"].dropna()
@@ -157,7 +157,7 @@ def test_a_worker_that_cannot_import_a_class_says_why(monkeypatch):
     message = str(failed.value)
     first = "failed to start: ModuleNotFoundError: No module named 'notebook_cell'"
     assert first in message.splitlines()[0] and "out of memory" not in message, message
-    assert module._worker is None  # stopped
+    assert module.async_rollouts.worker is None  # stopped
 
 
 # --------------------------------------------------------------------------------------------- without a worker
@@ -225,7 +225,7 @@ def test_a_rollout_func_cannot_run_in_the_worker():
     module = grpo(max_staleness=1, rollout_func=lambda prompts, module: {})
     with pytest.raises(ValueError, match="rollout_func runs in the training process"):
         L.Trainer(max_steps=1, **QUIET).fit(module, datamodule=data(n=16, batch_size=8))
-    assert module._worker is None
+    assert module.async_rollouts.worker is None
 
 
 class ShiftedScorer(CompletionScorer):
@@ -258,7 +258,7 @@ def _worker_round(module: GRPOModule) -> dict[str, Any]:
     ids = torch.tensor([tokenizer("10+11=").input_ids[:-1]] * 4 + [tokenizer("12+11=").input_ids[:-1]] * 4)
     batch = {"prompts": ["10+11="] * 4 + ["12+11="] * 4, "prompt_input_ids": ids, "prompt_attention_mask": ids > -1}
     module.rollout_geometry = RolloutGeometry(4, 2, 8, 1)  # what setup sets: two micro-batches of 4 rows per round
-    spec = module._worker_spec(module.model, "cpu")
+    spec = module.async_rollouts.worker_spec(module, module.model, "cpu")
     weights = SharedWeights({n: p.detach() for n, p in module.model.named_parameters()}, slots=1)
     weights.publish(0, dict(module.model.named_parameters()))
     requests, results = queue.Queue(), queue.Queue()
@@ -304,11 +304,11 @@ def test_a_forward_override_without_a_scorer_override_warns():
     for module in modules:
         module.rollout_geometry = RolloutGeometry(4, 1, 4, 1)
     with pytest.warns(UserWarning, match="ForwardOnly overrides completion_logps but not behaviour_scorer"):
-        modules[0]._worker_spec(modules[0].model, "cpu")
+        modules[0].async_rollouts.worker_spec(modules[0], modules[0].model, "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for module in modules[1:]:
-            module._worker_spec(module.model, "cpu")
+            module.async_rollouts.worker_spec(module, module.model, "cpu")
 
 
 def test_a_rollout_engine_must_be_a_rollout_engine():

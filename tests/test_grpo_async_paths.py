@@ -49,7 +49,7 @@ class WorkerSeen(L.Callback):
         self.names: list[str] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int):
-        worker = pl_module._worker
+        worker = pl_module.async_rollouts.worker
         if worker is not None and self.pid is None:
             self.pid, self.alive, self.names = worker.pid, _alive(worker.pid), list(worker.weights.names)
 
@@ -86,7 +86,9 @@ def test_lora_with_an_accumulation_schedule_shares_only_the_adapters_and_k0_equa
     sync, _ = run()
     start = grpo(peft_config=LORA).model.state_dict()
     asynchronous, seen = run(max_staleness=0)
-    assert seen.alive and asynchronous._worker is None and not _alive(seen.pid)  # it ran, and is gone after the fit
+    assert (
+        seen.alive and asynchronous.async_rollouts.worker is None and not _alive(seen.pid)
+    )  # it ran, and is gone after the fit
     trainable = {n for n, p in asynchronous.model.named_parameters() if p.requires_grad}
     assert seen.names and set(seen.names) == trainable and all("lora_" in n for n in seen.names)
     assert _moved(sync, start)  # 6 + 3 optimizer steps moved the adapters, so the comparison means something
@@ -127,7 +129,7 @@ def test_lora_adapters_that_never_reach_the_sampler_warn_and_a_failing_reward_st
     warned = [str(w.message) for w in caught if SAMPLER_WARNING in str(w.message)]
     assert len(warned) == 1, [str(w.message) for w in caught]  # warned once
     assert seen.pid is not None and seen.alive  # the worker ran ...
-    assert module._worker is None and not _alive(seen.pid)  # ... and the failure stopped it
+    assert module.async_rollouts.worker is None and not _alive(seen.pid)  # ... and the failure stopped it
 
 
 # ----------------------------------------------------------------------------------------------------------- tools

@@ -207,7 +207,7 @@ def _round(rows: int, tokens: int, engine: str | None = None) -> tuple[Any, Any,
         rollout_worker_threads=1,
     )  # fmt: skip
     module.rollout_geometry = RolloutGeometry(8, 1, rows, 1)  # what setup sets: one micro-batch per round
-    spec = module._worker_spec(model, "cpu")
+    spec = module.async_rollouts.worker_spec(module, model, "cpu")
     weights = SharedWeights({n: p.detach() for n, p in model.named_parameters()}, slots=1)
     weights.publish(0, dict(model.named_parameters()))
     ids = torch.tensor([tokenizer("12+11=").input_ids[:-1]] * rows)  # without the tokenizer's EOS

@@ -185,7 +185,8 @@ def grpo_run(
         **{
             "sync_ref_model": "peft_config" not in module_kwargs,  # TR-DPO on the sharded reference (not under LoRA:
             "ref_model_sync_steps": 2,  # its reference is the base); mixed after step 2, used by round 3's KL
-            "top_entropy_quantile": 0.5 if grpo else 1.0,  # GRPO's entropy pool is gathered over ranks
+            **({"top_entropy_quantile": 0.5} if grpo else {}),  # GRPO's entropy pool is gathered over ranks (RLOO
+            # has no entropy options)
             **module_kwargs,
         },
     )

@@ -143,7 +143,11 @@ if __name__ == "__main__":
     # sent one gathered parameter at a time) and under DDP
     for name, strategy in (("sharded_async", common.model_parallel()), ("ddp_async", "ddp")):
         module, longest, _, _ = common.grpo_run(strategy, "32-true", max_staleness=0)
-        grpo[name] = {"weights": common.full_weights(module), "longest": longest, "worker": module._worker}
+        grpo[name] = {
+            "weights": common.full_weights(module),
+            "longest": longest,
+            "worker": module.async_rollouts.worker,
+        }
     torch.save(grpo, os.path.join(out, f"grpo_rank{module.global_rank}.pt"))
 
     rloo = {}  # RLOO on the same rollouts: its KL-in-the-reward needs the sharded reference's log-probs

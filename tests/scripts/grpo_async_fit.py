@@ -54,7 +54,7 @@ if __name__ == "__main__":
             if trainer.global_step >= 1 and not os.path.exists(os.path.join(out, "started.json")):
                 path = os.path.join(out, "started.json")
                 with open(path + ".tmp", "w") as f:
-                    json.dump({"pid": os.getpid(), "worker": pl_module._worker.pid}, f)
+                    json.dump({"pid": os.getpid(), "worker": pl_module.async_rollouts.worker.pid}, f)
                 os.replace(path + ".tmp", path)  # a reader never sees half a file
 
     tokenizer = transformers.ByT5Tokenizer()

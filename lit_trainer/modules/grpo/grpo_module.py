@@ -4,7 +4,8 @@ The rollouts, rewards, round buffer, exact resume, tools, images, reference mode
 module docstring gives the data flow, docs/design.md#trl-grpo). What GRPO adds: its advantages (group-relative,
 ``scale_rewards``, ``multi_objective_aggregation``), the loss types with their options (clipping, ``delta``, SAPO,
 VESPO, GSPO's sequence-level ratio), the entropy options (high-entropy token mask, entropy bonus), the off-policy
-sequence mask, and asynchronous rollouts (:class:`~lit_trainer.modules.grpo._async.AsyncRolloutMixin`).
+sequence mask, and asynchronous rollouts (``self.async_rollouts``, an
+:class:`~lit_trainer.modules.grpo._async.AsyncRollouts` its hooks call).
 
 Normalisation (overrides the base's per-micro-batch mean, :meth:`GRPOModule._num_items`).
 ``dapo``/``cispo``/``vespo`` divide the masked token-loss sum by the completion tokens of the optimizer step over all
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor
 from typing_extensions import override
 
@@ -43,10 +45,11 @@ from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
 from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
-from lit_trainer.modules.grpo._async import AsyncRolloutMixin
+from lit_trainer.modules.grpo._async import AsyncOptions, AsyncRollouts
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
 from lit_trainer.modules.online_rl import OnlineRLModule
+from lit_trainer.modules.online_rl._logps import CompletionScorer
 from lit_trainer.modules.online_rl._options import CacheImplementation, check_options
 from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
 from lit_trainer.rewards import RewardModelInputs
@@ -58,7 +61,7 @@ _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 __all__ = ["GRPOModule"]
 
 
-class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
+class GRPOModule(OnlineRLModule):
     """Group Relative Policy Optimization (TRL 1.16 ``GRPOTrainer`` semantics) as a LightningModule.
 
     Use it with a :class:`~lit_trainer.data.prompt.PromptDataModule`, whose ``batch_size`` is the reference's
@@ -259,17 +262,38 @@ class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
         )
         self._restored_entropy: dict[str, Any] | None = None
         self._normaliser: StepNormaliser | None = None
+        self.async_rollouts = AsyncRollouts(AsyncOptions.from_hparams(self.hparams))  # inactive without max_staleness
 
     @override
     def _rollout_engine_path(self) -> str | None:
         return self.hparams.rollout_engine  # the worker's engine class samples this process's rounds too
 
+    def behaviour_scorer(self) -> Callable[[Any, dict[str, Tensor]], Tensor]:
+        """The forward the rollout worker runs for the behaviour log-probs of its rounds: ``scorer(model, rows)`` ->
+        ``(B, C)`` per-token log-probs of the rows' completion tokens, as ``completion_logps(model, rows)[0]``
+        computes them in the trainer (the sampler check compares the two). It is pickled to the worker process, so it
+        must be picklable and its class importable there (a top-level class or function, not a lambda or a class
+        defined in a notebook). Override it together with ``completion_logps`` (or ``score_tokens``); the default is
+        :func:`~lit_trainer.modules.online_rl._logps.completion_logps` with the temperature and the ``chunked_logits``
+        options, as this module runs it."""
+        hp = self.hparams
+        return CompletionScorer(hp.temperature, hp.get("chunked_logits", "auto"), hp.get("logits_chunk_size"))
+
     # ------------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def configure_callbacks(self) -> list[Callback]:
+        return self.async_rollouts.callbacks()
+
+    @override
+    def configure_model(self) -> None:
+        self.async_rollouts.copy_before_sharding(self.model, self.device_mesh)
+        super().configure_model()
+
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if stage == "fit":
-            self._check_async()
+            self.async_rollouts.check(type(self).__name__, self.rollout_func, self.is_quantized)
 
     @override
     def _image_refusals(self) -> dict[str, tuple[bool, str]]:
@@ -308,7 +332,12 @@ class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
             windows = state["windows"]  # another world size: the interrupted step's entropy window starts empty
             window = windows[self.global_rank] if len(windows) == self.trainer.world_size else None
             self._entropy.load_state_dict({**state, "window": window}, self.device)
-        self._start_worker()
+        self.async_rollouts.start(self)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.async_rollouts.close()
+        super().teardown(stage)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -335,9 +364,9 @@ class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
         ``position``: ``(epoch, batch index)`` of the round's first micro-step (where the rollout worker of an
         asynchronous run reads the next rounds' prompts from, :mod:`lit_trainer.modules.grpo._async`).
         """
-        if self._worker is not None:
-            rows, completions, scoring_batch, decoded, tool_metrics, behaviour, staleness = self._async_rows(
-                batch, can_stop, position
+        if self.async_rollouts.worker is not None:
+            rows, completions, scoring_batch, decoded, tool_metrics, behaviour, staleness = self.async_rollouts.rows(
+                self, batch, can_stop, position
             )
         else:
             rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
@@ -346,7 +375,7 @@ class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
         metrics.update(tool_metrics)
         rows["advantages"] = advantages
         if behaviour is not None:
-            self._off_policy_terms(rows, behaviour, staleness, metrics)
+            self.async_rollouts.off_policy_terms(self, rows, behaviour, staleness, metrics)
         elif self._stores_old_logps():
             rows["old_logps"] = self._chunked_logps(self.model, rows)
         if self.ref_model is not None:
@@ -447,7 +476,8 @@ class GRPOModule(AsyncRolloutMixin, OnlineRLModule):
         old, advantages, ref = batch.get("old_logps"), batch["advantages"], batch.get("ref_logps")
         sampler = batch.get(SAMPLING_LOGPS)  # a corrected round of asynchronous rollouts only
         entropy_mask, policy_mask = self._policy_masks(logps, entropy.detach(), old, sampler, advantages, mask)
-        ratio, sampling = self._importance_ratio(batch, logps, old)  # stale rounds of asynchronous rollouts only
+        # the importance-sampling correction: stale rounds of asynchronous rollouts only
+        ratio, sampling = self.async_rollouts.importance_ratio(batch, logps, old)
         loss = grpo_policy_loss(
             logps,
             old,

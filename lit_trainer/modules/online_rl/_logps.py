@@ -3,7 +3,7 @@ log-probs, the loss) and by the asynchronous rollout worker (the behaviour log-p
 
 :func:`completion_logps` is the forward, :func:`chunked_logps` runs it over a round in chunks of one micro-batch, and
 :class:`CompletionScorer` is the forward as a picklable object: what
-:meth:`~lit_trainer.modules.grpo._async.AsyncRolloutMixin.behaviour_scorer` gives the worker by default.
+:meth:`~lit_trainer.modules.grpo.GRPOModule.behaviour_scorer` gives the worker by default.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the seed of ``(generation_seed, q, rank)``); only the weights that sample it cha
   the synchronous run, computed in the worker: the same code on the same weights with the same seed (bit-exact on
   CPU). With the default ``steps_per_generation = accumulate_grad_batches`` a round is one optimizer step, so ``k``
   counts optimizer steps as TRL's ``max_staleness`` counts weight versions.
-* **Flow, at the start of round r** (:meth:`AsyncRolloutMixin._async_rows`): publish the trainable weights as version
+* **Flow, at the start of round r** (:meth:`AsyncRollouts.rows`): publish the trainable weights as version
   ``r`` (LoRA: the adapters only) into shared memory, send the worker the rounds up to ``r + k`` it does not have yet
   (future prompts are read ahead from the loader, :meth:`~lit_trainer.data.loader.TrainLoader.peek`), then take round
   ``r``'s rows: prompts, completions and the worker's log-probs of them (the behaviour log-probs, computed with the
@@ -21,8 +21,8 @@ the seed of ``(generation_seed, q, rank)``); only the weights that sample it cha
   CPU memory, version ``v`` in slot ``v % (k + 1)``; a slot is overwritten only when the round that read it is already
   trained, so neither side waits for the other to copy.
 * **Scoring** stays in the trainer (reward functions and models, gathered over ranks as in a synchronous round), as
-  do the old log-probs, the importance-sampling correction of stale rounds and the sampler check (:mod:`.__init__`'s
-  :meth:`AsyncRolloutMixin._off_policy_terms`).
+  do the old log-probs, the importance-sampling correction of stale rounds and the sampler check
+  (:meth:`AsyncRollouts.off_policy_terms`).
 * **Resume.** Rounds in flight are not checkpointed: a resumed run regenerates them from their seeds with the resumed
   weights (with ``k = 0`` that is exactly the uninterrupted run; with ``k > 0`` the first ``k`` rounds after a resume
   are fresher than they would have been).
@@ -41,7 +41,8 @@ import contextlib
 import copy
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -57,10 +58,9 @@ from lit_trainer.core.stop_request import stop_check, stop_for_failure, stop_in_
 from lit_trainer.data.bad_rows import BadRowError
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS
 from lit_trainer.generation import engines as rollout
-from lit_trainer.losses.grpo_masks import sampling_importance_ratio, sampling_metrics
+from lit_trainer.losses.grpo_masks import SamplingISMode, sampling_importance_ratio, sampling_metrics
 from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
-from lit_trainer.modules.online_rl._logps import CompletionScorer
 from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
@@ -155,13 +155,13 @@ class RolloutWorker:
 
 
 class _StopWorker(Callback):
-    """Stops the module's rollout worker when fitting fails (Lightning calls no module hook on an exception)."""
+    """Stops the rollout worker when fitting fails (Lightning calls no module hook on an exception)."""
 
-    def __init__(self, module: Any) -> None:
-        self.module = module
+    def __init__(self, rollouts: AsyncRollouts) -> None:
+        self.rollouts = rollouts
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.module._close_worker()
+        self.rollouts.close()
 
 
 def strip_hooks(model: torch.nn.Module) -> torch.nn.Module:
@@ -177,150 +177,139 @@ def strip_hooks(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class AsyncRolloutMixin:
-    """The trainer side of asynchronous rollouts for :class:`~lit_trainer.modules.grpo.GRPOModule` (module
-    docstring). Reads ``self.hparams.max_staleness`` and the ``rollout_*`` options."""
+@dataclass(frozen=True)
+class AsyncOptions:
+    """The options asynchronous rollouts read: :class:`~lit_trainer.modules.grpo.GRPOModule`'s hyperparameters of the
+    same names (:meth:`from_hparams`)."""
 
-    _worker: RolloutWorker | None = None
-    _async_first: int | None = None
-    _check_warned: bool = False
+    max_staleness: int | None
+    rollout_worker_device: str | None
+    rollout_worker_threads: int | None
+    rollout_engine: str | None
+    rollout_importance_sampling_correction: bool
+    rollout_importance_sampling_mode: SamplingISMode
+    rollout_importance_sampling_clip_max: float | None
+    rollout_importance_sampling_clip_min: float | None
+    sampler_check_threshold: float | None
+    num_generations: int
+    transformers_continuous_batching_config: dict[str, Any] | None
+
+    @classmethod
+    def from_hparams(cls, hparams: Mapping[str, Any]) -> AsyncOptions:
+        return cls(**{f.name: hparams[f.name] for f in fields(cls)})
+
+
+class AsyncRollouts:
+    """The trainer side of asynchronous rollouts (module docstring), held by
+    :class:`~lit_trainer.modules.grpo.GRPOModule` as ``async_rollouts`` (inactive when ``max_staleness`` is None): the
+    module's hooks call it, passing the module where the trainer, the round buffer or the module's forward is needed.
+
+    Args:
+        options: the asynchronous-rollout options.
+    """
+
+    def __init__(self, options: AsyncOptions) -> None:
+        self.options = options
+        self.worker: RolloutWorker | None = None  # this rank's worker, while fitting
+        self._first: int | None = None  # the first round of this fit
+        self._check_warned = False
+        self._model_copy: torch.nn.Module | None = None  # taken before FSDP2 shards the policy
 
     @property
-    def is_async(self) -> bool:
-        return self.hparams.get("max_staleness") is not None
+    def enabled(self) -> bool:
+        return self.options.max_staleness is not None
 
-    def configure_callbacks(self) -> list[Callback]:
-        return [_StopWorker(self)] if self.is_async else []
+    def callbacks(self) -> list[Callback]:
+        """What ``configure_callbacks`` adds: the callback that stops the worker when fitting fails."""
+        return [_StopWorker(self)] if self.enabled else []
 
-    def _check_async(self) -> None:
+    def check(self, owner: str, rollout_func: Any, quantized: bool) -> None:
         """Refuse what the worker cannot do, with the fix (called at setup)."""
-        if not self.is_async:
+        if not self.enabled:
             return
         why = None
-        if self.rollout_func is not None:
+        if rollout_func is not None:
             why = "a rollout_func runs in the training process (it receives the module)"
-        elif self.is_quantized:
+        elif quantized:
             why = "the policy is quantized and the worker cannot copy it"
         if why:
             raise ValueError(
-                f"{type(self).__name__}(max_staleness={self.hparams.max_staleness}): {why}. Use max_staleness=None "
+                f"{owner}(max_staleness={self.options.max_staleness}): {why}. Use max_staleness=None "
                 "(synchronous rollouts), or an unquantized policy without rollout_func."
             )
 
-    def _trainable(self) -> dict[str, Tensor]:
-        """The parameters the worker is sent every round (FSDP2 shards stay ``DTensor``: gathered one at a time)."""
-        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+    def copy_before_sharding(self, model: torch.nn.Module, device_mesh: Any) -> None:
+        """Before FSDP2 shards the policy (``configure_model``), keep a hook-free CPU copy of it for this rank's worker
+        (a sharded model cannot be copied whole); the first published version brings it up to date after a
+        checkpoint restore."""
+        if self.enabled and device_mesh is not None and not _sharding.is_sharded(model):
+            self._model_copy = strip_hooks(copy.deepcopy(model)).to("cpu")
 
-    _worker_model: tuple[torch.nn.Module, ...] = ()  # in a tuple: an attribute holding a Module would register it
-
-    def configure_model(self) -> None:
-        """Before FSDP2 shards the policy, keep a hook-free CPU copy of it for this rank's worker (a sharded model
-        cannot be copied whole); the first published version brings it up to date after a checkpoint restore."""
-        if self.is_async and self.device_mesh is not None and not _sharding.is_sharded(self.model):
-            self._worker_model = (strip_hooks(copy.deepcopy(self.model)).to("cpu"),)
-        super().configure_model()
-
-    def _start_worker(self) -> None:
-        """Start this rank's worker with a hook-free CPU copy of the policy (called when fitting starts)."""
-        if not self.is_async or self._worker is not None:
+    def start(self, module: Any) -> None:
+        """Start this rank's worker with a hook-free CPU copy of ``module``'s policy (called when fitting starts)."""
+        if not self.enabled or self.worker is not None:
             return
-        hp = self.hparams
-        device = hp.rollout_worker_device or str(self.device)
-        if device == "cuda" and self.device.type == "cuda":
-            device = str(self.device)
-        copies, self._worker_model = self._worker_model, ()
-        model = copies[0] if copies else strip_hooks(copy.deepcopy(self.model)).to("cpu")
+        device = self.options.rollout_worker_device or str(module.device)
+        if device == "cuda" and module.device.type == "cuda":
+            device = str(module.device)
+        model, self._model_copy = self._model_copy, None
+        if model is None:
+            model = strip_hooks(copy.deepcopy(module.model)).to("cpu")
         model.requires_grad_(False)
-        spec = self._worker_spec(model, device)
-        trainable = self._trainable()
-        weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=hp.max_staleness + 1)
+        spec = self.worker_spec(module, model, device)
+        trainable = _trainable(module.model)
+        weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=self.options.max_staleness + 1)
         # (a DTensor's shape and dtype are the full parameter's)
-        self._worker = RolloutWorker(spec, weights)
-        self._async_first = None
+        self.worker = RolloutWorker(spec, weights)
+        self._first = None
 
-    def _worker_spec(self, model: torch.nn.Module, device: str) -> WorkerSpec:
-        """What this rank's worker builds its rollout generator from: ``model`` (its copy of the policy), the
-        module's sampling options, engine choice, tools, environments and :meth:`behaviour_scorer`."""
-        hp = self.hparams
-        forward = [n for n in ("completion_logps", "score_tokens") if _overrides(type(self), n)]
-        if forward and not _overrides(type(self), "behaviour_scorer"):
+    def worker_spec(self, module: Any, model: torch.nn.Module, device: str) -> WorkerSpec:
+        """What this rank's worker builds its rollout generator from: ``model`` (its copy of the policy), ``module``'s
+        sampling options, engine choice, tools, environments and ``behaviour_scorer()``."""
+        owner = type(module)
+        forward = [n for n in ("completion_logps", "score_tokens") if _overrides(owner, n)]
+        if forward and not _overrides(owner, "behaviour_scorer"):
             rank_zero_warn(
-                f"[lit_trainer] {type(self).__name__} overrides {' and '.join(forward)} but not behaviour_scorer: "
+                f"[lit_trainer] {owner.__name__} overrides {' and '.join(forward)} but not behaviour_scorer: "
                 "the rollout worker scores its rounds with the default forward, and the sampler check will see the "
                 "gap. Override behaviour_scorer to return a picklable (model, rows) -> log-probs running your forward."
             )
         return WorkerSpec(
             model=model,
-            tokenizer=self.tokenizer,
-            options=self.rollouts.options,
-            continuous_batching=self.continuous_batching,
-            continuous_batching_config=hp.transformers_continuous_batching_config,
-            engine=hp.rollout_engine,
-            tools=list(self.tools),
-            environments=self.environments,
-            scorer=self.behaviour_scorer(),
-            group=hp.num_generations,
-            steps_per_generation=self.rollout_geometry.steps_per_generation,
-            owner=type(self).__name__,
+            tokenizer=module.tokenizer,
+            options=module.rollouts.options,
+            continuous_batching=module.continuous_batching,
+            continuous_batching_config=self.options.transformers_continuous_batching_config,
+            engine=self.options.rollout_engine,
+            tools=list(module.tools),
+            environments=module.environments,
+            scorer=module.behaviour_scorer(),
+            group=self.options.num_generations,
+            steps_per_generation=module.rollout_geometry.steps_per_generation,
+            owner=owner.__name__,
             device=device,
-            threads=hp.rollout_worker_threads or torch.get_num_threads(),
+            threads=self.options.rollout_worker_threads or torch.get_num_threads(),
         )
 
-    def behaviour_scorer(self) -> Callable[[Any, dict[str, Tensor]], Tensor]:
-        """The forward the rollout worker runs for the behaviour log-probs of its rounds: ``scorer(model, rows)`` ->
-        ``(B, C)`` per-token log-probs of the rows' completion tokens, as ``completion_logps(model, rows)[0]``
-        computes them in the trainer (the sampler check compares the two). It is pickled to the worker process, so it
-        must be picklable and its class importable there (a top-level class or function, not a lambda or a class
-        defined in a notebook). Override it together with ``completion_logps`` (or ``score_tokens``); the default is
-        :func:`~lit_trainer.modules.online_rl._logps.completion_logps` with the temperature and the ``chunked_logits``
-        options, as this module runs it."""
-        hp = self.hparams
-        return CompletionScorer(hp.temperature, hp.get("chunked_logits", "auto"), hp.get("logits_chunk_size"))
-
-    def _close_worker(self) -> None:
-        worker, self._worker = self._worker, None
+    def close(self) -> None:
+        """Stop the worker, if one runs (fitting ended or failed)."""
+        worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
 
-    def teardown(self, stage: str) -> None:
-        self._close_worker()
-        super().teardown(stage)
-
     # ------------------------------------------------------------------------------------------------ rounds
-    def _round_starts(self, epoch: int, batch_idx: int, count: int) -> Iterator[tuple[int, int]]:
-        """``(epoch, batch index)`` of the first micro-step of the next ``count`` rounds after the one at
-        ``(epoch, batch_idx)`` (rounds restart at every epoch), stopping at ``max_epochs``."""
-        length = self._buffer.round_length
-        per_epoch = int(self.trainer.num_training_batches)
-        max_epochs = self.trainer.max_epochs
-        for _ in range(count):
-            batch_idx += length
-            if batch_idx >= per_epoch:
-                epoch, batch_idx = epoch + 1, 0
-                if max_epochs is not None and max_epochs >= 0 and epoch >= max_epochs:
-                    return
-            yield epoch, batch_idx
-
-    def _version_of(self, round_index: int) -> int:
-        return max(round_index - self.hparams.max_staleness, self._async_first)
-
-    def _request(self, round_index: int, batch: dict[str, Any]) -> RoundRequest:
-        seed = rollout.rollout_seed(self._seed, round_index, self.global_rank)
-        batch = move_data_to_device(batch, "cpu")
-        return RoundRequest(round_index, self._version_of(round_index), batch, seed, self.model.training)
-
-    def _async_rows(self, batch: dict[str, Any], can_stop: bool, position: tuple[int, int]) -> tuple:
+    def rows(self, module: Any, batch: dict[str, Any], can_stop: bool, position: tuple[int, int]) -> tuple:
         """Round ``r``'s rows from the worker (module docstring): ``(rows, completions, scoring batch, decoded, tool
         metrics, behaviour log-probs, staleness in rounds)``; a stop request while waiting stops the run here."""
-        worker, r = self._worker, self._buffer.next_round_index
-        if self._async_first is None:
-            self._async_first = r
-        worker.weights.publish(r, self._trainable())
+        worker, r, trainer = self.worker, module._buffer.next_round_index, module.trainer
+        if self._first is None:
+            self._first = r
+        worker.weights.publish(r, _trainable(module.model))
         if r not in worker.pending and r not in worker.ready:
-            worker.submit(self._request(r, batch))
-        loader = self.trainer.train_dataloader
-        peek = getattr(loader, "peek", None)
-        ahead = list(self._round_starts(*position, self.hparams.max_staleness)) if peek is not None else []
+            worker.submit(self._request(module, r, batch))
+        peek = getattr(trainer.train_dataloader, "peek", None)
+        length, count = module._buffer.round_length, self.options.max_staleness
+        ahead = list(_round_starts(trainer, length, *position, count)) if peek is not None else []
         for offset, (epoch, index) in enumerate(ahead, start=1):
             q = r + offset
             if q in worker.pending or q in worker.ready:
@@ -331,41 +320,47 @@ class AsyncRolloutMixin:
                 break
             if future is None:
                 break
-            worker.submit(self._request(q, future))
+            worker.submit(self._request(module, q, future))
         started = time.perf_counter()
-        should_stop = stop_check(self.trainer) if can_stop else None
+        should_stop = stop_check(trainer) if can_stop else None
         try:
             received = worker.receive(r, should_stop)
             if received is None:  # a stop request came while waiting: the run stops here (the round is dropped)
-                stop_in_step(self.trainer)
+                stop_in_step(trainer)
                 received = worker.receive(r)  # the stop was not due on every rank: keep waiting
         except WorkerDied as died:
             if can_stop:  # nothing of this optimizer step is applied: the last finished one is saved, then stop
-                stop_for_failure(self.trainer, str(died))
+                stop_for_failure(trainer, str(died))
             raise
         waited = time.perf_counter() - started
         request, result = received
         resampled = not _same_prompts(request.batch, batch)
+        device = module.device
         if resampled:  # the read-ahead guessed another batch: generate this round here, on the current weights
-            rows, completions, scoring, decoded, tool_metrics = self._generate_rows(batch, can_stop)
+            rows, completions, scoring, decoded, tool_metrics = module._generate_rows(batch, can_stop)
             behaviour, staleness = None, 0
         else:
             rows, completions, scoring, decoded, tool_metrics = (
-                _to_device(result[k], self.device) for k in ("rows", "completions", "batch", "decoded", "tool_metrics")
+                _to_device(result[k], device) for k in ("rows", "completions", "batch", "decoded", "tool_metrics")
             )
             scoring = {**batch, **{k: v for k, v in scoring.items() if k in (PROMPTS, PROMPT_IDS)}}
-            behaviour = _to_device(result["sampling_logps"], self.device)
+            behaviour = _to_device(result["sampling_logps"], device)
             staleness = r - int(result["version"])
         metrics = {
-            "async/staleness": torch.tensor(float(staleness), device=self.device),
-            "async/wait_seconds": torch.tensor(waited, device=self.device),
-            "async/resampled_rounds": torch.tensor(float(resampled), device=self.device),
+            "async/staleness": torch.tensor(float(staleness), device=device),
+            "async/wait_seconds": torch.tensor(waited, device=device),
+            "async/resampled_rounds": torch.tensor(float(resampled), device=device),
         }
         return rows, completions, scoring, decoded, {**tool_metrics, **metrics}, behaviour, staleness
 
+    def _request(self, module: Any, round_index: int, batch: dict[str, Any]) -> RoundRequest:
+        seed = rollout.rollout_seed(module._seed, round_index, module.global_rank)
+        version = max(round_index - self.options.max_staleness, self._first)
+        return RoundRequest(round_index, version, move_data_to_device(batch, "cpu"), seed, module.model.training)
+
     # ----------------------------------------------------------------------------------- off-policy terms
-    def _off_policy_terms(
-        self, rows: dict[str, Tensor], behaviour: Tensor, staleness: int, metrics: dict[str, Tensor]
+    def off_policy_terms(
+        self, module: Any, rows: dict[str, Tensor], behaviour: Tensor, staleness: int, metrics: dict[str, Tensor]
     ) -> None:
         """Old log-probs, the importance-sampling correction and the sampler check of a worker round (in place).
 
@@ -374,20 +369,21 @@ class AsyncRolloutMixin:
           starting weights, so its own log-probs (detached) are the old ones, as in a synchronous round;
         * the correction (``rollout_importance_sampling_*``, TRL's ``vllm_importance_sampling_*`` computation) applies
           to a stale round, or to every round of an engine whose numerics are not the trainer's: the round keeps the
-          behaviour log-probs (``sampling_logps``) and :meth:`compute_loss` multiplies the policy loss by the
-          truncated or masked ratio ``exp(old - behaviour)``. Computed there, it needs no extra forward pass;
+          behaviour log-probs (``sampling_logps``) and the module's ``compute_loss`` multiplies the policy loss by the
+          truncated or masked ratio ``exp(old - behaviour)`` (:meth:`importance_ratio`). Computed there, it needs no
+          extra forward pass;
         * the sampler check (:meth:`_sampler_check`).
         """
-        hp = self.hparams
-        correct = hp.rollout_importance_sampling_correction and (staleness > 0 or not self.engine.same_numerics)
-        if self._stores_old_logps():
-            rows["old_logps"] = self._chunked_logps(self.model, rows)
+        options = self.options
+        correct = options.rollout_importance_sampling_correction and (staleness > 0 or not module.engine.same_numerics)
+        if module._stores_old_logps():
+            rows["old_logps"] = module._chunked_logps(module.model, rows)
         if correct:
             rows[SAMPLING_LOGPS] = behaviour
-        if hp.sampler_check_threshold is not None:
-            metrics.update(self._sampler_check(rows, behaviour, staleness))
+        if options.sampler_check_threshold is not None:
+            metrics.update(self._sampler_check(module, rows, behaviour, staleness))
 
-    def _importance_ratio(
+    def importance_ratio(
         self, batch: dict[str, Tensor], logps: Tensor, old: Tensor | None
     ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """The correction of one buffered micro-batch of a corrected round (None for other rounds) and TRL's
@@ -396,43 +392,46 @@ class AsyncRolloutMixin:
         behaviour = batch.get(SAMPLING_LOGPS)
         if behaviour is None:
             return None, {}
-        hp, mask = self.hparams, batch["completion_mask"]
+        options, mask = self.options, batch["completion_mask"]
         start = logps.detach() if old is None else old
-        mode = hp.rollout_importance_sampling_mode
+        mode = options.rollout_importance_sampling_mode
         ratio = sampling_importance_ratio(
             start, behaviour, mask, mode=mode,
-            clip_min=hp.rollout_importance_sampling_clip_min, clip_max=hp.rollout_importance_sampling_clip_max,
+            clip_min=options.rollout_importance_sampling_clip_min,
+            clip_max=options.rollout_importance_sampling_clip_max,
         )  # fmt: skip
         return ratio, sampling_metrics(start, behaviour, mask, ratio, mode)
 
-    def _sampler_check(self, rows: dict[str, Tensor], behaviour: Tensor, staleness: int) -> dict[str, Tensor]:
+    def _sampler_check(
+        self, module: Any, rows: dict[str, Tensor], behaviour: Tensor, staleness: int
+    ) -> dict[str, Tensor]:
         """Compare the worker's log-probs with the trainer's for the weights version that sampled the round, on its
         first ``num_generations`` rows (the worker's first chunk, the same shapes: on the same weights the gap is 0,
         up to float32 rounding): a failed sync shows on any rows, and a few keep the extra forward pass small. For a
         stale round the trainer loads that version's weights for the pass. Logs ``sampler_check/logp_gap_mean|max``
         and warns once above ``sampler_check_threshold``."""
-        size = self.hparams.num_generations
+        size, trainer = self.options.num_generations, module.trainer
+        round_index = module._buffer.next_round_index
         first = {k: v[:size] for k, v in rows.items() if isinstance(v, Tensor) and v.dim() >= 1}
         if staleness == 0:
-            mine = self.completion_logps(self.model, first)[0]
+            mine = module.completion_logps(module.model, first)[0]
         else:
-            version = self._buffer.next_round_index - staleness
-            with self._weights_of(version):
-                mine = self.completion_logps(self.model, first)[0]
+            with self._weights_of(module.model, round_index - staleness):
+                mine = module.completion_logps(module.model, first)[0]
         mask = first["completion_mask"].bool()
         gap = (mine - behaviour[:size]).abs()[mask]
         stats = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), device=gap.device)])
         largest = gap.max() if gap.numel() else torch.zeros((), device=gap.device)
-        if self.trainer.world_size > 1:
-            stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
-            largest = self.all_gather(largest).max()
+        if trainer.world_size > 1:
+            stats = trainer.strategy.reduce(stats, reduce_op="sum")
+            largest = module.all_gather(largest).max()
         mean = stats[0] / stats[1].clamp(min=1.0)
-        threshold = self.hparams.sampler_check_threshold
+        threshold = self.options.sampler_check_threshold
         if not self._check_warned and float(mean) > threshold:
             self._check_warned = True
             rank_zero_warn(
                 f"[lit_trainer] The rollout worker's log-probs differ from the trainer's for the same weights (round "
-                f"{self._buffer.next_round_index}, weights of round {self._buffer.next_round_index - staleness}): mean "
+                f"{round_index}, weights of round {round_index - staleness}): mean "
                 f"|delta log p| = {float(mean):.4g} > sampler_check_threshold={threshold}, max {float(largest):.4g}. "
                 "The sampler is not the policy being trained: a weight sync that did not reach the worker (e.g. LoRA "
                 "adapters not loaded), or an engine with other numerics. Check the rollout_engine's load_weights; "
@@ -441,10 +440,10 @@ class AsyncRolloutMixin:
         return {"sampler_check/logp_gap_mean": mean, "sampler_check/logp_gap_max": largest}
 
     @contextlib.contextmanager
-    def _weights_of(self, version: int) -> Iterator[None]:
+    def _weights_of(self, model: torch.nn.Module, version: int) -> Iterator[None]:
         """Run the block with the trainable weights of ``version`` (from shared memory), then restore them."""
-        params = self._trainable()
-        published = self._worker.weights.read(version)
+        params = _trainable(model)
+        published = self.worker.weights.read(version)
         saved = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for name, p in params.items():
@@ -454,6 +453,25 @@ class AsyncRolloutMixin:
             finally:
                 for name, p in params.items():
                     p.copy_(saved[name])
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The parameters the worker is sent every round (FSDP2 shards stay ``DTensor``: gathered one at a time)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _round_starts(trainer: Any, length: int, epoch: int, batch_idx: int, count: int) -> Iterator[tuple[int, int]]:
+    """``(epoch, batch index)`` of the first micro-step of the next ``count`` rounds of ``length`` micro-steps after
+    the one at ``(epoch, batch_idx)`` (rounds restart at every epoch), stopping at ``trainer.max_epochs``."""
+    per_epoch = int(trainer.num_training_batches)
+    max_epochs = trainer.max_epochs
+    for _ in range(count):
+        batch_idx += length
+        if batch_idx >= per_epoch:
+            epoch, batch_idx = epoch + 1, 0
+            if max_epochs is not None and max_epochs >= 0 and epoch >= max_epochs:
+                return
+        yield epoch, batch_idx
 
 
 def _overrides(cls: type, name: str) -> bool:

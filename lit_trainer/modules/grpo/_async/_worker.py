@@ -90,7 +90,7 @@ class WorkerSpec:
         tools: the tool functions.
         environments: the run's environments, or None.
         scorer: the behaviour log-prob forward, ``(model, rows) -> (B, C)`` (the module's
-            :meth:`~lit_trainer.modules.grpo._async.AsyncRolloutMixin.behaviour_scorer`).
+            :meth:`~lit_trainer.modules.grpo.GRPOModule.behaviour_scorer`).
         group: rows scored alone first (``num_generations``: the rows the trainer's sampler check scores).
         steps_per_generation: micro-batches per round (the other rows are scored in chunks of one micro-batch).
         owner: the module's class name, named in the agentic rounds' messages.
