@@ -285,7 +285,7 @@ def test_model_checkpoint_saves_only_from_the_hooks_best_checkpoint_wraps() -> N
 
 
 def test_best_checkpoint_uses_no_private_model_checkpoint_name() -> None:
-    from lit_trainer.callbacks.checkpointing import _BestCheckpoint
+    from lit_trainer.callbacks.checkpointing.best_checkpoint import _BestCheckpoint
 
     private = {
         n for n in [*dir(ModelCheckpoint), *vars(ModelCheckpoint())] if n.startswith("_") and not n.startswith("__")

@@ -1,0 +1,492 @@
+"""Asynchronous GRPO rollouts: a worker process generates the next rounds while the trainer trains on this one.
+
+With ``GRPOModule(max_staleness=k)`` each rank starts one rollout worker (a process forked from a ``forkserver``,
+:func:`worker_context`, with its own copy of the policy, on ``rollout_worker_device``) when fitting starts. Rounds
+keep the synchronous module's meaning (round ``q`` samples the prompts the loader gives at its first micro-step, with
+the seed of ``(generation_seed, q, rank)``); only the weights that sample it change:
+
+* **Versions.** The weights at the start of round ``r`` are version ``r``. Round ``q`` is sampled by version
+  ``max(q - k, first)`` (``first``: the first round of this fit), so no round is ever more than ``k`` rounds stale and
+  the worker waits for the weights it needs: nothing is dropped and the run does not depend on timing. ``k = 0`` is
+  the synchronous run, computed in the worker: the same code on the same weights with the same seed (bit-exact on
+  CPU). With the default ``steps_per_generation = accumulate_grad_batches`` a round is one optimizer step, so ``k``
+  counts optimizer steps as TRL's ``max_staleness`` counts weight versions.
+* **Flow, at the start of round r** (:meth:`AsyncRollouts.rows`): publish the trainable weights as version
+  ``r`` (LoRA: the adapters only) into shared memory, send the worker the rounds up to ``r + k`` it does not have yet
+  (future prompts are read ahead from the loader, :meth:`~lit_trainer.data.loader.TrainLoader.peek`), then take round
+  ``r``'s rows: prompts, completions and the worker's log-probs of them (the behaviour log-probs, computed with the
+  trainer's own chunked forward). A round whose prompts are not the batch the loader actually gave (the read-ahead
+  guessed wrong) is dropped and generated here, synchronously (``async/resampled_rounds``).
+* **Weights** travel through :class:`~lit_trainer.modules.grpo._async._worker.SharedWeights`: ``k + 1`` slots in shared
+  CPU memory, version ``v`` in slot ``v % (k + 1)``; a slot is overwritten only when the round that read it is already
+  trained, so neither side waits for the other to copy.
+* **Scoring** stays in the trainer (reward functions and models, gathered over ranks as in a synchronous round), as
+  do the old log-probs, the importance-sampling correction of stale rounds and the sampler check
+  (:meth:`AsyncRollouts.off_policy_terms`).
+* **Resume.** Rounds in flight are not checkpointed: a resumed run regenerates them from their seeds with the resumed
+  weights (with ``k = 0`` that is exactly the uninterrupted run; with ``k > 0`` the first ``k`` rounds after a resume
+  are fresher than they would have been).
+* **Death.** A worker that dies without reporting an error (killed by a signal, e.g. SIGKILL) is noticed while the
+  trainer waits for its round, at the start of an optimizer step: a ``JITCheckpoint`` among the callbacks saves the
+  last finished step and the run stops with one line naming the worker, its signal or exit code and the round
+  (:class:`~lit_trainer.callbacks.JITCheckpointFailure`); ``--ckpt_path last`` continues with a new worker.
+* **Shutdown.** The worker is stopped when fitting ends or fails (``on_exception``, Ctrl-C, a signal); it ignores
+  Ctrl-C and SIGTERM itself (a scheduler that signals every process of a job must reach the trainer's
+  ``JITCheckpoint`` first) and exits on its own as soon as the training process dies, in any phase of a round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lit_trainer.core import sharding as _sharding
+from lit_trainer.core.stop_request import stop_check, stop_for_failure, stop_in_step
+from lit_trainer.data.bad_rows import BadRowError
+from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS
+from lit_trainer.generation import engines as rollout
+from lit_trainer.losses.grpo_masks import SamplingISMode, sampling_importance_ratio, sampling_metrics
+from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
+from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
+from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
+
+#: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
+CLOSE_SECONDS = 5.0
+
+
+def worker_context() -> Any:
+    """The ``forkserver`` multiprocessing context, its server preloading the worker's imports.
+
+    A worker is forked from a server process that has imported torch, transformers and the sampling code once (and
+    never touched CUDA or started threads), so only the first worker of a training process pays the imports (about
+    10 s on a small CPU machine); ``spawn`` would pay them for every fit. As with ``spawn``, the script that starts
+    training is imported again by the child: keep its top-level code under ``if __name__ == "__main__":``.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(
+        [
+            "lit_trainer.modules.grpo._async._server_signals",  # first: the server ignores SIGTERM from here on
+            "lit_trainer.modules.grpo._async._worker",
+            "lit_trainer.modules.grpo",
+        ]
+    )
+    return context
+
+
+class RolloutWorker:
+    """The training process's handle on one rollout worker process.
+
+    Args:
+        spec: what the worker builds its rollout generator from.
+        weights: the shared weight slots (also held by the worker).
+    """
+
+    def __init__(self, spec: WorkerSpec, weights: SharedWeights) -> None:
+        context = worker_context()
+        self.weights = weights
+        self.requests = context.Queue()
+        self.results = context.Queue()
+        args = (Deferred(spec), self.requests, self.results, weights)  # the spec unpickles where errors are reported
+        self.process = context.Process(target=worker_main, args=args, daemon=True, name="lit-rollouts")
+        self.process.start()
+        self.pending: dict[int, RoundRequest] = {}  # submitted, not yet received
+        self.ready: dict[int, Any] = {}  # received ahead of their turn
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def submit(self, request: RoundRequest) -> None:
+        self.pending[request.round_index] = request
+        self.requests.put(request)
+
+    def receive(self, round_index: int, should_stop: Any = None) -> tuple[RoundRequest, dict[str, Any]] | None:
+        """Round ``round_index``'s request and result (blocking); None when ``should_stop`` turned True while
+        waiting.
+
+        Raises:
+            RuntimeError: the worker failed to start or failed on a round (the cause first, then its traceback).
+            WorkerDied: (a ``RuntimeError``) the worker died without saying why; the message, one line, says how
+                (:func:`~lit_trainer.modules.grpo._async._errors.death_message`).
+        """
+        while round_index not in self.ready:
+            if should_stop is not None and should_stop():
+                return None
+            try:
+                index, status, payload = self.results.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.is_alive():
+                    continue
+                try:  # what it put just before it exited may have arrived since
+                    index, status, payload = self.results.get(timeout=1.0)
+                except queue.Empty:
+                    raise WorkerDied(death_message(self.pid, self.process.exitcode, round_index)) from None
+            if status == "error":
+                raise RuntimeError(failure_message(self.pid, index, payload))
+            if status == "ok":
+                self.ready[index] = payload
+        return self.pending.pop(round_index), self.ready.pop(round_index)
+
+    def close(self) -> None:
+        """Ask the worker to stop, then terminate it if it does not within :data:`CLOSE_SECONDS`."""
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self.requests.put(None)
+            self.process.join(CLOSE_SECONDS)
+            if self.process.is_alive():
+                self.process.kill()  # the worker ignores SIGTERM (_server_signals)
+                self.process.join(CLOSE_SECONDS)
+        for q in (self.requests, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+class _StopWorker(Callback):
+    """Stops the rollout worker when fitting fails (Lightning calls no module hook on an exception)."""
+
+    def __init__(self, rollouts: AsyncRollouts) -> None:
+        self.rollouts = rollouts
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.rollouts.close()
+
+
+def strip_hooks(model: torch.nn.Module) -> torch.nn.Module:
+    """Drop forward/backward hooks from a copy of the policy (training-time hooks such as NEFTune's or gradient
+    checkpointing's are not needed to sample, and often cannot be pickled to the worker)."""
+    for module in model.modules():
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(module, hooks, None):
+                getattr(module, hooks).clear()
+        for extra in ("_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            if getattr(module, extra, None):
+                getattr(module, extra).clear()
+    return model
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """The options asynchronous rollouts read: :class:`~lit_trainer.modules.grpo.GRPOModule`'s hyperparameters of the
+    same names (:meth:`from_hparams`)."""
+
+    max_staleness: int | None
+    rollout_worker_device: str | None
+    rollout_worker_threads: int | None
+    rollout_engine: str | None
+    rollout_importance_sampling_correction: bool
+    rollout_importance_sampling_mode: SamplingISMode
+    rollout_importance_sampling_clip_max: float | None
+    rollout_importance_sampling_clip_min: float | None
+    sampler_check_threshold: float | None
+    num_generations: int
+    transformers_continuous_batching_config: dict[str, Any] | None
+
+    @classmethod
+    def from_hparams(cls, hparams: Mapping[str, Any]) -> AsyncOptions:
+        return cls(**{f.name: hparams[f.name] for f in fields(cls)})
+
+
+class AsyncRollouts:
+    """The trainer side of asynchronous rollouts (module docstring), held by
+    :class:`~lit_trainer.modules.grpo.GRPOModule` as ``async_rollouts`` (inactive when ``max_staleness`` is None): the
+    module's hooks call it, passing the module where the trainer, the round buffer or the module's forward is needed.
+
+    Args:
+        options: the asynchronous-rollout options.
+    """
+
+    def __init__(self, options: AsyncOptions) -> None:
+        self.options = options
+        self.worker: RolloutWorker | None = None  # this rank's worker, while fitting
+        self._first: int | None = None  # the first round of this fit
+        self._check_warned = False
+        self._model_copy: torch.nn.Module | None = None  # taken before FSDP2 shards the policy
+
+    @property
+    def enabled(self) -> bool:
+        return self.options.max_staleness is not None
+
+    def callbacks(self) -> list[Callback]:
+        """What ``configure_callbacks`` adds: the callback that stops the worker when fitting fails."""
+        return [_StopWorker(self)] if self.enabled else []
+
+    def check(self, owner: str, rollout_func: Any, quantized: bool) -> None:
+        """Refuse what the worker cannot do, with the fix (called at setup)."""
+        if not self.enabled:
+            return
+        why = None
+        if rollout_func is not None:
+            why = "a rollout_func runs in the training process (it receives the module)"
+        elif quantized:
+            why = "the policy is quantized and the worker cannot copy it"
+        if why:
+            raise ValueError(
+                f"{owner}(max_staleness={self.options.max_staleness}): {why}. Use max_staleness=None "
+                "(synchronous rollouts), or an unquantized policy without rollout_func."
+            )
+
+    def copy_before_sharding(self, model: torch.nn.Module, device_mesh: Any) -> None:
+        """Before FSDP2 shards the policy (``configure_model``), keep a hook-free CPU copy of it for this rank's worker
+        (a sharded model cannot be copied whole); the first published version brings it up to date after a
+        checkpoint restore."""
+        if self.enabled and device_mesh is not None and not _sharding.is_sharded(model):
+            self._model_copy = strip_hooks(copy.deepcopy(model)).to("cpu")
+
+    def start(self, module: Any) -> None:
+        """Start this rank's worker with a hook-free CPU copy of ``module``'s policy (called when fitting starts)."""
+        if not self.enabled or self.worker is not None:
+            return
+        device = self.options.rollout_worker_device or str(module.device)
+        if device == "cuda" and module.device.type == "cuda":
+            device = str(module.device)
+        model, self._model_copy = self._model_copy, None
+        if model is None:
+            model = strip_hooks(copy.deepcopy(module.model)).to("cpu")
+        model.requires_grad_(False)
+        spec = self.worker_spec(module, model, device)
+        trainable = _trainable(module.model)
+        weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=self.options.max_staleness + 1)
+        # (a DTensor's shape and dtype are the full parameter's)
+        self.worker = RolloutWorker(spec, weights)
+        self._first = None
+
+    def worker_spec(self, module: Any, model: torch.nn.Module, device: str) -> WorkerSpec:
+        """What this rank's worker builds its rollout generator from: ``model`` (its copy of the policy), ``module``'s
+        sampling options, engine choice, tools, environments and ``behaviour_scorer()``."""
+        owner = type(module)
+        forward = [n for n in ("completion_logps", "score_tokens") if _overrides(owner, n)]
+        if forward and not _overrides(owner, "behaviour_scorer"):
+            rank_zero_warn(
+                f"[lit_trainer] {owner.__name__} overrides {' and '.join(forward)} but not behaviour_scorer: "
+                "the rollout worker scores its rounds with the default forward, and the sampler check will see the "
+                "gap. Override behaviour_scorer to return a picklable (model, rows) -> log-probs running your forward."
+            )
+        return WorkerSpec(
+            model=model,
+            tokenizer=module.tokenizer,
+            options=module.rollouts.options,
+            continuous_batching=module.continuous_batching,
+            continuous_batching_config=self.options.transformers_continuous_batching_config,
+            engine=self.options.rollout_engine,
+            tools=list(module.tools),
+            environments=module.environments,
+            scorer=module.behaviour_scorer(),
+            group=self.options.num_generations,
+            steps_per_generation=module.rollout_geometry.steps_per_generation,
+            owner=owner.__name__,
+            device=device,
+            threads=self.options.rollout_worker_threads or torch.get_num_threads(),
+        )
+
+    def close(self) -> None:
+        """Stop the worker, if one runs (fitting ended or failed)."""
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.close()
+
+    # ------------------------------------------------------------------------------------------------ rounds
+    def rows(self, module: Any, batch: dict[str, Any], can_stop: bool, position: tuple[int, int]) -> tuple:
+        """Round ``r``'s rows from the worker (module docstring): ``(rows, completions, scoring batch, decoded, tool
+        metrics, behaviour log-probs, staleness in rounds)``; a stop request while waiting stops the run here."""
+        worker, r, trainer = self.worker, module._buffer.next_round_index, module.trainer
+        if self._first is None:
+            self._first = r
+        worker.weights.publish(r, _trainable(module.model))
+        if r not in worker.pending and r not in worker.ready:
+            worker.submit(self._request(module, r, batch))
+        peek = getattr(trainer.train_dataloader, "peek", None)
+        length, count = module._buffer.round_length, self.options.max_staleness
+        ahead = list(_round_starts(trainer, length, *position, count)) if peek is not None else []
+        for offset, (epoch, index) in enumerate(ahead, start=1):
+            q = r + offset
+            if q in worker.pending or q in worker.ready:
+                continue
+            try:
+                future = peek(epoch, index)
+            except BadRowError:  # a bad row ahead: stop reading ahead, the loader stops the run when it gets there
+                break
+            if future is None:
+                break
+            worker.submit(self._request(module, q, future))
+        started = time.perf_counter()
+        should_stop = stop_check(trainer) if can_stop else None
+        try:
+            received = worker.receive(r, should_stop)
+            if received is None:  # a stop request came while waiting: the run stops here (the round is dropped)
+                stop_in_step(trainer)
+                received = worker.receive(r)  # the stop was not due on every rank: keep waiting
+        except WorkerDied as died:
+            if can_stop:  # nothing of this optimizer step is applied: the last finished one is saved, then stop
+                stop_for_failure(trainer, str(died))
+            raise
+        waited = time.perf_counter() - started
+        request, result = received
+        resampled = not _same_prompts(request.batch, batch)
+        device = module.device
+        if resampled:  # the read-ahead guessed another batch: generate this round here, on the current weights
+            rows, completions, scoring, decoded, tool_metrics = module._generate_rows(batch, can_stop)
+            behaviour, staleness = None, 0
+        else:
+            rows, completions, scoring, decoded, tool_metrics = (
+                _to_device(result[k], device) for k in ("rows", "completions", "batch", "decoded", "tool_metrics")
+            )
+            scoring = {**batch, **{k: v for k, v in scoring.items() if k in (PROMPTS, PROMPT_IDS)}}
+            behaviour = _to_device(result["sampling_logps"], device)
+            staleness = r - int(result["version"])
+        metrics = {
+            "async/staleness": torch.tensor(float(staleness), device=device),
+            "async/wait_seconds": torch.tensor(waited, device=device),
+            "async/resampled_rounds": torch.tensor(float(resampled), device=device),
+        }
+        return rows, completions, scoring, decoded, {**tool_metrics, **metrics}, behaviour, staleness
+
+    def _request(self, module: Any, round_index: int, batch: dict[str, Any]) -> RoundRequest:
+        seed = rollout.rollout_seed(module._seed, round_index, module.global_rank)
+        version = max(round_index - self.options.max_staleness, self._first)
+        return RoundRequest(round_index, version, move_data_to_device(batch, "cpu"), seed, module.model.training)
+
+    # ----------------------------------------------------------------------------------- off-policy terms
+    def off_policy_terms(
+        self, module: Any, rows: dict[str, Tensor], behaviour: Tensor, staleness: int, metrics: dict[str, Tensor]
+    ) -> None:
+        """Old log-probs, the importance-sampling correction and the sampler check of a worker round (in place).
+
+        * ``old_logps`` (the trainer's log-probs at the start of the round) are stored when the synchronous rule
+          needs them (the round spans optimizer steps); otherwise every micro-step of the round runs on the round's
+          starting weights, so its own log-probs (detached) are the old ones, as in a synchronous round;
+        * the correction (``rollout_importance_sampling_*``, TRL's ``vllm_importance_sampling_*`` computation) applies
+          to a stale round, or to every round of an engine whose numerics are not the trainer's: the round keeps the
+          behaviour log-probs (``sampling_logps``) and the module's ``compute_loss`` multiplies the policy loss by the
+          truncated or masked ratio ``exp(old - behaviour)`` (:meth:`importance_ratio`). Computed there, it needs no
+          extra forward pass;
+        * the sampler check (:meth:`_sampler_check`).
+        """
+        options = self.options
+        correct = options.rollout_importance_sampling_correction and (staleness > 0 or not module.engine.same_numerics)
+        if module._stores_old_logps():
+            rows["old_logps"] = module._chunked_logps(module.model, rows)
+        if correct:
+            rows[SAMPLING_LOGPS] = behaviour
+        if options.sampler_check_threshold is not None:
+            metrics.update(self._sampler_check(module, rows, behaviour, staleness))
+
+    def importance_ratio(
+        self, batch: dict[str, Tensor], logps: Tensor, old: Tensor | None
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """The correction of one buffered micro-batch of a corrected round (None for other rounds) and TRL's
+        ``sampling/...`` metrics: the ratio of the round's starting log-probs (``old``, else this step's own, detached:
+        the same weights) to the worker's."""
+        behaviour = batch.get(SAMPLING_LOGPS)
+        if behaviour is None:
+            return None, {}
+        options, mask = self.options, batch["completion_mask"]
+        start = logps.detach() if old is None else old
+        mode = options.rollout_importance_sampling_mode
+        ratio = sampling_importance_ratio(
+            start, behaviour, mask, mode=mode,
+            clip_min=options.rollout_importance_sampling_clip_min,
+            clip_max=options.rollout_importance_sampling_clip_max,
+        )  # fmt: skip
+        return ratio, sampling_metrics(start, behaviour, mask, ratio, mode)
+
+    def _sampler_check(
+        self, module: Any, rows: dict[str, Tensor], behaviour: Tensor, staleness: int
+    ) -> dict[str, Tensor]:
+        """Compare the worker's log-probs with the trainer's for the weights version that sampled the round, on its
+        first ``num_generations`` rows (the worker's first chunk, the same shapes: on the same weights the gap is 0,
+        up to float32 rounding): a failed sync shows on any rows, and a few keep the extra forward pass small. For a
+        stale round the trainer loads that version's weights for the pass. Logs ``sampler_check/logp_gap_mean|max``
+        and warns once above ``sampler_check_threshold``."""
+        size, trainer = self.options.num_generations, module.trainer
+        round_index = module._buffer.next_round_index
+        first = {k: v[:size] for k, v in rows.items() if isinstance(v, Tensor) and v.dim() >= 1}
+        if staleness == 0:
+            mine = module.completion_logps(module.model, first)[0]
+        else:
+            with self._weights_of(module.model, round_index - staleness):
+                mine = module.completion_logps(module.model, first)[0]
+        mask = first["completion_mask"].bool()
+        gap = (mine - behaviour[:size]).abs()[mask]
+        stats = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), device=gap.device)])
+        largest = gap.max() if gap.numel() else torch.zeros((), device=gap.device)
+        if trainer.world_size > 1:
+            stats = trainer.strategy.reduce(stats, reduce_op="sum")
+            largest = module.all_gather(largest).max()
+        mean = stats[0] / stats[1].clamp(min=1.0)
+        threshold = self.options.sampler_check_threshold
+        if not self._check_warned and float(mean) > threshold:
+            self._check_warned = True
+            rank_zero_warn(
+                f"[lit_trainer] The rollout worker's log-probs differ from the trainer's for the same weights (round "
+                f"{round_index}, weights of round {round_index - staleness}): mean "
+                f"|delta log p| = {float(mean):.4g} > sampler_check_threshold={threshold}, max {float(largest):.4g}. "
+                "The sampler is not the policy being trained: a weight sync that did not reach the worker (e.g. LoRA "
+                "adapters not loaded), or an engine with other numerics. Check the rollout_engine's load_weights; "
+                "raise the threshold only if the gap is expected."
+            )
+        return {"sampler_check/logp_gap_mean": mean, "sampler_check/logp_gap_max": largest}
+
+    @contextlib.contextmanager
+    def _weights_of(self, model: torch.nn.Module, version: int) -> Iterator[None]:
+        """Run the block with the trainable weights of ``version`` (from shared memory), then restore them."""
+        params = _trainable(model)
+        published = self.worker.weights.read(version)
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(_sharding.shard_like(published[name], p))
+            try:
+                yield
+            finally:
+                for name, p in params.items():
+                    p.copy_(saved[name])
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The parameters the worker is sent every round (FSDP2 shards stay ``DTensor``: gathered one at a time)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _round_starts(trainer: Any, length: int, epoch: int, batch_idx: int, count: int) -> Iterator[tuple[int, int]]:
+    """``(epoch, batch index)`` of the first micro-step of the next ``count`` rounds of ``length`` micro-steps after
+    the one at ``(epoch, batch_idx)`` (rounds restart at every epoch), stopping at ``trainer.max_epochs``."""
+    per_epoch = int(trainer.num_training_batches)
+    max_epochs = trainer.max_epochs
+    for _ in range(count):
+        batch_idx += length
+        if batch_idx >= per_epoch:
+            epoch, batch_idx = epoch + 1, 0
+            if max_epochs is not None and max_epochs >= 0 and epoch >= max_epochs:
+                return
+        yield epoch, batch_idx
+
+
+def _overrides(cls: type, name: str) -> bool:
+    """Whether a subclass redefines method ``name`` below the class that first defines it."""
+    return sum(name in vars(c) for c in cls.__mro__) > 1
+
+
+def _same_prompts(sampled: dict[str, Any], actual: dict[str, Any]) -> bool:
+    """Whether the worker's round sampled the prompts of the batch the loader gave."""
+    ids = sampled.get(PROMPT_IDS)
+    if ids is None or ids.shape != actual[PROMPT_IDS].shape or not torch.equal(ids.cpu(), actual[PROMPT_IDS].cpu()):
+        return False
+    return list(sampled.get(PROMPTS, [])) == list(actual[PROMPTS])
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Move a received value to ``device``; CPU tensors are copied out of the shared memory they arrived in."""
+    return apply_to_collection(value, Tensor, lambda t: t.clone() if device.type == "cpu" else t.to(device))
