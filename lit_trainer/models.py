@@ -89,6 +89,7 @@ Task = Literal["causal_lm", "sequence_classification"]
 the score read at the last non-padding token)."""
 _AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
 PACKAGE_PREFIX = "package:"
+GGUF_REQUIREMENT = "gguf>=0.19"  # as in pyproject.toml's `real` extra
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def resolve_package_model(name: str) -> ModelSource:
         install = known.install if known else f"pip install {module.replace('_', '-')}"
         raise ModuleNotFoundError(
             f"Model {name!r} needs the package {module!r}, which is not installed: run `{install}` "
-            f'(and `pip install "lit_trainer[real]"` for the GGUF reader).'
+            f'(and `pip install "lit_trainer[real]"` for the GGUF reader), or give a local directory instead.'
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if inner:
@@ -153,26 +154,36 @@ def resolve_package_model(name: str) -> ModelSource:
         target = folder
     else:
         ggufs = sorted(folder.glob("*.gguf"))
-        target = ggufs[0] if len(ggufs) == 1 else folder / "<path>"
-    if target.is_dir() and (target / "config.json").is_file():
+        target = ggufs[0] if len(ggufs) == 1 else None
+    if target is not None and target.is_dir() and (target / "config.json").is_file():
         return ModelSource(str(target))
-    if target.is_file() and target.suffix == ".gguf":
+    if target is not None and target.is_file() and target.suffix == ".gguf":
         return ModelSource(str(target.parent), target.name)
     files = sorted(p.name for p in folder.iterdir() if not p.name.startswith((".", "__")))
+    where = f"at {target}" if target is not None else f"alone in {folder}"
     raise FileNotFoundError(
-        f"Model {name!r}: no GGUF file or saved model at {target}. Name one of the package's files as "
+        f"Model {name!r}: no GGUF file or saved model {where}. Name one of the package's files as "
         f"'package:{module}/<path>'; it has: {files}."
     )
 
 
 def _source(name_or_path: str) -> ModelSource | None:
-    """The files of a packaged model or of a local ``.gguf`` file; None for every other name (loaded as before)."""
+    """The files of a packaged model or of a local ``.gguf`` file; None for every other name (loaded as before).
+
+    Raises:
+        ModuleNotFoundError: a GGUF file without the ``gguf`` package that transformers reads it with.
+    """
+    source = None
     if name_or_path.startswith(PACKAGE_PREFIX):
-        return resolve_package_model(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return ModelSource(str(path.parent), path.name)
-    return None
+        source = resolve_package_model(name_or_path)
+    elif (path := Path(name_or_path).expanduser()).suffix == ".gguf" and path.is_file():
+        source = ModelSource(str(path.parent), path.name)
+    if source is not None and source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"Model {name_or_path!r} is a GGUF file, which transformers reads with the `gguf` package: run "
+            f'`pip install "lit_trainer[real]"` (or `pip install "{GGUF_REQUIREMENT}"`).'
+        )
+    return source
 
 
 def _load_gguf(auto_class: Any, source: ModelSource, dtype: torch.dtype | None, **kwargs: Any) -> PreTrainedModel:
