@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from lit_trainer.core.awaitables import resolve_awaitables
+from lit_trainer.data import reasoning_gym
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """``f(prompts, completions, completion_ids, **columns) -> list[float | None]``."""
@@ -84,6 +85,37 @@ def arithmetic_reward(
     if answer is None:
         raise ValueError("`arithmetic_reward` needs an `answer` column in the dataset (the correct result per prompt).")
     return [1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def reasoning_gym_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    rg_entry: Sequence[str | None] | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """The verifier of a ``reasoning_gym:<task>`` problem (:mod:`lit_trainer.data.reasoning_gym`): the task's own
+    score, 0 to 1, of the stripped completion text; ``None`` for a row without a problem (another task's row).
+
+    Args:
+        prompts: the prompts (unused).
+        completions: decoded completions (text or conversational).
+        completion_ids: token ids (unused).
+        rg_entry: the dataset's ``rg_entry`` column: the problem as JSON.
+        **columns: other dataset columns (ignored).
+
+    Raises:
+        ValueError: the rows have no ``rg_entry`` column (the data is not a ``reasoning_gym:`` source).
+    """
+    if rg_entry is None:
+        raise ValueError(
+            "reasoning_gym_reward needs the `rg_entry` column, which `reasoning_gym:<task>` data sources write: "
+            "use such a source (dataset: reasoning_gym:chain_sum) or another reward function."
+        )
+    return [
+        None if entry is None else reasoning_gym.score_answer(completion_text(c).strip(), entry)
+        for c, entry in zip(completions, rg_entry)
+    ]
 
 
 def format_reward(

@@ -20,6 +20,7 @@ from lit_trainer.core.stop_request import stop_for_failure
 from lit_trainer.data.bad_rows import BadRows, GuardedCollate
 from lit_trainer.data.loader import EvalLoader, LoaderOptions, TrainLoader, validate_loader_options
 from lit_trainer.data.packing import PACKED_ROWS
+from lit_trainer.data.reasoning_gym import TaskRows
 from lit_trainer.data.samplers.batch_sampler import BatchSampler
 from lit_trainer.data.samplers.lengths import require_lengths
 from lit_trainer.data.samplers.rebalance import CostModel
@@ -71,6 +72,8 @@ class BaseDataModule(pl.LightningDataModule):
     """
 
     builtin: ClassVar[BuiltinSources] = {}
+    # how a ``reasoning_gym:<task>`` source is generated for this data module (None: not read)
+    task_rows: ClassVar[TaskRows | None] = None
 
     def __init__(
         self,
@@ -159,9 +162,11 @@ class BaseDataModule(pl.LightningDataModule):
                 self.tokenizer = self.processor.tokenizer
             else:
                 self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=trust)
-        located, located_validation = load_located_rows(self.dataset_source, self.builtin, split=self.hparams.split)
+        located, located_validation = load_located_rows(
+            self.dataset_source, self.builtin, split=self.hparams.split, task_rows=self.task_rows
+        )
         if self.validation_source is not None:
-            located_validation = load_located_rows(self.validation_source, self.builtin)[0]
+            located_validation = load_located_rows(self.validation_source, self.builtin, task_rows=self.task_rows)[0]
         for split, part in (("train", located), ("validation", located_validation)):
             if part is not None:
                 self.locators[split] = part.where or partial(_row_of, split)

@@ -30,6 +30,7 @@ from lit_trainer.data.base import BaseDataModule, BuiltinSources
 from lit_trainer.data.chat import is_conversation, render, require_chat_template
 from lit_trainer.data.collate import pad_left
 from lit_trainer.data.loader import TrainLoader
+from lit_trainer.data.reasoning_gym import TaskRows
 from lit_trainer.data.samplers.batch_sampler import EpochPosition
 from lit_trainer.data.samplers.repeat_sampler import RepeatSampler
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
@@ -183,6 +184,7 @@ class PromptDataModule(BaseDataModule):
         "builtin:tool_multiplication": builtin.tool_multiplication_prompt_rows,
         "builtin:shapes": builtin_shapes.prompt_rows,
     }
+    task_rows: ClassVar[TaskRows | None] = "prompt"
 
     def __init__(self, *args: Any, prompt_column: str = "prompt", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -23,6 +23,7 @@ from lit_trainer.data.chat import (
 )
 from lit_trainer.data.collate import PackedCollator, SFTCollator, common_prefix_len
 from lit_trainer.data.packing import PACKED_ROWS, Packing, check_packing_options, pack_dataset
+from lit_trainer.data.reasoning_gym import TaskRows
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, missing_or_not_text
 from lit_trainer.data.vision import rows as vision_rows
 from lit_trainer.data.vision.collate import VisionSFTCollator
@@ -175,6 +176,7 @@ class SFTDataModule(BaseDataModule):
         "builtin:subtraction": builtin.subtraction_rows,
         "builtin:shapes": builtin_shapes.sft_rows,
     }
+    task_rows: ClassVar[TaskRows | None] = "sft"
 
     def __init__(
         self,

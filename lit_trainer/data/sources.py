@@ -1,4 +1,5 @@
-"""Where the rows come from: the built-in task, local files, a hub dataset, or a ``datasets`` object.
+"""Where the rows come from: the built-in task, a reasoning-gym task, local files, a hub dataset, or a ``datasets``
+object.
 
 Rows loaded from local files carry a locator (see :mod:`lit_trainer.data.files`), so that a data module can name the
 file and line of a bad row; rows from elsewhere are named by their index.
@@ -13,7 +14,9 @@ from typing import Any, NamedTuple
 
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets, load_dataset
 
+from lit_trainer.data import reasoning_gym
 from lit_trainer.data.files import FilePart, RowLocator, read_file
+from lit_trainer.data.reasoning_gym import TaskRows
 
 _EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 VALIDATION_SPLITS = ("validation", "valid", "val", "test", "eval")
@@ -60,6 +63,7 @@ def load_located_rows(
     builtin: dict[str, Callable[[str], Dataset]],
     *,
     split: str | None = None,
+    task_rows: TaskRows | None = None,
 ) -> tuple[Located, Located | None]:
     """Load ``(train, validation-or-None)`` rows from a source, with file locators for local files.
 
@@ -69,6 +73,8 @@ def load_located_rows(
             object; otherwise a hub dataset name (for real users; tests never download).
         builtin: ``{"builtin:<name>": fn(split) -> Dataset}`` for this data module's row format.
         split: the training split of a hub dataset (default ``"train"``).
+        task_rows: the rows a ``"reasoning_gym:<task>"`` source is generated as
+            (:mod:`lit_trainer.data.reasoning_gym`); None = this data module does not read such sources.
 
     Raises:
         FileNotFoundError: a local-looking path that does not exist.
@@ -87,6 +93,16 @@ def load_located_rows(
         if source not in builtin:
             raise ValueError(f"Unknown built-in dataset {source!r}: valid ones are {sorted(builtin)}.")
         return Located(builtin[source]("train"), None), Located(builtin[source]("validation"), None)
+    if source.startswith(reasoning_gym.PREFIX):
+        if task_rows is None:
+            raise ValueError(
+                f"{source!r}: this data module does not read reasoning-gym tasks (SFT, prompt and "
+                "preference data modules do)."
+            )
+        return (
+            Located(reasoning_gym.rows(source, "train", task_rows), None),
+            Located(reasoning_gym.rows(source, "validation", task_rows), None),
+        )
     path = Path(source).expanduser()
     if path.exists():
         return _pick_splits(_load_local(path), split)

@@ -42,6 +42,7 @@ from lit_trainer.data.preference.collate import (
     TruncationMode,
     end_with_eos,
 )
+from lit_trainer.data.reasoning_gym import TaskRows
 from lit_trainer.data.reference_columns import ReferenceColumns
 from lit_trainer.data.sources import Locator, check_cells, describe_columns, locate_problem, missing_or_not_text
 from lit_trainer.data.vision import rows as vision_rows
@@ -145,6 +146,7 @@ class PreferenceDataModule(ReferenceColumns, BaseDataModule):
         "builtin:subtraction": builtin.subtraction_preference_rows,
         "builtin:shapes": builtin_shapes.preference_rows,
     }
+    task_rows: ClassVar[TaskRows | None] = "preference"
 
     def __init__(
         self,
