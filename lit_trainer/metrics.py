@@ -7,6 +7,7 @@ how every module declares them, and how the base module computes, logs and reset
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -98,24 +99,33 @@ def token_loss_and_accuracy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Ten
     return loss_sum / count, correct / count, count
 
 
-def greedy_exact_match(generated: Tensor, targets: Tensor, eos_token_id: int | None) -> Tensor:
+def greedy_exact_match(generated: Tensor, targets: Tensor, eos_token_id: int | Sequence[int] | None) -> Tensor:
     """Per-row exact match of generated completions against reference completions.
+
+    Both are cut at their first EOS: a chat template's text after the end-of-turn token (ChatML's newline after
+    ``<|im_end|>``) is part of the reference row, never of what the model answers.
 
     Args:
         generated: ``(B, G)`` new tokens from ``generate`` (padded after EOS with the pad id).
         targets: ``(B, C)`` reference completion ids, ``-100`` padded; their EOS (if any) is not required in
             ``generated`` but nothing other than pad/EOS may follow the matched answer.
-        eos_token_id: the EOS id ending a completion.
+        eos_token_id: the EOS id (or ids) ending a completion.
 
     Returns:
         ``(B,)`` bool.
     """
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+    def until_eos(ids: list[int]) -> list[int] | None:
+        return next((ids[:i] for i, token in enumerate(ids) if token in eos), None)
+
     results = []
     for gen, tgt in zip(generated.tolist(), targets.tolist()):
-        tgt = [t for t in tgt if t != IGNORE_INDEX and t != eos_token_id]
-        stop = gen.index(eos_token_id) if eos_token_id is not None and eos_token_id in gen else len(tgt) + 1
-        gen = gen[:stop]
-        results.append(gen == tgt)
+        tgt = [t for t in tgt if t != IGNORE_INDEX]
+        reference = until_eos(tgt)
+        tgt = tgt if reference is None else reference
+        answer = until_eos(gen)
+        results.append((gen[: len(tgt) + 1] if answer is None else answer) == tgt)
     return torch.tensor(results, dtype=torch.bool)
 
 
@@ -150,5 +160,4 @@ def greedy_batch_matches(
         synced_gpus=synced_gpus,
         **images,
     )[:, prompts.size(1) :]
-    eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
-    return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos)
+    return greedy_exact_match(generated.cpu(), batch["completion_ids"][has_prompt].cpu(), eos_token_id)

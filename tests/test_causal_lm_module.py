@@ -88,6 +88,20 @@ def test_exact_match_metric_counts_correct_greedy_completions(tokenizer):
     assert greedy_exact_match(generated, targets, eos_token_id=1).tolist() == [True, False, False, False]
 
 
+def test_exact_match_ignores_what_a_chat_template_writes_after_the_end_of_turn():
+    """ChatML (SmolLM2, Qwen) ends an assistant turn with ``<|im_end|>`` then a newline: the reference completion of a
+    chat row is "6<|im_end|>\n", the greedy answer "6<|im_end|>". Before the fix, the newline stayed in the
+    reference and no answer ever matched (val_exact_match 0 on every ChatML model)."""
+    from lit_trainer.metrics import greedy_exact_match
+
+    # ids of SmolLM2's tokenizer: 38 = "6", 29 = "-", 33 = "1", 2 = <|im_end|> (EOS and pad), 198 = "\n"
+    generated = torch.tensor([[38, 2, 2, 2], [29, 33, 2, 2], [38, 198, 2, 2], [29, 33, 33, 2]])
+    targets = torch.tensor([[38, 2, 198, -100], [29, 33, 2, 198], [38, 2, 198, -100], [29, 33, 2, 198]])
+    assert greedy_exact_match(generated, targets, eos_token_id=2).tolist() == [True, True, False, False]
+    # generation_config.eos_token_id may be a list: any of its ids ends a completion
+    assert greedy_exact_match(generated, targets, eos_token_id=[0, 2]).tolist() == [True, True, False, False]
+
+
 def test_invalid_module_options():
     with pytest.raises(ValueError, match="`warmup_steps=-1` is invalid"):
         CausalLMModule("tiny-64", warmup_steps=-1)
