@@ -20,6 +20,8 @@ RECIPE_STEPS: dict[str, str] = {
         "lit-trainer fit --config configs/sft_vl.yaml --trainer.max_steps 30 --trainer.val_check_interval 30 "
         "--run_name sft_vl_partial"
     ),
+    "smollm2_sft": "lit-trainer fit --config configs/smollm2_sft.yaml",
+    "smollm2_dpo": "lit-trainer fit --config configs/smollm2_dpo.yaml",
 }
 """The command that writes ``runs/<run name>/`` for each run whose export a shipped recipe or page loads (run from the
 repository root; ``tests/test_chained_recipes.py`` checks that every such path is here and that each command writes
