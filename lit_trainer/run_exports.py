@@ -22,6 +22,15 @@ RECIPE_STEPS: dict[str, str] = {
     ),
     "smollm2_sft": "lit-trainer fit --config configs/smollm2_sft.yaml",
     "smollm2_dpo": "lit-trainer fit --config configs/smollm2_dpo.yaml",
+    "smollm2_sft_lora": (
+        "lit-trainer fit --config configs/smollm2_sft.yaml --config configs/overlays/smollm2_lora.yaml "
+        "--model.init_args.learning_rate 0.0005 --run_name smollm2_sft_lora"
+    ),
+    "smollm2_dpo_lora": (
+        "lit-trainer fit --config configs/smollm2_dpo.yaml --config configs/overlays/smollm2_lora.yaml "
+        "--model.init_args.model runs/smollm2_sft_lora/version_0/hf_model --model.init_args.learning_rate 0.0001 "
+        "--run_name smollm2_dpo_lora"
+    ),
 }
 """The command that writes ``runs/<run name>/`` for each run whose export a shipped recipe or page loads (run from the
 repository root; ``tests/test_chained_recipes.py`` checks that every such path is here and that each command writes
