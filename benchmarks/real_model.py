@@ -37,10 +37,11 @@ rounding, ~1e-5) and, for GRPO, each side's mean training reward.
 
 Known differences: GRPO's completions are sampled, and the two trainers draw their random numbers in a different
 order, so the two sides train on different completions (same prompts, same reward, same loss): their losses are not
-comparable step by step, and their held-out scores differ by sampling noise as much as by anything else. TRL's
-``assistant_only_loss`` refuses SmolLM2's chat template (it has no ``{% generation %}`` markers), hence the
-prompt/completion split on TRL's side; its tokens and loss mask equal ours (checked: the completion is the assistant's
-answer, ``<|im_end|>`` and the newline after it).
+comparable step by step, and their held-out scores differ by sampling noise as much as by anything else. TRL 1.16's
+``assistant_only_loss`` refuses SmolLM2's chat template (a ValueError: the template has no ``{% generation %}``
+markers and TRL has no training template to swap in for it), hence the prompt/completion split on TRL's side; its
+tokens and loss mask equal ours (checked: the completion is the assistant's answer, ``<|im_end|>`` and the newline
+after it). The RPO loss needs no substitute: TRL 1.16's ``DPOConfig`` takes the same ``loss_type``/``loss_weights``.
 """
 
 from __future__ import annotations
