@@ -518,11 +518,11 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
-def report(args: argparse.Namespace, base: float, results: dict[str, dict[str, Any]], checks: dict) -> str:
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+def report(args: argparse.Namespace, base: float, results: dict[str, dict[str, Any]], checks: dict, load: dict) -> str:
+    start, end = (", ".join(f"{x:.2f}" for x in load[when]) for when in ("start", "end"))
     lines = [
         f"machine: {cpu_model()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-        f"OMP_NUM_THREADS={args.threads}; load average (1, 5, 15 min) at the end: {load}",
+        f"OMP_NUM_THREADS={args.threads}; load average (1, 5, 15 min) at the start: {start}; at the end: {end}",
         f"model {args.model}, {args.steps} optimizer steps per runner, held-out score on {args.eval_n} validation "
         f"problems; untrained model: {base:.3f}",
         "",
@@ -580,13 +580,15 @@ def main() -> None:
         algo, runner = args.one.split(":")
         Path(args.out).write_text(json.dumps(run_one(algo, runner, args)))
         return
+    load = {"start": os.getloadavg()}
     base = measure("base", "untrained", args)["score"]
     results: dict[str, dict[str, Any]] = {}
     checks: dict[str, dict[str, Any]] = {}
     for algo in args.algos.split(","):
         results[algo] = {runner: measure(algo, runner, args) for runner in ("ours", "trl")}
         checks[algo] = compare(algo, results[algo]["ours"], results[algo]["trl"])
-    text = report(args, base, results, checks)
+    load["end"] = os.getloadavg()
+    text = report(args, base, results, checks, load)
     print(text, flush=True)
     if args.json:
         for pair in results.values():
@@ -595,7 +597,7 @@ def main() -> None:
         summary = {
             "machine": cpu_model(),
             "threads": args.threads,
-            "loadavg": os.getloadavg(),
+            "loadavg": load,
             "steps": args.steps,
             "eval_n": args.eval_n,
             "model": args.model,
