@@ -231,7 +231,6 @@ def fit_ours(algo: str, module: Any, data: Any, steps: int, probe: Probe) -> Non
         devices=1,
         precision="32-true",
         max_steps=steps,
-        gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -241,6 +240,11 @@ def fit_ours(algo: str, module: Any, data: Any, steps: int, probe: Probe) -> Non
         callbacks=[Record()],
     )
     trainer.fit(module, datamodule=data)
+
+
+def ours_options(algo: str) -> dict[str, Any]:
+    """The optimization options both sides share, as our modules take them (``trl_config`` gives TRL the same)."""
+    return {"learning_rate": LEARNING_RATE[algo], "scheduler": "constant", "warmup_steps": 0, "max_grad_norm": 1.0}
 
 
 def trl_config(cls: Any, algo: str, out: str, steps: int, **extra: Any) -> Any:
@@ -303,10 +307,7 @@ def run_sft(runner: str, model: Any, tokenizer: Any, steps: int, probe: Probe, o
         module = CausalLMModule(
             model,
             tokenizer=tokenizer,
-            learning_rate=LEARNING_RATE["sft"],
-            scheduler="constant",
-            warmup_steps=0,
-            max_grad_norm=1.0,
+            **ours_options("sft"),
         )
         data = SFTDataModule(
             tokenizer=tokenizer,
@@ -349,10 +350,7 @@ def run_dpo(runner: str, model: Any, tokenizer: Any, steps: int, probe: Probe, o
         module = DPOModule(
             model,
             tokenizer=tokenizer,
-            learning_rate=LEARNING_RATE["dpo"],
-            scheduler="constant",
-            warmup_steps=0,
-            max_grad_norm=1.0,
+            **ours_options("dpo"),
             **loss,
         )
         data = PreferenceDataModule(
@@ -403,10 +401,7 @@ def run_grpo(runner: str, model: Any, tokenizer: Any, steps: int, probe: Probe, 
             model,
             tokenizer=tokenizer,
             reward_funcs=[reward],
-            scheduler="constant",
-            learning_rate=LEARNING_RATE["grpo"],
-            warmup_steps=0,
-            max_grad_norm=1.0,
+            **ours_options("grpo"),
             **options,
         )
         data = PromptDataModule(
