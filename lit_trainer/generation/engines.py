@@ -32,11 +32,14 @@ class Completions(NamedTuple):
 
     ``ids``: (R, C) token ids (pad after the first EOS); ``mask``: (R, C) 1 on kept tokens (EOS included);
     ``truncated``: (R,) bool, True when no EOS was produced within ``max_completion_length``.
+    ``logps``: (R, C) the engine's own log-probs of the tokens (0 off the mask), from an engine that computes them
+    while sampling (vLLM); None otherwise.
     """
 
     ids: Tensor
     mask: Tensor
     truncated: Tensor
+    logps: Tensor | None = None
 
 
 def rollout_seed(seed: int, round_index: int, rank: int, stream: int = 0) -> int:
@@ -337,21 +340,42 @@ class ContinuousBatchingEngine(RolloutEngine):
         return generate_completions_continuous(model, prompt_ids, prompt_mask, config, eos_ids, self.options)
 
 
-def make_engine(continuous_batching: bool, options: dict[str, Any] | None, custom: str | None = None) -> RolloutEngine:
-    """The engine the options name: ``custom`` (an import path of a :class:`RolloutEngine` subclass, built without
-    arguments), else continuous batching or ``generate``.
+#: short names of ``rollout_engine``
+ENGINE_NAMES = {"vllm": "lit_trainer.generation.vllm.VLLMEngine"}
+
+
+def make_engine(
+    continuous_batching: bool,
+    options: dict[str, Any] | None,
+    custom: str | None = None,
+    custom_options: dict[str, Any] | None = None,
+) -> RolloutEngine:
+    """The engine the options name: ``custom`` ("vllm", or an import path of a :class:`RolloutEngine` subclass, built
+    with ``custom_options`` as keyword arguments), else continuous batching or ``generate``.
 
     Raises:
-        ValueError: ``custom`` does not import, or is not a RolloutEngine subclass.
+        ValueError: ``custom`` does not import, or is not a RolloutEngine subclass; ``custom_options`` without
+            ``custom``.
     """
+    if custom is None and custom_options:
+        raise ValueError(
+            f"rollout_engine_options={custom_options!r} without rollout_engine: name the engine they are for "
+            "(rollout_engine='vllm'), or leave them unset."
+        )
     if custom is not None:
         from lit_trainer.core.import_path import import_object
 
-        cls = import_object(custom, "rollout_engine", "give 'package.module.Class' of a RolloutEngine subclass.")
+        path = ENGINE_NAMES.get(custom, custom)
+        cls = import_object(
+            path, "rollout_engine", "give 'vllm' or 'package.module.Class' of a RolloutEngine subclass."
+        )
         if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
             raise ValueError(
                 f"rollout_engine {custom!r} is not a RolloutEngine subclass: subclass "
                 "lit_trainer.modules.grpo.RolloutEngine and override generate()."
             )
-        return cls()
+        try:
+            return cls(**(custom_options or {}))
+        except TypeError as error:
+            raise ValueError(f"rollout_engine_options={custom_options!r} do not fit {path}: {error}") from None
     return ContinuousBatchingEngine(options) if continuous_batching else GenerateEngine()

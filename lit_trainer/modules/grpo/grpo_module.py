@@ -111,8 +111,11 @@ class GRPOModule(OnlineRLModule):
             samples in the training process. See :mod:`lit_trainer.modules.grpo._async` and docs/grpo.md.
         rollout_worker_device: the worker's device (``"cpu"``, ``"cuda:1"``); None = this rank's device.
         rollout_worker_threads: the worker's CPU threads (``torch.set_num_threads``); None = the trainer's count.
-        rollout_engine: import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass the
-            worker samples with (None: ``generate``, or continuous batching when asked).
+        rollout_engine: ``"vllm"`` (:class:`~lit_trainer.generation.vllm.VLLMEngine`, needs ``max_staleness``;
+            docs/vllm.md) or the import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass the worker
+            samples with (None: ``generate``, or continuous batching when asked).
+        rollout_engine_options: keyword arguments of that engine's class (vLLM: ``python``, ``dtype``,
+            ``max_model_len``, ``kv_cache_gib``, ...).
         rollout_importance_sampling_correction: correct stale rounds (and every round of an engine with other
             numerics) by the ratio ``exp(old - behaviour)`` of the trainer's log-probs at the round's start to the
             worker's, truncated or masked as ``rollout_importance_sampling_mode`` says (TRL's
@@ -206,6 +209,7 @@ class GRPOModule(OnlineRLModule):
         rollout_worker_device: str | None = None,
         rollout_worker_threads: int | None = None,
         rollout_engine: str | None = None,
+        rollout_engine_options: dict[str, Any] | None = None,
         rollout_importance_sampling_correction: bool = True,
         rollout_importance_sampling_mode: SamplingISMode = "sequence_mask",
         rollout_importance_sampling_clip_max: float | None = 3.0,
@@ -267,6 +271,10 @@ class GRPOModule(OnlineRLModule):
     @override
     def _rollout_engine_path(self) -> str | None:
         return self.hparams.rollout_engine  # the worker's engine class samples this process's rounds too
+
+    @override
+    def _rollout_engine_options(self) -> dict[str, Any] | None:
+        return self.hparams.rollout_engine_options
 
     def behaviour_scorer(self) -> Callable[[Any, dict[str, Tensor]], Tensor]:
         """The forward the rollout worker runs for the behaviour log-probs of its rounds: ``scorer(model, rows)`` ->

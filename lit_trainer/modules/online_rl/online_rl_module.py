@@ -247,7 +247,10 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
         )
         self.continuous_batching = use_transformers_continuous_batching or use_transformers_paged
         self.engine: RolloutEngine = make_engine(
-            self.continuous_batching, transformers_continuous_batching_config, self._rollout_engine_path()
+            self.continuous_batching,
+            transformers_continuous_batching_config,
+            self._rollout_engine_path(),
+            self._rollout_engine_options(),
         )
         # the round's sampling: options and engine, no attribute of this module (the async worker builds its own)
         self.rollouts = RolloutGenerator(self.engine, SamplingOptions.from_hparams(self.hparams), self.tokenizer)
@@ -309,6 +312,10 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
     def _rollout_engine_path(self) -> str | None:
         """Import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass to sample with (None: ``generate``,
         or continuous batching when asked); read once, in ``__init__``."""
+        return None
+
+    def _rollout_engine_options(self) -> dict[str, Any] | None:
+        """Keyword arguments of that engine's class (read once, in ``__init__``)."""
         return None
 
     # ------------------------------------------------------------------------------------------------ lifecycle

@@ -86,7 +86,8 @@ class WorkerSpec:
         options: the round's sampling options (the module's ``self.rollouts.options``).
         continuous_batching: sample with transformers' continuous batching.
         continuous_batching_config: its ``ContinuousBatchingConfig`` fields.
-        engine: import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass, or None.
+        engine: "vllm", the import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass, or None.
+        engine_options: keyword arguments of that engine's class.
         tools: the tool functions.
         environments: the run's environments, or None.
         scorer: the behaviour log-prob forward, ``(model, rows) -> (B, C)`` (the module's
@@ -104,6 +105,7 @@ class WorkerSpec:
     continuous_batching: bool
     continuous_batching_config: dict[str, Any] | None
     engine: str | None
+    engine_options: dict[str, Any] | None
     tools: list[Any]
     environments: Any
     scorer: Callable[[Any, dict[str, Tensor]], Tensor]
@@ -137,7 +139,9 @@ class WorkerRounds:
         self.device = torch.device(spec.device)
         self.model = spec.model.to(self.device)
         self.model.requires_grad_(False)
-        engine = make_engine(spec.continuous_batching, spec.continuous_batching_config, spec.engine)
+        engine = make_engine(
+            spec.continuous_batching, spec.continuous_batching_config, spec.engine, spec.engine_options
+        )
         self.rollouts = RolloutGenerator(engine, spec.options, spec.tokenizer)
         self.loaded = -1  # the weights version the model holds
 
@@ -156,10 +160,15 @@ class WorkerRounds:
                 environments=spec.environments, owner=spec.owner,
             )  # fmt: skip
             rows, count = sampled.rows, sampled.rows["prompt_ids"].shape[0]
-            # the first prompt group alone (the trainer's sampler check scores it with the same shapes), then the rest
-            # in chunks of one micro-batch (the rows are not trimmed: every chunk has the full width)
-            behaviour = spec.scorer(self.model, {k: v[: spec.group] for k, v in rows.items()})
-            if count > spec.group:
+            # an engine that returns its own log-probs of a plain round's tokens (vLLM) gives the behaviour log-probs;
+            # otherwise: the first prompt group alone (the trainer's sampler check scores it with the same shapes),
+            # then the rest in chunks of one micro-batch (the rows are not trimmed: every chunk has the full width)
+            engine_logps = sampled.completions.logps if sampled.decoded is None else None
+            if engine_logps is not None:
+                behaviour = engine_logps.float() * rows["completion_mask"]
+            else:
+                behaviour = spec.scorer(self.model, {k: v[: spec.group] for k, v in rows.items()})
+            if engine_logps is None and count > spec.group:
                 tail = {k: v[spec.group :] for k, v in rows.items()}
                 size = max(1, (count - spec.group) // spec.steps_per_generation)
                 behaviour = torch.cat([behaviour, chunked_logps(spec.scorer, self.model, tail, size)])
@@ -215,8 +224,13 @@ def worker_main(spec: WorkerSpec | Deferred, requests: Any, results: Any, weight
     except BaseException:  # the trainer raises it with the worker's traceback
         results.put((-1, "error", traceback.format_exc()))
         return
-    while (request := requests.get()) is not None:
-        try:
-            results.put((request.round_index, "ok", rounds.sample(weights, request)))
-        except BaseException:  # the trainer raises it with the worker's traceback
-            results.put((request.round_index, "error", traceback.format_exc()))
+    try:
+        while (request := requests.get()) is not None:
+            try:
+                results.put((request.round_index, "ok", rounds.sample(weights, request)))
+            except BaseException:  # the trainer raises it with the worker's traceback
+                results.put((request.round_index, "error", traceback.format_exc()))
+    finally:  # an engine with a process of its own (vLLM's server) stops with the worker
+        close = getattr(rounds.rollouts.engine, "close", None)
+        if close is not None:
+            close()

