@@ -21,9 +21,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from test_grpo_module import QUIET, data, grpo
 
+from helpers.cli import fit_recipe, logged_rows
 from helpers.models import tiny_llama
 from helpers.vllm_env import vllm_python
-from lit_trainer.generation.vllm import VLLMEngine
+from lit_trainer.generation.vllm import PYTHON_ENV, VLLMEngine
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,8 @@ PROMPT_LOG = "LIT_TEST_VLLM_PROMPT_LOG"
 
 
 def recording_reward(prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float]:
-    """Even token ids among the kept ones (varies within a group: completions rarely end early here), and every scored round's prompts appended to ``$LIT_TEST_VLLM_PROMPT_LOG``."""
+    """Even token ids among the kept ones (varies within a group: completions rarely end early here); every scored
+    round's prompts are appended to ``$LIT_TEST_VLLM_PROMPT_LOG``."""
     with open(os.environ[PROMPT_LOG], "a") as log:
         log.write(json.dumps(list(prompts)) + "\n")
     return [float(sum(t % 2 == 0 for t in ids)) for ids in completion_ids]
@@ -106,3 +108,15 @@ def test_a_vllm_that_never_gets_the_new_weights_is_caught_by_the_sampler_check(t
         _fit(tmp_path, 3, engine=f"{__name__}.NeverSyncs")
     gaps = _log(tmp_path)["sampler_check/logp_gap_max"].dropna().tolist()
     assert gaps[0] < ROUNDING and max(gaps[1:]) > 100 * ROUNDING, gaps
+
+
+def test_the_vllm_recipe_runs_from_the_command_line(tmp_path, monkeypatch):
+    """configs/grpo_vllm.yaml as a user runs it (its engine options through LightningCLI), shortened."""
+    monkeypatch.setenv(PYTHON_ENV, vllm_python())
+    fit_recipe(
+        "grpo_vllm.yaml", tmp_path, "--trainer.max_steps=2", "--trainer.accumulate_grad_batches=1",
+        "--data.init_args.batch_size=16", "--model.init_args.num_generations=4",
+    )  # fmt: skip
+    rows = logged_rows(tmp_path / "runs" / "grpo_vllm" / "version_0")
+    gaps = [float(r["sampler_check/logp_gap_max"]) for r in rows if r.get("sampler_check/logp_gap_max")]
+    assert len(gaps) == 2 and max(gaps) < ROUNDING, gaps

@@ -5,7 +5,7 @@ Why a server in another environment: vLLM pins the ``transformers`` it was built
 ``transformers<5.20``), older than this project's, so the two cannot share one Python environment. The engine starts
 ``<python> vllm_server.py`` (:mod:`lit_trainer.generation.vllm_server`, which imports only torch and vLLM) with the
 interpreter of an environment that has vLLM, and talks to it over a Unix socket. ``python -m
-lit_trainer.generation.vllm install DIR`` creates such an environment.
+lit_trainer.generation.vllm install`` creates such an environment (``.venv-vllm``, where the engine looks by default).
 
 How weights reach vLLM: through vLLM's own in-place reload (``reload_weights``, called with ``collective_rpc``), from
 an HF-format directory the engine writes in shared memory (``/dev/shm``) before the first round after the weights
@@ -51,32 +51,37 @@ VLLM_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 
 
+#: where ``python -m lit_trainer.generation.vllm install`` puts the environment by default (relative to the working
+#: directory), and where the engine looks last
+DEFAULT_ENV = Path(".venv-vllm")
+
+
 def vllm_python(python: str | None = None) -> str:
     """The interpreter that runs the vLLM server: ``python``, else ``$LIT_TRAINER_VLLM_PYTHON``, else this one when
-    it can import vLLM.
+    it can import vLLM, else ``.venv-vllm/bin/python`` in the working directory.
 
     Raises:
         FileNotFoundError: none of these has vLLM; the message says how to make an environment that does.
     """
+    how = (
+        f"Create it with `python -m lit_trainer.generation.vllm install {DEFAULT_ENV}` (about 2 minutes and 3.5 GB; "
+        f"vLLM pins an older transformers than lit_trainer's, so it lives in an environment of its own), or name "
+        f"an interpreter with rollout_engine_options={{'python': ...}} or ${PYTHON_ENV}."
+    )
     chosen = python or os.environ.get(PYTHON_ENV)
     if chosen:
         if not Path(chosen).exists():
-            raise FileNotFoundError(
-                f"VLLMEngine(python={chosen!r}): no such interpreter. Create the vLLM environment with "
-                f"`python -m lit_trainer.generation.vllm install .venv-vllm`, then give .venv-vllm/bin/python."
-            )
+            raise FileNotFoundError(f"VLLMEngine: the vLLM interpreter {chosen!r} does not exist. {how}")
         return str(chosen)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise FileNotFoundError(
-        "VLLMEngine needs a Python environment with vLLM, and this one has none (vLLM pins an older transformers "
-        "than lit_trainer's, so it lives in an environment of its own). Create it with "
-        "`python -m lit_trainer.generation.vllm install .venv-vllm` and pass "
-        "`rollout_engine_options={'python': '.venv-vllm/bin/python'}` (or set $LIT_TRAINER_VLLM_PYTHON)."
-    )
+    default = DEFAULT_ENV / "bin" / "python"
+    if default.exists():
+        return str(default)
+    raise FileNotFoundError(f"VLLMEngine needs a Python environment with vLLM: none at {default.resolve()}. {how}")
 
 
-def install(directory: str | os.PathLike, python: str = sys.executable) -> Path:
+def install(directory: str | os.PathLike = DEFAULT_ENV, python: str = sys.executable) -> Path:
     """Create a virtual environment with vLLM's CPU build at ``directory`` (about 2 minutes and 3.5 GB) and return
     its interpreter. Safe to run again: an existing environment is updated in place."""
     directory = Path(directory)
@@ -265,7 +270,7 @@ class VLLMEngine(RolloutEngine):
 
     Args:
         python: the interpreter of an environment with vLLM (default: ``$LIT_TRAINER_VLLM_PYTHON``, else this one
-            if it has vLLM).
+            if it has vLLM, else ``.venv-vllm/bin/python``: :func:`vllm_python`).
         dtype: vLLM's ``dtype`` ("float32" matches a float32 trainer to rounding; "bfloat16" is faster and further).
         max_model_len: the longest prompt + completion, in tokens (default: the model's).
         max_num_seqs: rows vLLM decodes at once (default: vLLM's).
@@ -419,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lit_trainer.generation.vllm")
     commands = parser.add_subparsers(dest="command", required=True)
     create = commands.add_parser("install", help="create a virtual environment with vLLM's CPU build")
-    create.add_argument("directory", help="where (e.g. .venv-vllm)")
+    create.add_argument("directory", nargs="?", default=str(DEFAULT_ENV), help="where (default: .venv-vllm)")
     args = parser.parse_args(argv)
     install(args.directory)
 
