@@ -302,6 +302,10 @@ class RolloutEngine:
         """
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the engine holds outside the model (a server process); called when fitting ends. The engine
+        may be used again afterwards (it starts what it needs again)."""
+
     @torch.no_grad()
     def load_weights(self, model: Any, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy ``(parameter name, tensor)`` pairs into ``model``'s parameters of the same names.

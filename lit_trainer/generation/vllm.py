@@ -9,8 +9,8 @@ lit_trainer.generation.vllm install`` creates such an environment (``.venv-vllm`
 
 How weights reach vLLM: through vLLM's own in-place reload (``reload_weights``, called with ``collective_rpc``), from
 an HF-format directory the engine writes in shared memory (``/dev/shm``) before the first round after the weights
-changed. The engine notices a change by the parameters' version counters (every in-place update, an optimizer step
-or :meth:`RolloutEngine.load_weights`, bumps them), so it needs no call from the trainer. LoRA adapters are merged
+changed. The engine notices a change by a checksum of the weights' values (:func:`weights_fingerprint`), so it needs
+no call from the trainer. LoRA adapters are merged
 into the base weights for vLLM (``W + scale * B @ A``, the policy's own weights untouched); a tied LM head is written
 under its own name (vLLM's reload does not re-tie it: the head would silently keep its first weights).
 
@@ -153,9 +153,15 @@ def write_checkpoint(model: torch.nn.Module, directory: Path) -> None:
     save_file(export_weights(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def weights_fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-    """Identity and in-place version counter of every parameter: changes whenever any weight is written."""
-    return tuple((id(p), p._version) for p in model.parameters())
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module) -> Tensor:
+    """A checksum of the weights' values: per parameter, its sum and its sum of squares in float64.
+
+    Values, not the parameters' in-place version counters: torch's fused AdamW updates the weights without bumping
+    those (measured with torch 2.13), so an engine that watched them never reloaded after an optimizer step.
+    """
+    sums = [torch.stack([p.sum(dtype=torch.float64), (p.double() ** 2).sum()]) for p in model.parameters()]
+    return torch.stack(sums).cpu() if sums else torch.zeros(0)
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -299,7 +305,7 @@ class VLLMEngine(RolloutEngine):
             "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "start_timeout": start_timeout,
         }  # fmt: skip
         self.server: VLLMServer | None = None
-        self._synced: tuple | None = None  # the fingerprint of the weights the server holds
+        self._synced: Tensor | None = None  # the fingerprint of the weights the server holds
         self._workdir: Path | None = None
         self.reloads = 0
         self.reload_seconds = 0.0
@@ -333,7 +339,7 @@ class VLLMEngine(RolloutEngine):
             self._start(model)
             return
         fingerprint = weights_fingerprint(model)
-        if fingerprint == self._synced:
+        if torch.equal(fingerprint, self._synced):
             return
         write_checkpoint(model, self._workdir / "weights")
         self.reload_seconds += self.server.call("reload", str(self._workdir / "weights"))

@@ -16,7 +16,7 @@ accumulation window resumes exactly.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from lit_trainer.core import sharding as _sharding
 from lit_trainer.core.seeding import derive_seed
 from lit_trainer.data.collate import SFTCollator
 from lit_trainer.data.loader import NUM_ITEMS_KEY
-from lit_trainer.generation import GenerateEngine, RolloutGenerator, SamplingOptions
+from lit_trainer.generation import RolloutGenerator, SamplingOptions, make_engine
 from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.causal_lm import count_target_tokens
 from lit_trainer.losses.distillation import chunked_token_divergence, generalized_jsd_loss
@@ -61,7 +61,8 @@ class DistillationModule(BaseModule):
     Per micro-batch (:mod:`lit_trainer.modules.distillation`): with probability ``lmbda`` the student samples the
     completions of the batch's prompts (``temperature``, ``max_new_tokens``, top-k 0 and top-p 1 as TRL's GKD), else
     the dataset's completions are used (``seq_kd=True``: the teacher samples them instead), sampled through
-    ``self.rollouts`` (a :class:`~lit_trainer.generation.RolloutGenerator`, ``generate`` engine). The student (with
+    ``self.rollouts`` (a :class:`~lit_trainer.generation.RolloutGenerator`: ``generate``, or vLLM with
+    ``rollout_engine="vllm"``, docs/vllm.md). The student (with
     gradient) and the teacher (``torch.no_grad``, eval mode) score the same rows; the loss is the generalised JSD of
     their temperature-scaled next-token distributions at every completion token (EOS included), a token mean over the
     optimizer step. ``beta=0`` is the forward KL(teacher || student), ``beta=1`` the reverse KL.
@@ -88,6 +89,10 @@ class DistillationModule(BaseModule):
         temperature: sampling temperature and the softmax temperature of the divergence (> 0).
         max_new_tokens: most tokens sampled per completion (TRL ``DistillationConfig.max_completion_length``).
         seq_kd: off-policy micro-batches use teacher-sampled completions instead of the dataset's.
+        rollout_engine: what samples the student's completions: ``"generate"`` (transformers) or ``"vllm"``
+            (:class:`~lit_trainer.generation.vllm.VLLMEngine` in the training process, reloaded after every optimizer
+            step; not with ``seq_kd`` nor a sharded student).
+        rollout_engine_options: keyword arguments of :class:`~lit_trainer.generation.vllm.VLLMEngine`.
         generation_seed: seed of the ``lmbda`` draws and of sampling; None = the torch initial seed at fit start.
         disable_dropout: zero every dropout of the student and the teacher (TRL's GKD default).
         eval_exact_match: also log ``val_exact_match`` (a greedy ``generate`` per validation batch).
@@ -120,6 +125,8 @@ class DistillationModule(BaseModule):
         temperature: float = 0.9,
         max_new_tokens: int = 128,
         seq_kd: bool = False,
+        rollout_engine: Literal["generate", "vllm"] = "generate",
+        rollout_engine_options: dict[str, Any] | None = None,
         generation_seed: int | None = None,
         disable_dropout: bool = True,
         eval_exact_match: bool = False,
@@ -140,6 +147,15 @@ class DistillationModule(BaseModule):
                 f"eval_max_new_tokens={eval_max_new_tokens})` is invalid: the temperature must be > 0 and the token "
                 "budgets >= 1."
             )
+        if rollout_engine not in ("generate", "vllm"):
+            raise ValueError(
+                f"`DistillationModule(rollout_engine={rollout_engine!r})` is not an engine: use 'generate' or 'vllm'."
+            )
+        if rollout_engine == "vllm" and seq_kd:
+            raise ValueError(
+                "`DistillationModule(rollout_engine='vllm', seq_kd=True)`: with seq_kd the teacher samples too, and "
+                "one vLLM engine holds one model. Use rollout_engine='generate' with seq_kd, or seq_kd=False."
+            )
         if teacher is self.model:
             raise ValueError(
                 "`DistillationModule(teacher_model=...)` is the student object itself: pass another model."
@@ -156,7 +172,8 @@ class DistillationModule(BaseModule):
             max_completion_length=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
             repetition_penalty=1.0,
         )  # fmt: skip
-        self.rollouts = RolloutGenerator(GenerateEngine(), options, self.tokenizer)
+        engine = make_engine(False, None, None if rollout_engine == "generate" else "vllm", rollout_engine_options)
+        self.rollouts = RolloutGenerator(engine, options, self.tokenizer)
         # the optimizer step's window in progress: (epoch, first batch index), and over its micro-batches so far and
         # all ranks (so the same on every rank, and in a checkpoint written inside the window) the tokens trained on
         # minus the dataset's tokens they replaced (0 for dataset micro-batches), and whether any micro-batch sampled
@@ -234,6 +251,11 @@ class DistillationModule(BaseModule):
         super().on_fit_start()
         if self._seed is None:
             self._seed = torch.initial_seed()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)
+        self.rollouts.engine.close()  # a vLLM server stops with the fit
 
     @override
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:

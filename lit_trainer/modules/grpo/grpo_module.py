@@ -345,6 +345,7 @@ class GRPOModule(OnlineRLModule):
     @override
     def teardown(self, stage: str) -> None:
         self.async_rollouts.close()
+        self.engine.close()  # an engine's server in this process (vLLM sampling a resampled round), if one started
         super().teardown(stage)
 
     @override
