@@ -45,6 +45,7 @@ from lit_trainer.losses.grpo import grpo_loss_metrics, grpo_policy_loss
 from lit_trainer.losses.grpo_advantages import Aggregation, ScaleRewards, grpo_advantages, grpo_reward_metrics
 from lit_trainer.losses.grpo_masks import SamplingISMode, high_entropy_mask, masked_mean_entropy, off_policy_mask
 from lit_trainer.losses.grpo_options import GRPO_LOSS_DEFAULTS, ImportanceSamplingLevel, LossType
+from lit_trainer.modules.grpo._async import STATE_KEY as _ASYNC_KEY
 from lit_trainer.modules.grpo._async import AsyncOptions, AsyncRollouts
 from lit_trainer.modules.grpo._entropy import EntropyControl, gather_entropy_pool
 from lit_trainer.modules.grpo._normaliser import StepNormaliser
@@ -355,11 +356,17 @@ class GRPOModule(OnlineRLModule):
             state = self._entropy.state_dict()
             windows = gather_from_all_ranks(state.pop("window"))  # a collective under DDP
             checkpoint[_ENTROPY_KEY] = {**state, "windows": windows}
+        if self._buffer is not None:  # the weights versions the rounds in flight were sampled by (no collective)
+            state = self.async_rollouts.state_dict(self._buffer.rounds)
+            if state is not None:
+                checkpoint[_ASYNC_KEY] = state
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self._restored_entropy = checkpoint.get(_ENTROPY_KEY)
+        if self.async_rollouts.enabled:
+            self.async_rollouts.load_state_dict(checkpoint.get(_ASYNC_KEY))
 
     # ------------------------------------------------------------------------------------------------ rollouts
     @override

@@ -5,6 +5,7 @@ its private parts are beside it in this folder."""
 
 from lit_trainer.modules.grpo._async.async_rollouts import (
     CLOSE_SECONDS,
+    STATE_KEY,
     AsyncOptions,
     AsyncRollouts,
     RolloutWorker,
@@ -12,4 +13,12 @@ from lit_trainer.modules.grpo._async.async_rollouts import (
     worker_context,
 )
 
-__all__ = ["CLOSE_SECONDS", "AsyncOptions", "AsyncRollouts", "RolloutWorker", "strip_hooks", "worker_context"]
+__all__ = [
+    "CLOSE_SECONDS",
+    "STATE_KEY",
+    "AsyncOptions",
+    "AsyncRollouts",
+    "RolloutWorker",
+    "strip_hooks",
+    "worker_context",
+]

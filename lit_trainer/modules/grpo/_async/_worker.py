@@ -62,6 +62,10 @@ class SharedWeights:
             self.slots[slot][name].copy_(full(weights[name].detach()))
         self.versions[slot] = version
 
+    def holds(self, version: int) -> bool:
+        """Whether the slot of ``version`` holds it (published whole, not overwritten since)."""
+        return int(self.versions[version % len(self.slots)]) == version
+
     def read(self, version: int) -> dict[str, Tensor]:
         """The tensors of ``version`` (shared memory, do not modify).
 

@@ -23,9 +23,16 @@ the seed of ``(generation_seed, q, rank)``); only the weights that sample it cha
 * **Scoring** stays in the trainer (reward functions and models, gathered over ranks as in a synchronous round), as
   do the old log-probs, the importance-sampling correction of stale rounds and the sampler check
   (:meth:`AsyncRollouts.off_policy_terms`).
-* **Resume.** Rounds in flight are not checkpointed: a resumed run regenerates them from their seeds with the resumed
-  weights (with ``k = 0`` that is exactly the uninterrupted run; with ``k > 0`` the first ``k`` rounds after a resume
-  are fresher than they would have been).
+* **Resume.** Rounds in flight are not checkpointed: a resumed run regenerates them from their seeds (the round, the
+  rank and ``generation_seed``) and their prompts (the loader's exact resume), with the weights they would have had.
+  The checkpoint carries what that needs (:meth:`AsyncRollouts.state_dict`, key ``grpo_async_rollouts``): ``first``,
+  and the trainable weights (LoRA: the adapters) of the versions ``v`` with ``N - k <= v < N`` still read by the
+  rounds from ``N`` on (``N``: the next round to generate), copied from the shared slots; a resumed fit publishes
+  them into its new worker's slots before it sends any round (:meth:`AsyncRollouts.start`), so round ``q`` is again
+  sampled by version ``max(q - k, first)`` and the run continues bit for bit (tested at ``k = 1`` and ``2``). The
+  checkpoint grows by up to ``k`` copies of the trainable weights. A checkpoint without them (written before, by a
+  synchronous run, or with a smaller ``k``) still loads: the first ``k`` rounds after the resume are then sampled
+  with the resumed, fresher weights, with a warning.
 * **Death.** A worker that dies without reporting an error (killed by a signal, e.g. SIGKILL) is noticed while the
   trainer waits for its round, at the start of an optimizer step: a ``JITCheckpoint`` among the callbacks saves the
   last finished step and the run stops with one line naming the worker, its signal or exit code and the round
@@ -65,6 +72,8 @@ from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
 CLOSE_SECONDS = 5.0
+#: the checkpoint key of :meth:`AsyncRollouts.state_dict` (the weights versions the rounds in flight need)
+STATE_KEY = "grpo_async_rollouts"
 
 
 def worker_context() -> Any:
@@ -212,7 +221,10 @@ class AsyncRollouts:
     def __init__(self, options: AsyncOptions) -> None:
         self.options = options
         self.worker: RolloutWorker | None = None  # this rank's worker, while fitting
-        self._first: int | None = None  # the first round of this fit
+        self._first: int | None = None  # the first round of the run (of this fit, or restored from its checkpoint)
+        self._resumed = False  # a checkpoint was loaded (on_load_checkpoint), with this state (None: none in it)
+        self._restored: dict[str, Any] | None = None
+        self._republished: set[int] = set()  # versions published from the checkpoint (not this fit's weights)
         self._check_warned = False
         self._model_copy: torch.nn.Module | None = None  # taken before FSDP2 shards the policy
 
@@ -262,7 +274,65 @@ class AsyncRollouts:
         weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=self.options.max_staleness + 1)
         # (a DTensor's shape and dtype are the full parameter's)
         self.worker = RolloutWorker(spec, weights)
-        self._first = None
+        self._first, self._republished = None, set()
+        resumed, restored, self._resumed, self._restored = self._resumed, self._restored, False, None
+        if resumed and self.options.max_staleness:
+            self._republish(weights, restored)
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def state_dict(self, next_round: int) -> dict[str, Any] | None:
+        """What a resumed fit needs to sample the rounds in flight as this one does (module docstring, "Resume"):
+        ``first``, ``next_round`` (``N``: the next round to generate, the buffer's ``rounds``, whether or not the
+        checkpoint falls inside a round) and ``versions``: ``{v: {name: tensor}}`` for ``max(N - k, first) <= v < N``,
+        the trainable weights rounds ``N``, ``N + 1``, ... will still be sampled (and sampler-checked) by, copied out of
+        the shared slots (every slot holds full CPU tensors, the same on every rank: under DDP or FSDP2 the dict rank 0
+        saves is every rank's). They are past weights, which nothing else in the checkpoint can recreate, and the slots
+        already hold them, so no collective and no extra pass is needed; version ``N`` and later are the resumed fit's
+        own weights when it reaches them. None while no worker runs (nothing to read them from)."""
+        weights = self.worker.weights if self.worker is not None else None
+        if not self.enabled or weights is None:
+            return None
+        k = self.options.max_staleness
+        first = next_round if self._first is None else self._first
+        needed = range(max(next_round - k, first), next_round)
+        missing = [v for v in needed if not weights.holds(v)]
+        if missing:  # cannot happen while slots are reused as described; never fail a save for it
+            rank_zero_warn(
+                f"[lit_trainer] The checkpoint at round {next_round} holds no weights versions: versions {missing} "
+                "are not in the shared slots. A resume from it samples its first rounds with fresher weights."
+            )
+            return None
+        versions = {v: {n: t.clone() for n, t in weights.read(v).items()} for v in needed}
+        return {"max_staleness": k, "first": first, "next_round": next_round, "versions": versions}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Keep a loaded checkpoint's :meth:`state_dict` (None when it has none) for :meth:`start`."""
+        self._resumed, self._restored = True, state
+
+    def _republish(self, weights: SharedWeights, state: dict[str, Any] | None) -> None:
+        """Publish the checkpoint's weights versions into the new worker's slots, and restore ``first``; otherwise
+        (they are not all there) warn that the first ``k`` rounds are fresher than in an uninterrupted run."""
+        k, why = self.options.max_staleness, None
+        if state is None:
+            why = "it holds none (written by an older version, a synchronous run, or after fitting ended)"
+        else:
+            next_round, first, versions = int(state["next_round"]), int(state["first"]), state["versions"]
+            needed = range(max(next_round - k, first), next_round)
+            missing = [v for v in needed if v not in versions]
+            if missing:
+                why = f"versions {missing} are not in it (written with max_staleness={state['max_staleness']})"
+            elif any(set(versions[v]) != set(weights.names) for v in needed):
+                why = "they are of other trainable parameters than this run's"
+        if why is not None:
+            rank_zero_warn(
+                f"[lit_trainer] Resuming max_staleness={k} from a checkpoint without the weights versions that sampled "
+                f"the rounds in flight ({why}): the first {k} rounds after the resume are sampled with the resumed, "
+                "fresher weights (less stale than in an uninterrupted run)."
+            )
+            return
+        for v in needed:
+            weights.publish(v, versions[v])
+        self._first, self._republished = first, set(needed)
 
     def worker_spec(self, module: Any, model: torch.nn.Module, device: str) -> WorkerSpec:
         """What this rank's worker builds its rollout generator from: ``model`` (its copy of the policy), ``module``'s
@@ -306,7 +376,9 @@ class AsyncRollouts:
         worker, r, trainer = self.worker, module._buffer.next_round_index, module.trainer
         if self._first is None:
             self._first = r
-        worker.weights.publish(r, _trainable(module.model))
+        if r not in self._republished:  # a republished version is the weights at the start of round r, which these
+            # are not when the interrupted round is regenerated (a resume with another world size)
+            worker.weights.publish(r, _trainable(module.model))
         if r not in worker.pending and r not in worker.ready:
             worker.submit(self._request(module, r, batch))
         peek = getattr(trainer.train_dataloader, "peek", None)
@@ -358,6 +430,11 @@ class AsyncRollouts:
     def _request(self, module: Any, round_index: int, batch: dict[str, Any]) -> RoundRequest:
         seed = rollout.rollout_seed(module._seed, round_index, module.global_rank)
         version = max(round_index - self.options.max_staleness, self._first)
+        current = module._buffer.next_round_index
+        if version < current and not self.worker.weights.holds(version):
+            # only the interrupted round regenerated after a resume with another world size, whose version the
+            # checkpoint does not keep: the weights at the start of that round (or the resumed ones)
+            version = current
         return RoundRequest(round_index, version, move_data_to_device(batch, "cpu"), seed, module.model.training)
 
     # ----------------------------------------------------------------------------------- off-policy terms
