@@ -1,11 +1,12 @@
 """Asynchronous GRPO rollouts (``max_staleness``): a worker process samples the rounds.
 
 What is pinned here: ``max_staleness=0`` is the synchronous run bit for bit (the worker computes the same thing), a
-resume is exact at 0 and regenerates the rounds in flight with the resumed weights otherwise, stale rounds carry the
-importance-sampling correction and their staleness, the sampler check finds no gap when the worker has the trainer's
-weights and warns when a sync is broken on purpose; plus the pieces without a process (shared weight slots, the
-loader's read-ahead, option checks). Shutdown on signals, LoRA, tools and DDP: tests/test_grpo_async_shutdown.py and
-tests/test_grpo_async_paths.py.
+resume is exact at 0 and, from a checkpoint without the weights versions of ``max_staleness=1`` (a k = 0 one),
+regenerates the rounds in flight with the resumed weights (exact resumes at k > 0: tests/test_grpo_async_resume.py),
+stale rounds carry the importance-sampling correction and their staleness, the sampler check finds no gap when the
+worker has the trainer's weights and warns when a sync is broken on purpose; plus the pieces without a process (shared
+weight slots, the loader's read-ahead, option checks). Shutdown on signals, LoRA, tools and DDP:
+tests/test_grpo_async_shutdown.py and tests/test_grpo_async_paths.py.
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ def test_resume_is_exact_at_max_staleness_zero_and_regenerates_rounds_in_flight(
     checkpoint = str(tmp_path / "first" / "epoch=0-step=2.ckpt")
     resumed = fit(4, ckpt_path=checkpoint, max_staleness=0)
     same_weights(uninterrupted, resumed)
-    # max_staleness=1 from the same checkpoint: the first round after the resume has no older weights to use
-    fit(4, tmp_path / "stale", ckpt_path=checkpoint, max_staleness=1)
+    # max_staleness=1 from the same checkpoint: it keeps no older weights (k = 0 needs none), so the first round after
+    # the resume is sampled by the resumed weights, and a warning says so
+    with pytest.warns(UserWarning, match="without the weights versions that sampled the rounds in flight"):
+        fit(4, tmp_path / "stale", ckpt_path=checkpoint, max_staleness=1)
     assert logged(tmp_path / "stale")["async/staleness"].dropna().tolist() == [0.0, 1.0]
 
 
@@ -182,6 +185,7 @@ def test_shared_weight_slots_hold_one_version_each():
     assert torch.equal(weights.read(1)["w"], torch.tensor([1.0, 1.0]))
     with pytest.raises(RuntimeError, match="version 0 is not in shared memory"):
         weights.read(0)  # overwritten by version 2
+    assert weights.holds(1) and weights.holds(2) and not weights.holds(0) and not weights.holds(3)
 
 
 def test_the_loader_read_ahead_is_what_the_loader_yields():
