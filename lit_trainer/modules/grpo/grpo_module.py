@@ -109,7 +109,9 @@ class GRPOModule(OnlineRLModule):
             rounds while this one trains, round ``q`` with the weights of round ``q - max_staleness`` (the worker
             waits for them: no round is ever staler, none is dropped). 0 runs the synchronous computation in the
             worker, bit-exact; 1 overlaps each round's generation with the previous round's training. None (default)
-            samples in the training process. See :mod:`lit_trainer.modules.grpo._async` and docs/grpo.md.
+            samples in the training process. A resume is exact at any value: the checkpoint keeps the weights
+            versions the rounds in flight are sampled by (up to ``max_staleness`` copies of the trainable weights).
+            See :mod:`lit_trainer.modules.grpo._async` and docs/grpo_async.md.
         rollout_worker_device: the worker's device (``"cpu"``, ``"cuda:1"``); None = this rank's device.
         rollout_worker_threads: the worker's CPU threads (``torch.set_num_threads``); None = the trainer's count.
         rollout_engine: ``"vllm"`` (:class:`~lit_trainer.generation.vllm.VLLMEngine`, needs ``max_staleness``;

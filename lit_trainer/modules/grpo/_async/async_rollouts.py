@@ -6,11 +6,11 @@ keep the synchronous module's meaning (round ``q`` samples the prompts the loade
 the seed of ``(generation_seed, q, rank)``); only the weights that sample it change:
 
 * **Versions.** The weights at the start of round ``r`` are version ``r``. Round ``q`` is sampled by version
-  ``max(q - k, first)`` (``first``: the first round of this fit), so no round is ever more than ``k`` rounds stale and
-  the worker waits for the weights it needs: nothing is dropped and the run does not depend on timing. ``k = 0`` is
-  the synchronous run, computed in the worker: the same code on the same weights with the same seed (bit-exact on
-  CPU). With the default ``steps_per_generation = accumulate_grad_batches`` a round is one optimizer step, so ``k``
-  counts optimizer steps as TRL's ``max_staleness`` counts weight versions.
+  ``max(q - k, first)`` (``first``: the run's first round, kept across resumes), so no round is ever more than ``k``
+  rounds stale and the worker waits for the weights it needs: nothing is dropped and the run does not depend on
+  timing. ``k = 0`` is the synchronous run, computed in the worker: the same code on the same weights with the same
+  seed (bit-exact on CPU). With the default ``steps_per_generation = accumulate_grad_batches`` a round is one
+  optimizer step, so ``k`` counts optimizer steps as TRL's ``max_staleness`` counts weight versions.
 * **Flow, at the start of round r** (:meth:`AsyncRollouts.rows`): publish the trainable weights as version
   ``r`` (LoRA: the adapters only) into shared memory, send the worker the rounds up to ``r + k`` it does not have yet
   (future prompts are read ahead from the loader, :meth:`~lit_trainer.data.loader.TrainLoader.peek`), then take round
