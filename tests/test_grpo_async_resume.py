@@ -2,9 +2,9 @@
 after the resume with the weights versions they would have been sampled with (the checkpoint carries them), so the
 final weights are bit-equal to an uninterrupted run's (``torch.equal``, CPU, the default ``generate`` engine) and
 ``async/staleness`` goes on as in that run. Stopped by ``max_steps`` here (at a round's end, inside a round, with the
-rounds in flight crossing an epoch's end, under LoRA); by SIGTERM through ``JITCheckpoint`` and by SIGKILL after a
-checkpoint in ``test_a_run_stopped_by_sigterm_then_sigkill_resumes_exactly`` (the script of
-``tests/test_grpo_async_shutdown.py``). A checkpoint without the versions still loads, with a warning.
+rounds in flight crossing an epoch's end, under LoRA), by a SIGTERM through ``JITCheckpoint``, and by SIGKILL after a
+checkpoint (the script of ``tests/test_grpo_async_shutdown.py``). A checkpoint without the versions still loads, with a
+warning.
 """
 
 from __future__ import annotations
@@ -18,12 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from test_grpo_async import fit, logged
 from test_grpo_async_paths import LORA
+from test_grpo_module import QUIET, data, grpo
 
-from helpers.ddp import SCRIPTS, script_env, wait_json
+from helpers.ddp import SCRIPTS, script_env
+from helpers.signals import SignalAt
+from lit_trainer.callbacks import ExactResume, JITCheckpoint
+from lit_trainer.callbacks.jit_checkpoint import JITCheckpointExit
 
 pytestmark = pytest.mark.slow  # each case starts rollout workers (the first in a process: ~10 s of CPU)
 
@@ -109,6 +115,36 @@ def test_a_checkpoint_without_the_versions_still_loads_with_a_warning(tmp_path: 
     assert list(_per_step(tmp_path / "resumed", "async/staleness").values()) == [0.0, 1.0]
 
 
+def _fit_with(steps: int, root: Path, callbacks: list, ckpt_path: str | None = None, **options: Any) -> Any:
+    """:func:`test_grpo_async.fit` with the recipes' ``ExactResume`` and ``JITCheckpoint`` (saving at the first step
+    boundary after a signal: ``kill_wait=0``) and more ``callbacks``."""
+    L.seed_everything(0)
+    trainer_options = {**QUIET, "logger": CSVLogger(root, name="log"), **options.pop("trainer", {})}
+    module = grpo(reward_funcs=[token_sum_reward], **options)
+    callbacks = [ExactResume(), JITCheckpoint(kill_wait=0.0), *callbacks]
+    trainer = L.Trainer(
+        max_steps=steps, callbacks=callbacks, log_every_n_steps=1, default_root_dir=root, **trainer_options
+    )
+    trainer.fit(module, datamodule=data(n=16, batch_size=8), ckpt_path=ckpt_path)
+    return module
+
+
+def test_a_sigterm_through_jit_checkpoint_resumes_exactly(tmp_path: Path):
+    """max_staleness=2: a SIGTERM at the end of step 3 (``JITCheckpoint`` saves that step's boundary, the worker
+    holding rounds 4 and 5 in flight), resumed to step 6: the uninterrupted run's weights and staleness."""
+    uninterrupted = _fit_with(6, tmp_path / "whole", [], max_staleness=2)
+    with pytest.raises(JITCheckpointExit) as stopped:
+        _fit_with(6, tmp_path / "first", [SignalAt(3)], max_staleness=2)
+    assert Path(stopped.value.checkpoint_path).name == "last-jit-epoch=0-step=3.ckpt"
+    resumed = _fit_with(6, tmp_path / "resumed", [], ckpt_path=stopped.value.checkpoint_path, max_staleness=2)
+    whole, after = _trainable(uninterrupted), _trainable(resumed)
+    for name in whole:
+        assert torch.equal(whole[name], after[name]), name
+    staleness = _per_step(tmp_path / "whole", "async/staleness")
+    assert _per_step(tmp_path / "resumed", "async/staleness") == {s: v for s, v in staleness.items() if s >= 3}
+    assert max(staleness.values()) == 2
+
+
 # ------------------------------------------------------------------------------------------- stopped from outside
 #: hang guards (seconds) for the script's start and its runs on a loaded machine; not speed requirements
 START_GUARD, RUN_GUARD = 240.0, 300.0
@@ -137,34 +173,26 @@ def _step(checkpoint: Path) -> int:
     return int(torch.load(checkpoint, weights_only=False)["global_step"])
 
 
-def test_a_run_stopped_by_sigterm_then_sigkill_resumes_exactly(tmp_path: Path):
-    """max_staleness=2, 8 optimizer steps, run by ``tests/scripts/grpo_async_fit.py`` (``JITCheckpoint``): stopped by
-    a job-wide SIGTERM while the trainer waits for its worker (the just-in-time checkpoint), resumed with a
-    checkpoint every step and SIGKILLed after one, resumed again to the end: the final trainable weights and every
-    step's ``async/staleness`` equal the uninterrupted run's."""
+def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path: Path):
+    """max_staleness=2, 8 optimizer steps, run by ``tests/scripts/grpo_async_fit.py``: SIGKILLed with its worker and
+    forkserver (as the OOM killer or a lost node would) after two checkpoints of a checkpoint every step, then resumed
+    from the older one (the newer may be half written) to the end: the final trainable weights and every step's
+    ``async/staleness`` equal the uninterrupted run's."""
     whole = tmp_path / "whole"
     assert _finish(_launch(whole, f"steps={TOTAL}"), whole) == 0
 
-    first = tmp_path / "sigterm"
-    proc = _launch(first, "slow")  # the trainer waits for the worker nearly all the time
-    wait_json(first / "started.json", proc, first / "fit.log", START_GUARD)
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert _finish(proc, first) == 143, (first / "fit.log").read_text()[-3000:]
-    (jit,) = (first / "checkpoints").glob("last-jit-*.ckpt")
-    assert 1 <= _step(jit) < TOTAL - 2
-
-    second = tmp_path / "sigkill"
-    proc = _launch(second, "slow", "every=1", f"ckpt={jit}")
-    deadline = time.monotonic() + RUN_GUARD
+    killed = tmp_path / "killed"
+    proc = _launch(killed, "slow", "every=1")  # a round a second: killed well before the end
+    deadline = time.monotonic() + START_GUARD
     saved: list[Path] = []
-    while len(saved) < 2 and proc.poll() is None and time.monotonic() < deadline:  # two: the older one is whole
+    while len(saved) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-        saved = sorted((second / "checkpoints").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
-    os.killpg(proc.pid, signal.SIGKILL)  # the trainer, its worker and its forkserver, as the OOM killer or a node loss
-    _finish(proc, second)
-    assert len(saved) >= 2, (second / "fit.log").read_text()[-3000:]
+        saved = sorted((killed / "checkpoints").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+    os.killpg(proc.pid, signal.SIGKILL)
+    _finish(proc, killed)
+    assert len(saved) >= 3, (killed / "fit.log").read_text()[-3000:]
     checkpoint = saved[-2]
-    assert _step(jit) < _step(checkpoint) < TOTAL
+    assert 2 <= _step(checkpoint) < TOTAL - 2
 
     last = tmp_path / "resumed"
     assert _finish(_launch(last, f"steps={TOTAL}", f"ckpt={checkpoint}"), last) == 0, (last / "fit.log").read_text()
@@ -176,6 +204,6 @@ def test_a_run_stopped_by_sigterm_then_sigkill_resumes_exactly(tmp_path: Path):
         assert torch.equal(reference[name], resumed[name]), name
     staleness = json.loads((whole / "staleness.json").read_text())
     assert staleness == {str(s): min(s, 2) for s in range(TOTAL)}
-    for run in (first, second, last):  # the steps each run trained, from the first after its checkpoint
-        ran = json.loads((run / "staleness.json").read_text())
-        assert ran and all(staleness[s] == v for s, v in ran.items()), (run.name, ran)
+    ran = json.loads((last / "staleness.json").read_text())  # the steps after the checkpoint
+    assert sorted(ran) == [str(s) for s in range(_step(checkpoint), TOTAL)]
+    assert all(staleness[s] == v for s, v in ran.items()), ran

@@ -9,7 +9,8 @@ with ``ckpt=PATH``, a checkpoint every ``E`` steps with ``every=E`` (``OUT_DIR/c
 nearly all its time waiting for the worker. Once the worker has delivered a round (after the first optimizer step) the
 script writes ``OUT_DIR/started.json``: ``{"pid": this process, "worker": the worker's pid}``. Checkpoints go to
 ``OUT_DIR/checkpoints``. A fit that ends writes ``OUT_DIR/done.json``: ``{"global_step": ...}``. With ``record``
-(for ``tests/test_grpo_async_resume.py``) the reward is :func:`token_sum_reward`, every optimizer step rewrites
+(for ``tests/test_grpo_async_resume.py``) the reward is :func:`token_sum_reward`, ``ExactResume`` joins the callbacks
+(as in the recipes: a checkpoint saved inside a step resumes at that step's batch), every optimizer step rewrites
 ``OUT_DIR/staleness.json`` (``{step: async/staleness}`` of the steps this process trained), and the end writes the
 trainable weights to ``OUT_DIR/trainable.pt``. The worker is forked from a server process that imports this file
 again, so everything runs under ``if __name__ == "__main__"``.
@@ -51,7 +52,7 @@ if __name__ == "__main__":
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from helpers.models import tiny_llama
-    from lit_trainer.callbacks import JITCheckpoint
+    from lit_trainer.callbacks import ExactResume, JITCheckpoint
     from lit_trainer.data.prompt import PromptDataModule
     from lit_trainer.modules.grpo import GRPOModule
 
@@ -99,7 +100,8 @@ if __name__ == "__main__":
         enable_model_summary=False, enable_checkpointing="every" in options, num_sanity_val_steps=0,
         limit_val_batches=0, default_root_dir=out,
         callbacks=[
-            Started(), JITCheckpoint(signals=["SIGTERM", "SIGINT"]), *([Record()] if "record" in flags else []),
+            Started(), JITCheckpoint(signals=["SIGTERM", "SIGINT"]),
+            *([Record(), ExactResume()] if "record" in flags else []),
             *([ModelCheckpoint(os.path.join(out, "checkpoints"), "{step}", every_n_train_steps=int(options["every"]),
                                save_top_k=-1)] if "every" in options else []),
         ],
