@@ -122,6 +122,11 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
     for name, layer in layers.items():
         if layer.merged:
             raise ValueError(f"LoRA layer {name!r} is merged into its base weights: unmerge it before sampling.")
+        if any(getattr(layer, "use_dora", {}).values()):
+            raise ValueError(
+                f"LoRA layer {name!r} uses DoRA, whose merged weight is not base + delta: VLLMEngine syncs plain LoRA "
+                "adapters only. Use use_dora=False, or rollout_engine=None."
+            )
         delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters), start=0)
         weights[f"{name}.weight"] = layer.base_layer.weight + delta
     for name, tensor in base.state_dict(keep_vars=False).items():
