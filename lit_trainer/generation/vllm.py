@@ -289,7 +289,7 @@ class VLLMEngine(RolloutEngine):
         kv_cache_gib: the CPU KV cache, whole GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
         threads: OpenMP threads of the server (default: inherited).
         seed: vLLM's engine seed (each row also gets its own seed from the round's RNG).
-        start_timeout: seconds the server may take to start (11 s for the tests' model on 2 CPU cores; longer for a larger one).
+        start_timeout: seconds the server may take to start (11 s for the tests' model on 2 CPU cores).
     """
 
     same_numerics = False
