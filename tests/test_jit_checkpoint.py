@@ -20,6 +20,7 @@ from helpers.ddp import launch_script, wait_json
 from lit_trainer.callbacks import jit_checkpoint
 from lit_trainer.callbacks.jit_checkpoint import JITCheckpoint, JITCheckpointExit
 from lit_trainer.checkpoint_io import SENTINEL_NAME, sentinel_target
+from lit_trainer.core.stop_request import stop_in_step
 from lit_trainer.data.loader import TrainLoader
 from lit_trainer.data.samplers.batch_sampler import ShardedBatchSampler
 
@@ -167,6 +168,29 @@ def test_signal_mid_window_saves_after_that_step_and_stops(
     assert trainer.received_sigterm is False
     assert signal.getsignal(signal.SIGTERM) is own_sigterm_handler
     assert trainer.callbacks.index(jit) > trainer.callbacks.index(other)
+
+
+class _StopsInStep(_Net):
+    """Asks the stop requester at the first micro-batch of every window, before any backward (as GRPO's round does)."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx % 2 == 0:
+            stop_in_step(self.trainer)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_save_inside_a_batch_saves_the_loader_position_lightning_resumes_at(
+    tmp_path: Path, own_sigterm_handler: Any
+) -> None:
+    # the signal lands before micro-batch 2 and the save is inside it (step 1 is the last finished one): Lightning
+    # resumes that checkpoint at micro-batch 2, so the loader's position must not count it (it used to be 3)
+    jit = JITCheckpoint(kill_wait=0, dirpath=tmp_path / "ckpt")
+    with pytest.raises(JITCheckpointExit):
+        _trainer(tmp_path, [jit, _SignalSelf(2)]).fit(_StopsInStep(), _loader())
+    ckpt = torch.load(tmp_path / "ckpt" / "last-jit-epoch=0-step=1.ckpt", weights_only=True)
+    fit_loop = ckpt["loops"]["fit_loop"]
+    assert fit_loop["epoch_loop.batch_progress"]["current"]["completed"] == 2
+    assert fit_loop["state_dict"]["combined_loader"] == [{"epoch": 0, "position": 2}]
 
 
 class _AdvanceClock(Callback):

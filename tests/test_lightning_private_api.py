@@ -103,7 +103,12 @@ TRAINER_ATTRIBUTES = [
         int,
     ),
     ("JITCheckpoint reads it for a checkpoint written inside a batch", "fit_loop.epoch_loop._should_accumulate", None),
-    ("ExactResume (lit_trainer.callbacks.resume) wraps the training loaders in it", "fit_loop._combined_loader", None),
+    (
+        "ExactResume (lit_trainer.callbacks.resume) wraps the training loaders in it; JITCheckpoint reads their "
+        "positions from it for a checkpoint written inside a batch",
+        "fit_loop._combined_loader",
+        None,
+    ),
     ("ExactResume rebuilds the epoch iterator through it", "fit_loop._data_fetcher", None),
 ]
 

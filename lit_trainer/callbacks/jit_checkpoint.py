@@ -74,7 +74,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -270,7 +270,8 @@ class _JITCheckpoint(PackageBound):
         state of the last finished optimizer step and raise :class:`JITCheckpointExit`; otherwise return.
 
         The step's partial work (a generation round cut short) is dropped: Lightning resumes a checkpoint written
-        inside a batch at its last completed batch, so the resumed run redoes this one from its start.
+        inside a batch at its last completed batch, so the resumed run redoes this one from its start (the saved
+        logger step and loader positions leave this batch out to match: :func:`_saving_inside_a_batch`).
         """
         if self.exit_code is None or self._done or not trainer.training:
             return
@@ -280,7 +281,7 @@ class _JITCheckpoint(PackageBound):
             return
         self._done = True
         write_pending_logs(trainer.lightning_module)
-        with logger_step_for_a_save_inside_a_batch(trainer):
+        with _saving_inside_a_batch(trainer):
             path = self._save_and_say(trainer)
         raise JITCheckpointExit(self._exit_status(trainer), path)
 
@@ -300,7 +301,7 @@ class _JITCheckpoint(PackageBound):
         write_pending_logs(trainer.lightning_module)
         progress = trainer.fit_loop.epoch_loop.batch_progress.total
         inside_a_batch = progress.ready > progress.completed  # a training step had started (a round's first batch)
-        with logger_step_for_a_save_inside_a_batch(trainer) if inside_a_batch else contextlib.nullcontext():
+        with _saving_inside_a_batch(trainer) if inside_a_batch else contextlib.nullcontext():
             path = self._save_and_say(trainer)
         raise JITCheckpointFailure(reason, path)
 
@@ -457,6 +458,24 @@ class _JITCheckpoint(PackageBound):
         self.checkpoint_path = str(final)
         self.save_seconds = time.perf_counter() - start
         return self.checkpoint_path
+
+
+@contextlib.contextmanager
+def _saving_inside_a_batch(trainer: pl.Trainer) -> Iterator[None]:
+    """What a checkpoint written inside a training batch (a stop inside a step) saves differently: Lightning resumes
+    it at its last completed batch, so the batch in progress is trained again after the resume. The logger step
+    (``logger_step_for_a_save_inside_a_batch``) and the training loaders' positions must then not count that batch:
+    a loader that counts the batches it handed out (:class:`~lit_trainer.data.loader.TrainLoader`, through its
+    ``saving_inside_a_batch``) would otherwise resume one micro-batch after Lightning's batch index. A plain
+    ``DataLoader`` under ``ExactResume`` needs nothing: its replay skips Lightning's own resumed batch count."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(logger_step_for_a_save_inside_a_batch(trainer))
+        combined = trainer.fit_loop._combined_loader
+        for loader in combined.flattened if combined is not None else []:
+            leave_out = getattr(loader, "saving_inside_a_batch", None)
+            if callable(leave_out):
+                stack.enter_context(leave_out())
+        yield
 
 
 def run_checkpoint_dir(trainer: pl.Trainer) -> str:

@@ -26,6 +26,7 @@ and a column added in between (DPO's and KTO's precomputed reference log-probs) 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any, TypedDict
@@ -204,6 +205,25 @@ class TrainLoader:
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position"}``: the micro-batches of ``epoch`` already handed to the training loop."""
         return {"epoch": self.epoch, "position": self._consumed}
+
+    @contextlib.contextmanager
+    def saving_inside_a_batch(self) -> Iterator[None]:
+        """While inside, :meth:`state_dict` leaves out the last micro-batch handed to the training loop: for a
+        checkpoint written inside that micro-batch's training step (a stop inside a step,
+        :mod:`lit_trainer.core.stop_request`, drops the step's partial work).
+
+        Lightning resumes a checkpoint written inside a batch at its last *completed* batch (the progress counters'
+        ``reset_on_restart``), so the batch in progress is trained again after the resume. Counted in the saved
+        position, it was skipped instead: the resumed loader started one micro-batch later than Lightning's batch index,
+        and every step from there on trained the next micro-batch's rows (GRPO at ``steps_per_generation=1``: the next
+        round's prompts; at 2 the loader yields each generation batch twice in a row, which hid the shift).
+        """
+        in_progress = min(self._consumed, 1)
+        self._consumed -= in_progress
+        try:
+            yield
+        finally:
+            self._consumed += in_progress
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume: the next iteration of epoch ``state["epoch"]`` starts at micro-batch ``state["position"]``.
