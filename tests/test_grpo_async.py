@@ -319,3 +319,21 @@ def test_a_rollout_engine_must_be_a_rollout_engine():
     with pytest.raises(ValueError, match="not a RolloutEngine subclass"):
         make_engine(False, None, "collections.OrderedDict")
     assert type(make_engine(False, None, "helpers.engines.NoWeightSync")).__name__ == "NoWeightSync"
+
+
+@pytest.mark.slow
+def test_a_policy_of_more_than_250_tensors_starts_its_worker():
+    """The forkserver passes a process's file descriptors in one message, capped at 253 by the kernel: shared by
+    descriptor (torch's default), a policy of 273 tensors (SmolLM2-135M's count) and its weight slots could not start
+    the worker ("too many fds"). They go as shared-memory files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=30, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert len(list(model.parameters())) > 253
+    module = fit(2, model=model, max_staleness=0)
+    assert module.async_rollouts.worker is None  # it ran both rounds and was stopped
