@@ -465,6 +465,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grpo-prompts", type=int, default=2, help="prompts per GRPO optimizer step")
     parser.add_argument("--grpo-new-tokens", type=int, default=24, help="GRPO max_completion_length")
     parser.add_argument("--skip-generation", action="store_true", help="GRPO part only")
+    parser.add_argument(
+        "--sharing-strategy",
+        default="file_system",
+        choices=["file_system", "file_descriptor"],
+        help="torch.multiprocessing sharing strategy (file_descriptor, torch's default, fails for SmolLM2's worker)",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="write every number to this JSON file")
     if parser.parse_args().quick:  # the quick sizes, unless given on the command line
@@ -473,6 +479,12 @@ def parse_args() -> argparse.Namespace:
     if args.grpo_runs and not 0 <= args.grpo_skip < args.grpo_steps:
         parser.error(f"--grpo-skip {args.grpo_skip} must be >= 0 and below --grpo-steps {args.grpo_steps}")
     return args
+
+
+def save(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """Write what is measured so far to ``--out`` (after every part: a later failure keeps the earlier numbers)."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
 
 
 def main() -> None:
@@ -493,6 +505,10 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
+    # the rollout worker receives its copy of the policy and the shared weight slots through the forkserver; with
+    # torch's default sharing strategy every tensor is one file descriptor, and a model of more than ~250 tensors
+    # (SmolLM2-135M: 272) exceeds the forkserver's 256 ("ValueError: too many fds"): share by file name instead
+    torch.multiprocessing.set_sharing_strategy(args.sharing_strategy)
     command = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python " + " ".join(
         shlex.quote(a) for a in sys.argv
     )
@@ -514,6 +530,7 @@ def main() -> None:
         summary["parameters"] = params
         summary["generation"] = measure_generation(args, model, tokenizer)
         tables.append(generation_table(summary["generation"], args))
+        save(args, summary)
         print("\n" + tables[-1], flush=True)
         del model
     if args.grpo_runs:
@@ -522,6 +539,8 @@ def main() -> None:
             print(f"\n[3] GRPO {variant} ...", flush=True)
             runs[variant] = grpo_run(variant, args)
             print(f"  step walls: {', '.join(f'{w:.2f}' for w in runs[variant]['step_walls_s'])}", flush=True)
+            summary["grpo"] = runs
+            save(args, summary)
         summary["grpo"] = runs
         tables.append(grpo_table(runs, args))
         print("\n" + tables[-1], flush=True)
@@ -532,8 +551,8 @@ def main() -> None:
     )
     print("\n" + footer)
     summary["table"] = "\n\n".join([machine, *tables, footer])
+    save(args, summary)
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
         print(f"wrote {args.out}")
 
 
