@@ -469,12 +469,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grpo-prompts", type=int, default=2, help="prompts per GRPO optimizer step")
     parser.add_argument("--grpo-new-tokens", type=int, default=24, help="GRPO max_completion_length")
     parser.add_argument("--skip-generation", action="store_true", help="GRPO part only")
-    parser.add_argument(
-        "--sharing-strategy",
-        default="file_system",
-        choices=["file_system", "file_descriptor"],
-        help="torch.multiprocessing sharing strategy (file_descriptor, torch's default, fails for SmolLM2's worker)",
-    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="write every number to this JSON file")
     if parser.parse_args().quick:  # the quick sizes, unless given on the command line
@@ -509,10 +503,6 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    # the rollout worker receives its copy of the policy and the shared weight slots through the forkserver; with
-    # torch's default sharing strategy every tensor is one file descriptor, and a model of more than ~250 tensors
-    # (SmolLM2-135M: 272) exceeds the forkserver's 256 ("ValueError: too many fds"): share by file name instead
-    torch.multiprocessing.set_sharing_strategy(args.sharing_strategy)
     command = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python " + " ".join(
         shlex.quote(a) for a in sys.argv
     )

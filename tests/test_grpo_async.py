@@ -266,11 +266,15 @@ def _worker_round(module: GRPOModule) -> dict[str, Any]:
     weights = SharedWeights({n: p.detach() for n, p in module.model.named_parameters()}, slots=1)
     weights.publish(0, dict(module.model.named_parameters()))
     requests, results = queue.Queue(), queue.Queue()
-    for request in (RoundRequest(0, 0, batch, seed=3, training=False), None):
+    for request in (
+        (Deferred(data=pickle.dumps(spec)), weights),
+        RoundRequest(0, 0, batch, seed=3, training=False),
+        None,
+    ):
         requests.put(request)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the worker ignores both
     try:
-        worker_main(Deferred(data=pickle.dumps(spec)), requests, results, weights)
+        worker_main(requests, results)
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)
@@ -323,9 +327,9 @@ def test_a_rollout_engine_must_be_a_rollout_engine():
 
 @pytest.mark.slow
 def test_a_policy_of_more_than_250_tensors_starts_its_worker():
-    """The forkserver passes a process's file descriptors in one message, capped at 253 by the kernel: shared by
-    descriptor (torch's default), a policy of 273 tensors (SmolLM2-135M's count) and its weight slots could not start
-    the worker ("too many fds"). They go as shared-memory files."""
+    """The forkserver passes a new process's file descriptors (one per shared tensor) in one message, capped at 253 by
+    the kernel: a policy of 273 tensors (SmolLM2-135M's count) as the worker's arguments could not start it ("too
+    many fds"). They go through the request queue, which hands descriptors over one at a time."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

@@ -173,13 +173,17 @@ def test_a_killed_worker_saves_the_last_step_says_why_in_one_line_and_the_run_co
     assert json.loads((resumed / "done.json").read_text()) == {"global_step": step + 2}
 
 
-def _start_worker_then_sleep(spec: Any, requests: Any, results: Any, weights: Any) -> None:
-    """The forked stand-in for a training process: start a worker (as a trainer does), then wait to be killed."""
+def _start_worker_then_sleep(spec: Any, requests: Any, results: Any, weights: Any, request: Any) -> None:
+    """The forked stand-in for a training process: start a worker and send it its spec, weights and ``request`` (if
+    any) as a trainer does, in that order from one queue, then wait to be killed."""
     import multiprocessing
 
     from lit_trainer.modules.grpo._async._worker import worker_main
 
-    multiprocessing.get_context("fork").Process(target=worker_main, args=(spec, requests, results, weights)).start()
+    multiprocessing.get_context("fork").Process(target=worker_main, args=(requests, results)).start()
+    requests.put((spec, weights))  # after the start, as a trainer does (its queue's thread must not run at the fork)
+    if request is not None:
+        requests.put(request)
     time.sleep(600)
 
 
@@ -223,14 +227,12 @@ def _kill_trainer_while_busy(spec: Any, weights: Any, request: Any, busy: Any) -
 
     context = multiprocessing.get_context("fork")
     requests, results = context.Queue(), context.Queue()
-    trainer = context.Process(target=_start_worker_then_sleep, args=(spec, requests, results, weights))
+    trainer = context.Process(target=_start_worker_then_sleep, args=(spec, requests, results, weights, request))
     trainer.start()
     worker = None
     try:
         _, status, worker = results.get(timeout=60)
         assert status == "started" and _running(worker)
-        if request is not None:
-            requests.put(request)
         deadline = time.monotonic() + START_GUARD
         while not busy(worker) and time.monotonic() < deadline:
             time.sleep(0.05)

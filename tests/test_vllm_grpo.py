@@ -48,6 +48,16 @@ class NeverSyncs(VLLMEngine):
             super().sync(model)
 
 
+class WorkerPid(L.Callback):
+    """Records the rollout worker's pid (the process that owns the vLLM engine and its folder in /dev/shm)."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.pid = pl_module.async_rollouts.worker.pid
+
+
 def _fit(root: Path, steps: int, ckpt_path: str | None = None, every: int = 0, engine: str = "vllm") -> Any:
     L.seed_everything(0)
     module = grpo(
@@ -60,11 +70,14 @@ def _fit(root: Path, steps: int, ckpt_path: str | None = None, every: int = 0, e
         rollout_worker_threads=1,
     )
     callbacks = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
+    callbacks.append(pid := WorkerPid())
     trainer = L.Trainer(
         max_steps=steps, callbacks=callbacks, log_every_n_steps=1,
         **{**QUIET, "enable_checkpointing": bool(every), "logger": CSVLogger(root, name="log")},
     )  # fmt: skip
     trainer.fit(module, datamodule=data(n=16, batch_size=8), ckpt_path=ckpt_path)
+    left = list(Path("/dev/shm").glob(f"lit-vllm-{pid.pid}-*"))
+    assert not left, f"the engine's weights were left in shared memory: {left}"
     return module
 
 

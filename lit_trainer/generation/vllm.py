@@ -206,7 +206,7 @@ class VLLMServer:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         command = [python, "-P", str(SERVER_SCRIPT), "--socket", str(socket_path), "--model", str(model_dir)]
-        command += ["--dtype", dtype, "--seed", str(seed)]
+        command += ["--dtype", dtype, "--seed", str(seed), "--cleanup", str(model_dir.parent)]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
         if max_num_seqs:
@@ -320,7 +320,7 @@ class VLLMEngine(RolloutEngine):
     def _start(self, model: torch.nn.Module) -> None:
         python = vllm_python(self.python)  # fails before any work when there is no vLLM
         shm = Path("/dev/shm")
-        self._workdir = Path(tempfile.mkdtemp(prefix="lit-vllm-", dir=shm if shm.is_dir() else None))
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"lit-vllm-{os.getpid()}-", dir=shm if shm.is_dir() else None))
         weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
         write_checkpoint(model, self._workdir / "weights")
         self.server = VLLMServer(
@@ -331,13 +331,14 @@ class VLLMEngine(RolloutEngine):
         self._synced = weights_fingerprint(model)
 
     def close(self) -> None:
-        """Stop the server and remove its files (also at exit; the server also exits when this process dies)."""
-        server, self.server = self.server, None
-        if server is not None:
-            server.close()
+        """Remove the engine's files and stop the server (also at exit). The server removes them too when it stops,
+        and stops when this process dies, so a killed process leaves no weights in shared memory."""
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
 
     def sync(self, model: torch.nn.Module) -> None:
         """Start the server on ``model``'s weights, or load them into it if they changed since the last sync."""

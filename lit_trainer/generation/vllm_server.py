@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -95,6 +96,12 @@ def reload(llm: Any, directory: str) -> float:
     return time.perf_counter() - started
 
 
+def _remove(folder: str | None) -> None:
+    """Remove the engine's folder in shared memory (its weights: RAM until removed), whoever stops first."""
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def serve(args: argparse.Namespace) -> None:
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     llm = build_llm(args)
@@ -109,9 +116,11 @@ def serve(args: argparse.Namespace) -> None:
             while True:
                 try:
                     verb, payload = conn.recv()
-                except EOFError:  # the trainer went away
+                except EOFError:  # the trainer went away (killed, or stopped without a word): clean up after it
+                    _remove(args.cleanup)
                     return
                 if verb == "close":  # nothing to save: end now rather than wait for vLLM's own teardown (seconds)
+                    _remove(args.cleanup)
                     conn.send(("ok", None))
                     conn.close()
                     os._exit(0)
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--cleanup", default=None, help="a folder to remove when the server stops")
     serve(parser.parse_args(argv))
 
 

@@ -207,9 +207,11 @@ def exit_with(parent: Any) -> None:
     os._exit(0)
 
 
-def worker_main(spec: WorkerSpec | Deferred, requests: Any, results: Any, weights: SharedWeights) -> None:
-    """The worker loop: take a request, sample it, put ``(round, "ok", result)`` or ``(round, "error", text)``; a
-    failure to start (``spec`` does not unpickle, the policy or engine cannot be set up) is ``(-1, "error", text)``.
+def worker_main(requests: Any, results: Any) -> None:
+    """The worker loop: the first request is ``(spec, weights)`` (the :class:`WorkerSpec`, possibly
+    :class:`Deferred`, and the :class:`SharedWeights`); then take a request, sample it, put ``(round, "ok", result)``
+    or ``(round, "error", text)``. A failure to start (the spec does not unpickle, the policy or engine cannot be set
+    up) is ``(-1, "error", text)``.
 
     Ctrl-C and SIGTERM are left to the training process (which stops the worker after saving); the worker exits on a
     ``None`` request, or by itself as soon as the training process is gone (killed), whatever it is doing (sampling,
@@ -222,6 +224,7 @@ def worker_main(spec: WorkerSpec | Deferred, requests: Any, results: Any, weight
         threading.Thread(target=exit_with, args=(parent,), name="lit-rollouts-parent", daemon=True).start()
     results.put((-1, "started", os.getpid()))
     try:
+        spec, weights = requests.get()
         spec = spec.load() if isinstance(spec, Deferred) else spec
         torch.set_num_threads(spec.threads)
         rounds = WorkerRounds(spec)

@@ -95,24 +95,6 @@ def worker_context() -> Any:
     return context
 
 
-@contextlib.contextmanager
-def file_system_sharing() -> Iterator[None]:
-    """Share tensors with the worker as named shared-memory files (torch's ``file_system`` strategy) while its
-    arguments are pickled, then restore the process's strategy.
-
-    torch's default on Linux, ``file_descriptor``, sends one file descriptor per tensor, and the ``forkserver`` passes
-    a process's descriptors in one message, which the kernel caps at 253: a policy of more than about 250 tensors
-    (SmolLM2-135M has 273, with its copy of the weights' slots) could not start its worker ("too many fds"). The child
-    rebuilds each tensor the way it was pickled, so nothing has to be set there.
-    """
-    previous = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        mp.set_sharing_strategy(previous)
-
-
 class RolloutWorker:
     """The training process's handle on one rollout worker process.
 
@@ -126,9 +108,15 @@ class RolloutWorker:
         self.weights = weights
         self.requests = context.Queue()
         self.results = context.Queue()
-        args = (Deferred(spec), self.requests, self.results, weights)  # the spec unpickles where errors are reported
-        self.process = context.Process(target=worker_main, args=args, daemon=True, name="lit-rollouts")
+        self.process = context.Process(
+            target=worker_main, args=(self.requests, self.results), daemon=True, name="lit-rollouts"
+        )
         self.process.start()
+        # The spec (the policy copy) and the weight slots go as the first request, not as the process's arguments:
+        # the forkserver passes a new process's file descriptors (one per shared tensor) in one message, capped at
+        # 253 by the kernel, so a policy of more than about 250 tensors (SmolLM2-135M has 273) could not start
+        # ("too many fds"); a queue hands them over one at a time. The spec unpickles in the worker's error report.
+        self.requests.put((Deferred(spec), weights))
         self.pending: dict[int, RoundRequest] = {}  # submitted, not yet received
         self.ready: dict[int, Any] = {}  # received ahead of their turn
 
@@ -289,11 +277,9 @@ class AsyncRollouts:
         model.requires_grad_(False)
         spec = self.worker_spec(module, model, device)
         trainable = _trainable(module.model)
-        with file_system_sharing():  # the slots and the policy copy reach the worker as shared-memory files
-            weights = SharedWeights(
-                {n: p.detach() for n, p in trainable.items()}, slots=self.options.max_staleness + 1
-            )  # (a DTensor's shape and dtype are the full parameter's)
-            self.worker = RolloutWorker(spec, weights)
+        weights = SharedWeights({n: p.detach() for n, p in trainable.items()}, slots=self.options.max_staleness + 1)
+        # (a DTensor's shape and dtype are the full parameter's)
+        self.worker = RolloutWorker(spec, weights)
         self._first, self._republished = None, set()
         resumed, restored, self._resumed, self._restored = self._resumed, self._restored, False, None
         if resumed and self.options.max_staleness:
