@@ -123,5 +123,9 @@ def test_ctrl_c_during_a_synchronous_round_resumes_exactly(tmp_path: Path):
 
 
 @pytest.mark.slow  # starts a rollout worker (the first in a process: ~10 s of CPU)
-def test_sigterm_while_waiting_for_the_workers_round_resumes_exactly(tmp_path: Path):
-    _same_weights(*_stop_and_resume(tmp_path, 3, max_staleness=1))
+@pytest.mark.parametrize(("signal_name", "k"), [("SIGTERM", 1), ("SIGINT", 2)])
+def test_a_signal_while_waiting_for_the_workers_round_resumes_exactly(tmp_path: Path, signal_name: str, k: int):
+    """SIGTERM at max_staleness=1, Ctrl-C at 2: the checkpoint also carries the weights versions of the rounds in
+    flight (tests/test_grpo_async_resume.py), so the resumed run's stale rounds are the uninterrupted run's."""
+    whole, resumed = _stop_and_resume(tmp_path, 3, signal_name, max_staleness=k)
+    _same_weights(whole, resumed)
