@@ -9,6 +9,8 @@ reach the engine moves log-probs by 0.1 or more, as the tests show).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -16,8 +18,6 @@ from helpers.models import tiny_llama
 from helpers.vllm_env import vllm_python
 from lit_trainer.generation import engines
 from lit_trainer.generation.vllm import VLLMEngine, export_weights, sampling_params
-
-pytestmark = pytest.mark.slow
 
 ROUNDING = 1e-4  # float32 rounding between vLLM's CPU kernels and transformers' (module docstring)
 TEMPERATURE = 0.7
@@ -70,6 +70,7 @@ def model():
     return tiny_llama(seed=0, hidden=64, layers=2, heads=2, intermediate=128, tie=True).eval()
 
 
+@pytest.mark.slow
 def test_vllm_samples_with_the_trainers_numerics_and_repeats_a_seeded_round(engine, model):
     first = _sample(engine, model)
     assert engine.server is not None and engine.reloads == 0
@@ -82,6 +83,7 @@ def test_vllm_samples_with_the_trainers_numerics_and_repeats_a_seeded_round(engi
     assert not torch.equal(first.ids, other.ids)
 
 
+@pytest.mark.slow
 def test_changed_weights_reach_vllm_tied_head_included(engine, model):
     """An optimizer-like in-place update (no call to the engine) is noticed and reloaded through vLLM's own reload;
     the tied LM head is part of it (vLLM's in-place reload does not re-tie a head written under the embeddings' name
@@ -101,6 +103,7 @@ def test_changed_weights_reach_vllm_tied_head_included(engine, model):
     assert _gap(model, _sample(engine, model)) < ROUNDING and engine.reloads == 2
 
 
+@pytest.mark.slow
 def test_a_changed_lora_adapter_changes_vllms_logprobs(engine, model):
     """LoRA: the adapters are merged for vLLM (the model itself stays unmerged); changing only an adapter changes
     vLLM's log-probs to the PEFT model's."""
@@ -130,3 +133,27 @@ def test_sampling_params_refuse_what_vllm_would_do_differently():
     config.suppress_tokens = [5]
     with pytest.raises(ValueError, match="suppress_tokens"):
         sampling_params(config, [1])
+
+
+def test_a_missing_vllm_environment_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("LIT_TRAINER_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    with pytest.raises(FileNotFoundError, match="python -m lit_trainer.generation.vllm install"):
+        VLLMEngine(python=str(tmp_path / "nowhere" / "python")).generate(tiny_llama(0), PROMPTS, MASK, _config(), [1])
+    if importlib.util.find_spec("vllm") is None:  # this environment has no vLLM (the project's own never has)
+        with pytest.raises(FileNotFoundError, match="none at"):
+            VLLMEngine().generate(tiny_llama(0), PROMPTS, MASK, _config(), [1])
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_is_reported_with_its_log():
+    engine = VLLMEngine(python=vllm_python(), max_model_len=64, threads=1)
+    model = tiny_llama(seed=0, hidden=64, layers=2, heads=2, intermediate=128)
+    try:
+        _sample(engine, model)
+        engine.server.process.kill()
+        engine.server.process.wait()
+        with pytest.raises(RuntimeError, match="vLLM server is gone .* during 'generate'.*Its log"):
+            _sample(engine, model)
+    finally:
+        engine.close()
