@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -98,6 +97,11 @@ def install(directory: str | os.PathLike = DEFAULT_ENV, python: str = sys.execut
 
 
 # ---------------------------------------------------------------------------------------------- weights
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
     try:
         from peft.tuners.lora import LoraLayer
@@ -116,7 +120,7 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
     Raises:
         ValueError: a PEFT model with trainable modules saved whole (``modules_to_save``): not supported.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base_model(model)
     layers = _lora_layers(base)
     weights: dict[str, Tensor] = {}
     for name, layer in layers.items():
@@ -130,22 +134,17 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
         delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters), start=0)
         weights[f"{name}.weight"] = layer.base_layer.weight + delta
     for name, tensor in base.state_dict(keep_vars=False).items():
-        if "lora_" in name or "modules_to_save" in name or "original_module" in name:
-            if "modules_to_save" in name:
-                raise ValueError(
-                    f"the policy has a module saved whole beside its adapters ({name!r}, peft's modules_to_save): "
-                    "VLLMEngine syncs merged LoRA weights only. Leave modules_to_save unset."
-                )
+        if "modules_to_save" in name:
+            raise ValueError(
+                f"the policy has a module saved whole beside its adapters ({name!r}, peft's modules_to_save): "
+                "VLLMEngine syncs merged LoRA weights only. Leave modules_to_save unset."
+            )
+        if "lora_" in name or "original_module" in name:
             continue
         name = name.replace(".base_layer.", ".")
         if name not in weights:
             weights[name] = tensor
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in weights.items()}
-
-
-def _config_of(model: torch.nn.Module) -> Any:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.config
 
 
 def write_checkpoint(model: torch.nn.Module, directory: Path) -> None:
@@ -154,18 +153,23 @@ def write_checkpoint(model: torch.nn.Module, directory: Path) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    _config_of(model).to_json_file(str(directory / "config.json"))
+    _base_model(model).config.to_json_file(str(directory / "config.json"))
     save_file(export_weights(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> Tensor:
-    """A checksum of the weights' values: per parameter, its sum and its sum of squares in float64.
+    """A checksum of the weights' values: per parameter, its sum (accumulated in float64) and its dot product with
+    itself, one pass each without a copy (0.13 s for SmolLM2-135M's weights on 2 CPU cores; a float64 copy for the
+    sum of squares took 0.68 s, every round).
 
     Values, not the parameters' in-place version counters: torch's fused AdamW updates the weights without bumping
     those (measured with torch 2.13), so an engine that watched them never reloaded after an optimizer step.
     """
-    sums = [torch.stack([p.sum(dtype=torch.float64), (p.double() ** 2).sum()]) for p in model.parameters()]
+    sums = [
+        torch.stack([p.sum(dtype=torch.float64), torch.dot(p.reshape(-1), p.reshape(-1)).double()])
+        for p in model.parameters()
+    ]
     return torch.stack(sums).cpu() if sums else torch.zeros(0)
 
 
@@ -321,7 +325,6 @@ class VLLMEngine(RolloutEngine):
         python = vllm_python(self.python)  # fails before any work when there is no vLLM
         shm = Path("/dev/shm")
         self._workdir = Path(tempfile.mkdtemp(prefix=f"lit-vllm-{os.getpid()}-", dir=shm if shm.is_dir() else None))
-        weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
         write_checkpoint(model, self._workdir / "weights")
         self.server = VLLMServer(
             python, self._workdir / "weights", socket_path=self._workdir / "socket",
@@ -333,6 +336,7 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         """Remove the engine's files and stop the server (also at exit). The server removes them too when it stops,
         and stops when this process dies, so a killed process leaves no weights in shared memory."""
+        atexit.unregister(self.close)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -391,13 +395,6 @@ class VLLMEngine(RolloutEngine):
         return Completions(
             cut.ids.to(device), cut.mask.to(device), cut.truncated.to(device), (logps * cut.mask).to(device)
         )
-
-    def score(
-        self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
-    ) -> list[list[float]]:
-        """vLLM's log-probs of given completion tokens after their prompts (temperature-scaled), on the weights it
-        holds now."""
-        return self.server.call("score", {"prompts": prompts, "completions": completions, "temperature": temperature})
 
 
 def sampling_params(config: Any, eos_ids: Sequence[int]) -> dict[str, Any]:

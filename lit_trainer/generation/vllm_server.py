@@ -16,8 +16,6 @@ Requests, ``(verb, payload)``:
 * ``("reload", directory)``: load new weights in place through vLLM's own ``reload_weights`` (the worker's
   ``collective_rpc``) from an HF-format directory (``config.json`` + safetensors), then drop the prefix cache (cached
   prompt blocks hold keys and values of the old weights). Reply: seconds taken.
-* ``("score", {"prompts": [[ids]], "completions": [[ids]]})``: vLLM's log-probs of given completion tokens (prompt
-  log-probs of prompt + completion), for the sampler check and tests. Reply: ``[[log-probs]]``.
 * ``("close", None)``: reply, then exit.
 
 On any error the reply is ``("error", traceback text)``; a successful reply is ``("ok", value)``.
@@ -74,21 +72,6 @@ def generate(llm: Any, payload: dict[str, Any]) -> list[tuple[list[int], list[fl
     return replies
 
 
-def score(llm: Any, payload: dict[str, Any]) -> list[list[float]]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(
-        max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=payload.get("temperature", 1.0)
-    )
-    rows = []
-    for prompt, completion in zip(payload["prompts"], payload["completions"]):
-        full = list(prompt) + list(completion)
-        out = llm.generate([TokensPrompt(prompt_token_ids=full)], params, use_tqdm=False)[0]
-        logps = out.prompt_logprobs[len(prompt) :]
-        rows.append([float(step[token].logprob) for step, token in zip(logps, completion)])
-    return rows
-
-
 def reload(llm: Any, directory: str) -> float:
     started = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
@@ -108,7 +91,6 @@ def serve(args: argparse.Namespace) -> None:
     handlers = {
         "generate": lambda p: generate(llm, p),
         "reload": lambda p: reload(llm, p),
-        "score": lambda p: score(llm, p),
     }
     with Listener(args.socket, family="AF_UNIX", authkey=authkey) as listener:
         print(f"lit-trainer vLLM server ready on {args.socket}", file=sys.stderr, flush=True)
