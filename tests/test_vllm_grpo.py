@@ -1,7 +1,8 @@
-"""GRPO sampling with vLLM through the rollout worker (``rollout_engine="vllm"``): every round is checked and corrected,
-the sync reaches vLLM after every optimizer step, and a resume neither skips nor repeats a prompt.
+"""GRPO sampling with vLLM (``rollout_engine="vllm"``) through the rollout worker, and in the training process without
+one: every round is checked and corrected, the sync reaches vLLM after every optimizer step, and a resume neither
+skips nor repeats a prompt.
 
-Three fits, each starting its own vLLM server (about 11 s on 2 CPU cores). The bound on the sampler check is
+Five fits, each starting its own vLLM server (about 11 s on 2 CPU cores). The bound on the sampler check is
 tests/test_vllm_engine.py's (float32 rounding between vLLM's kernels and the trainer's: 6e-6 measured; a weight that
 did not reach vLLM shows as 0.07 or more after one step at this learning rate, tests/test_grpo_async.py).
 """
@@ -55,19 +56,22 @@ class WorkerPid(L.Callback):
         self.pid: int | None = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        self.pid = pl_module.async_rollouts.worker.pid
+        worker = pl_module.async_rollouts.worker
+        self.pid = worker.pid if worker is not None else os.getpid()  # a synchronous run: the engine is here
 
 
-def _fit(root: Path, steps: int, ckpt_path: str | None = None, every: int = 0, engine: str = "vllm") -> Any:
+def _fit(
+    root: Path, steps: int, ckpt_path: str | None = None, every: int = 0, engine: str = "vllm", staleness: int = 1
+) -> Any:
     L.seed_everything(0)
+    worker = {"max_staleness": staleness, "rollout_worker_threads": 1} if staleness is not None else {}
     module = grpo(
         tiny_llama(0, hidden=64, layers=2, heads=2, intermediate=128),
         reward_funcs=[recording_reward],
         max_completion_length=6,
-        max_staleness=1,
         rollout_engine=engine,
         rollout_engine_options={"python": vllm_python(), "max_model_len": 64, "threads": 1},
-        rollout_worker_threads=1,
+        **worker,
     )
     callbacks = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
     callbacks.append(pid := WorkerPid())
@@ -113,6 +117,18 @@ def test_vllm_rounds_are_checked_corrected_and_resume_without_a_lost_or_repeated
     _fit(tmp_path / "parts", 4, ckpt_path=str(tmp_path / "parts" / "ckpt" / "epoch=0-step=2.ckpt"))
     assert _prompts(parts_log) == _prompts(whole_log)  # each round's prompts once, in the same order
     assert len(_prompts(whole_log)) == 4
+
+
+def test_synchronous_grpo_samples_with_vllm_in_the_training_process(tmp_path, monkeypatch):
+    """No ``max_staleness``: no worker, the module's own engine samples; every round corrected and checked."""
+    monkeypatch.setenv(PROMPT_LOG, str(tmp_path / "prompts.jsonl"))
+    module = _fit(tmp_path, 3, staleness=None)
+    log = _log(tmp_path)
+    gaps = log["sampler_check/logp_gap_max"].dropna()
+    assert len(gaps) == 3 and (gaps < ROUNDING).all(), gaps.tolist()
+    assert len(log["sampling/importance_sampling_ratio/mean"].dropna()) >= 3
+    assert "async/staleness" not in log
+    assert module.engine.reloads == 2 and module.engine.server is None  # after steps 1 and 2; stopped at the end
 
 
 def test_a_vllm_that_never_gets_the_new_weights_is_caught_by_the_sampler_check(tmp_path, monkeypatch):

@@ -15,8 +15,8 @@ into the base weights for vLLM (``W + scale * B @ A``, the policy's own weights 
 under its own name (vLLM's reload does not re-tie it: the head would silently keep its first weights).
 
 The engine returns vLLM's log-probs of the sampled tokens with the completions (``Completions.logps``): the rollout
-worker uses them as the behaviour log-probs (no second forward pass), so the importance-sampling correction and the
-sampler check measure vLLM's numerics against the trainer's.
+worker (GRPO) and RLOO's round use them as the behaviour log-probs (no second forward pass), so the
+importance-sampling correction and the sampler check measure vLLM's numerics against the trainer's.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_trainer.core import sharding
 from lit_trainer.generation.engines import Completions, RolloutEngine, cut_after_eos
 
 #: the environment variable naming the Python of an environment with vLLM (when ``python=`` is not given)
@@ -115,7 +116,9 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
     """The policy's weights under the names of its saved HF checkpoint, on the CPU, each its own tensor.
 
     A PEFT model's LoRA layers are merged (``base weight + delta``, computed, the model unchanged) and the adapter
-    tensors left out; tied weights (an LM head tied to the embeddings) appear under every name.
+    tensors left out; tied weights (an LM head tied to the embeddings) appear under every name. A sharded policy
+    (FSDP2) is gathered one tensor at a time, in the same order on every rank (a collective: every rank calls it);
+    every rank gets the whole model.
 
     Raises:
         ValueError: a PEFT model with trainable modules saved whole (``modules_to_save``): not supported.
@@ -132,7 +135,7 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
                 "adapters only. Use use_dora=False, or rollout_engine=None."
             )
         delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters), start=0)
-        weights[f"{name}.weight"] = layer.base_layer.weight + delta
+        weights[f"{name}.weight"] = sharding.full(layer.base_layer.weight + delta)
     for name, tensor in base.state_dict(keep_vars=False).items():
         if "modules_to_save" in name:
             raise ValueError(
@@ -143,7 +146,7 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
             continue
         name = name.replace(".base_layer.", ".")
         if name not in weights:
-            weights[name] = tensor
+            weights[name] = sharding.full(tensor)
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in weights.items()}
 
 
@@ -165,12 +168,16 @@ def weights_fingerprint(model: torch.nn.Module) -> Tensor:
 
     Values, not the parameters' in-place version counters: torch's fused AdamW updates the weights without bumping
     those (measured with torch 2.13), so an engine that watched them never reloaded after an optimizer step.
+
+    A sharded policy (FSDP2) sums its local shards, then over the ranks (a collective: every rank calls it), so the
+    ranks agree on whether the weights changed.
     """
-    sums = [
-        torch.stack([p.sum(dtype=torch.float64), torch.dot(p.reshape(-1), p.reshape(-1)).double()])
-        for p in model.parameters()
-    ]
-    return torch.stack(sums).cpu() if sums else torch.zeros(0)
+    params = [sharding.local(p) for p in model.parameters()]
+    sums = [torch.stack([p.sum(dtype=torch.float64), torch.dot(p.reshape(-1), p.reshape(-1)).double()]) for p in params]
+    fingerprint = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+    if sharding.is_sharded(model):
+        torch.distributed.all_reduce(fingerprint)  # the DTensors' device: the ranks' process group runs on it
+    return fingerprint.cpu()
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -282,7 +289,8 @@ class VLLMEngine(RolloutEngine):
     """Sample rounds with vLLM (module docstring; docs/vllm.md).
 
     Built by ``GRPOModule(rollout_engine="vllm", rollout_engine_options={...})`` in the rollout worker (GRPO's
-    ``max_staleness``, 0 for the synchronous schedule), which gives every weights version to :meth:`load_weights`.
+    ``max_staleness``, 0 for the synchronous schedule), and in the training process by ``RLOOModule`` and
+    ``DistillationModule`` with the same options; before each round it syncs the weights it is given if they changed.
 
     Args:
         python: the interpreter of an environment with vLLM (default: ``$LIT_TRAINER_VLLM_PYTHON``, else this one
@@ -371,12 +379,9 @@ class VLLMEngine(RolloutEngine):
         **images: Any,
     ) -> Completions:
         """One completion per row, sampled by vLLM with a per-row seed drawn from the (seeded) global RNG; the
-        completions carry vLLM's log-probs of their tokens (``logps``)."""
-        if synced:
-            raise ValueError(
-                "VLLMEngine cannot sample from a sharded policy in the training process: use it through the rollout "
-                "worker (GRPOModule(max_staleness=0 or more)), which gathers the weights one parameter at a time."
-            )
+        completions carry vLLM's log-probs of their tokens (``logps``). A sharded ``model`` (``synced``: FSDP2 in the
+        training process) is gathered for the sync on every rank, so every rank must sample at the same time (as an
+        online-RL round and a distillation micro-batch do); each rank's server gets the whole model."""
         if images:
             raise ValueError("VLLMEngine samples text-only policies; a vision-language policy needs another engine.")
         self.sync(model)

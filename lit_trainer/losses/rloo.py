@@ -166,14 +166,19 @@ def rloo_policy_loss(
     *,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
+    importance_sampling_ratio: Tensor | None = None,
 ) -> Tensor:
     """Sequence-level clipped surrogate of one micro-batch, mean over its sequences::
 
         r_i = exp(sum_t m_it logp_it - sum_t m_it old_it)
-        L = mean_i -min(r_i A_i, clamp(r_i, 1 - eps, 1 + eps_high) A_i)
+        L = mean_i -rho_i min(r_i A_i, clamp(r_i, 1 - eps, 1 + eps_high) A_i)
 
     Every row counts in the mean, also a row whose mask is all 0 (a masked truncated completion: ``r = 1``, no
-    gradient), as the reference does.
+    gradient), as the reference does. ``rho_i`` is 1 unless ``importance_sampling_ratio`` is given: the sampler
+    correction of rows sampled by an engine with other numerics than the policy's (vLLM), ``pi_old / pi_sampler`` of
+    each sequence, truncated or masked (:func:`~lit_trainer.losses.grpo_masks.sampling_importance_ratio` in a sequence
+    mode); a masked row (``rho_i = 0``) gives no gradient but still counts in the mean, as a masked row of GRPO's
+    correction does.
 
     Args:
         logps: (B, C) per-token log-probs of the completion tokens under the policy (with grad).
@@ -182,6 +187,7 @@ def rloo_policy_loss(
         mask: (B, C) 1 = completion token in the loss.
         epsilon: lower clip.
         epsilon_high: upper clip (None = ``epsilon``).
+        importance_sampling_ratio: (B,) or (B, 1) sampler correction (no gradient), or None.
 
     Returns:
         0-dim loss (no gradient-accumulation factor).
@@ -194,7 +200,15 @@ def rloo_policy_loss(
     ratio = _ratio(logps, old_logps, mask)
     adv = advantages.to(ratio.dtype)
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + high)
-    return -torch.min(ratio * adv, clipped * adv).mean()
+    per_row = -torch.min(ratio * adv, clipped * adv)
+    if importance_sampling_ratio is not None:
+        if importance_sampling_ratio.numel() != per_row.numel():
+            raise ValueError(
+                f"`importance_sampling_ratio` has shape {tuple(importance_sampling_ratio.shape)}: RLOO's correction "
+                f"is one ratio per sequence, (B,) or (B, 1) with B = {per_row.numel()}."
+            )
+        per_row = per_row * importance_sampling_ratio.detach().reshape(-1).to(per_row.dtype)
+    return per_row.mean()
 
 
 @torch.no_grad()

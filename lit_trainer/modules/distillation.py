@@ -91,7 +91,7 @@ class DistillationModule(BaseModule):
         seq_kd: off-policy micro-batches use teacher-sampled completions instead of the dataset's.
         rollout_engine: what samples the student's completions: ``"generate"`` (transformers) or ``"vllm"``
             (:class:`~lit_trainer.generation.vllm.VLLMEngine` in the training process, reloaded after every optimizer
-            step; not with ``seq_kd`` nor a sharded student).
+            step; a sharded student is gathered on every rank for its own server; not with ``seq_kd``).
         rollout_engine_options: keyword arguments of :class:`~lit_trainer.generation.vllm.VLLMEngine`.
         generation_seed: seed of the ``lmbda`` draws and of sampling; None = the torch initial seed at fit start.
         disable_dropout: zero every dropout of the student and the teacher (TRL's GKD default).

@@ -13,7 +13,11 @@ What RLOO changes (the math is in :mod:`lit_trainer.losses.rloo`):
 * the loss is the sequence-level clipped surrogate averaged over the micro-batch's sequences
   (:func:`~lit_trainer.losses.rloo.rloo_policy_loss`); micro-batch means are averaged over the optimizer step's
   micro-batches and the ranks, as the reference's per-micro-batch loss divided by the accumulation steps (the base's
-  default normaliser).
+  default normaliser);
+* rounds sampled by an engine with other numerics than the trainer's (``rollout_engine="vllm"``) keep the engine's
+  log-probs: each sequence's loss is multiplied by the truncated or masked ratio of the trainer's log-probs to the
+  engine's, and every round's gap between the two is checked
+  (:mod:`lit_trainer.modules.online_rl._sampler`, shared with asynchronous GRPO).
 
 GRPOModule's own options (its loss types, ``scale_rewards``, the entropy and off-policy options, asynchronous
 rollouts, ...) are not RLOOModule's: passing one is an unexpected keyword.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -32,7 +36,7 @@ from typing_extensions import Self, override
 from lit_trainer.data.prompt import PROMPTS
 from lit_trainer.generation import engines as rollout
 from lit_trainer.losses.grpo_advantages import grpo_reward_metrics, nanstd
-from lit_trainer.losses.grpo_masks import masked_mean_entropy
+from lit_trainer.losses.grpo_masks import check_sampling_is_options, masked_mean_entropy
 from lit_trainer.losses.rloo import (
     check_clip_range,
     rloo_advantages,
@@ -43,6 +47,11 @@ from lit_trainer.losses.rloo import (
 )
 from lit_trainer.modules.online_rl import OnlineRLModule
 from lit_trainer.modules.online_rl._options import check_options
+from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
+from lit_trainer.modules.online_rl._sampler import SamplerCheck, SamplerCorrection
+
+SequenceSamplingISMode = Literal["sequence_truncate", "sequence_mask"]
+"""RLOO's sampler corrections: one ratio per sequence, as its policy ratio (GRPO's token modes do not apply)."""
 
 _RETIRED_OPTIONS = {
     "loss_type": "grpo", "delta": None, "use_bias_correction_kl": True, "importance_sampling_level": "token",
@@ -51,13 +60,12 @@ _RETIRED_OPTIONS = {
     "vespo_lambda_neg": 2.0, "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False,
     "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
     "off_policy_mask_threshold": None, "max_staleness": None, "rollout_worker_device": None,
-    "rollout_worker_threads": None, "rollout_engine": None, "rollout_importance_sampling_correction": True,
-    "rollout_importance_sampling_mode": "sequence_mask", "rollout_importance_sampling_clip_max": 3.0,
-    "rollout_importance_sampling_clip_min": None, "sampler_check_threshold": 0.05,
+    "rollout_worker_threads": None,
 }  # fmt: skip
 """GRPOModule's options that RLOOModule accepted at these values (it refused any other) while it was a subclass of
 GRPOModule, and that its checkpoints and run records still list: ``loss_type="grpo"`` among the hyper-parameters, the
-others in the CLI's ``config.yaml`` and run record. RLOOModule has no such options; these are dropped when such a
+others in the CLI's ``config.yaml`` and run record. RLOOModule has no such options (the rollout engine's and the
+sampler correction's, which it listed at their defaults too, are its own options again); these are dropped when such a
 checkpoint is loaded (``RLOOModule.load_from_checkpoint``) and not counted as a change of configuration when
 ``--ckpt_path last`` looks for the run to continue (:attr:`RLOOModule.RETIRED_OPTIONS`)."""
 
@@ -90,6 +98,22 @@ class RLOOModule(OnlineRLModule):
             adapters disabled). The reference's default 0.05.
         normalize_advantages: whiten the advantages over the whole generation batch (all ranks).
         reward_clip_range: ``(low, high)`` clip of the weighted reward (before the KL); None = off.
+        rollout_engine: what samples the rounds, in this process: None (transformers' ``generate``, or its continuous
+            batching when asked), ``"vllm"`` (:class:`~lit_trainer.generation.vllm.VLLMEngine`, a vLLM server per
+            rank; docs/vllm.md), or the import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass.
+        rollout_engine_options: keyword arguments of that engine's class (vLLM: ``python``, ``dtype``,
+            ``max_model_len``, ``threads``, ...).
+        rollout_importance_sampling_correction: multiply the loss of each sequence sampled by an engine with other
+            numerics than the trainer's (vLLM) by the ratio ``exp(sum_t (old - engine))`` of the trainer's log-probs
+            to the engine's, truncated or masked as ``rollout_importance_sampling_mode`` says (TRL's
+            ``vllm_importance_sampling_correction``, per sequence as RLOO's ratio).
+        rollout_importance_sampling_mode: "sequence_mask" (a ratio outside the bounds drops the sequence) or
+            "sequence_truncate" (clamped to the bounds).
+        rollout_importance_sampling_clip_max: upper bound of that ratio (None = unbounded).
+        rollout_importance_sampling_clip_min: lower bound (None = unbounded below).
+        sampler_check_threshold: every round of such an engine, its log-probs are compared with the trainer's on
+            the same weights (``sampler_check/logp_gap_mean`` and ``_max``); a mean gap per token above this warns
+            once. None skips the check.
         learning_rate: peak learning rate (the reference's default 1e-6).
         **kwargs: the other :class:`~lit_trainer.modules.online_rl.OnlineRLModule` options (sampling: ``top_p``,
             ``top_k``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``, ``cache_implementation``, continuous
@@ -101,7 +125,7 @@ class RLOOModule(OnlineRLModule):
 
     Raises:
         TypeError: on an option that is not RLOO's (e.g. GRPOModule's ``loss_type`` or ``scale_rewards``).
-        ValueError: on a bad ``reward_clip_range`` or ``epsilon``, or any
+        ValueError: on a bad ``reward_clip_range``, ``epsilon`` or sampler-correction option (a token mode), or any
             :class:`~lit_trainer.modules.online_rl.OnlineRLModule` validation error.
 
     Example::
@@ -133,14 +157,32 @@ class RLOOModule(OnlineRLModule):
         beta: float = 0.05,
         normalize_advantages: bool = False,
         reward_clip_range: tuple[float, float] | None = None,
+        rollout_engine: str | None = None,
+        rollout_engine_options: dict[str, Any] | None = None,
+        rollout_importance_sampling_correction: bool = True,
+        rollout_importance_sampling_mode: SequenceSamplingISMode = "sequence_mask",
+        rollout_importance_sampling_clip_max: float | None = 3.0,
+        rollout_importance_sampling_clip_min: float | None = None,
+        sampler_check_threshold: float | None = 0.05,
         learning_rate: float = 1e-6,
         **kwargs: Any,
     ) -> None:
         if _LOADING_CHECKPOINT.get():  # a checkpoint of the former RLOOModule (a GRPOModule) lists these options
             for name in _RETIRED_OPTIONS.keys() & kwargs.keys():
                 kwargs.pop(name)
-        check_options({"epsilon": epsilon, "epsilon_high": epsilon_high}, type(self).__name__)
+        check_options(
+            {
+                "epsilon": epsilon, "epsilon_high": epsilon_high, "sampler_check_threshold": sampler_check_threshold,
+                "rollout_importance_sampling_clip_max": rollout_importance_sampling_clip_max,
+                "rollout_importance_sampling_clip_min": rollout_importance_sampling_clip_min,
+            },
+            type(self).__name__,
+        )  # fmt: skip
         check_clip_range(reward_clip_range)
+        _check_sampler_correction(
+            rollout_importance_sampling_correction, rollout_importance_sampling_mode,
+            rollout_importance_sampling_clip_min, rollout_importance_sampling_clip_max,
+        )  # fmt: skip
         super().__init__(
             model,
             reward_funcs=reward_funcs,
@@ -157,6 +199,14 @@ class RLOOModule(OnlineRLModule):
             **kwargs,
         )
         self.hparams["reward_clip_range"] = None if reward_clip_range is None else tuple(reward_clip_range)
+        self.sampler_correction = SamplerCorrection.from_hparams(self.hparams)
+        self.sampler_check = SamplerCheck(sampler_check_threshold, type(self.engine).__name__)
+
+    def _rollout_engine_path(self) -> str | None:
+        return self.hparams.rollout_engine
+
+    def _rollout_engine_options(self) -> dict[str, Any] | None:
+        return self.hparams.rollout_engine_options
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
@@ -177,6 +227,8 @@ class RLOOModule(OnlineRLModule):
 
         Generation-time log-probs are computed when the KL needs them (``beta != 0``) and stored only when the round
         is used across optimizer steps; the reference's are used for the KL and not stored (the loss has no KL term).
+        A round sampled by an engine with its own numerics (vLLM) keeps the engine's log-probs for the correction and
+        is checked against the trainer's (:meth:`_sampler_terms`).
         """
         hp = self.hparams
         rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
@@ -191,7 +243,25 @@ class RLOOModule(OnlineRLModule):
         rows["advantages"] = advantages
         if stored:
             rows["old_logps"] = old
+        if not self.engine.same_numerics and decoded is None and completions.logps is not None:
+            metrics.update(self._sampler_terms(rows, completions.logps.float() * rows["completion_mask"], old))
         self._buffer_round(rows, metrics)
+
+    def _sampler_terms(self, rows: dict[str, Tensor], behaviour: Tensor, old: Tensor | None) -> dict[str, Tensor]:
+        """The engine's log-probs of a round (in place: ``sampling_logps`` when the correction is on) and the sampler
+        check: the trainer's log-probs of the same tokens on the same weights, ``old`` when the round computed them
+        (every row, no extra forward), else of the first prompt group's rows."""
+        if self.sampler_correction.enabled:
+            rows[SAMPLING_LOGPS] = behaviour
+        if not self.sampler_check.enabled:
+            return {}
+        mask = rows["completion_mask"]
+        if old is None:
+            size = self.hparams.num_generations
+            first = {k: v[:size] for k, v in rows.items() if isinstance(v, Tensor) and v.dim() >= 1}
+            old, behaviour, mask = self.completion_logps(self.model, first)[0], behaviour[:size], mask[:size]
+        where = f"round {self._buffer.next_round_index}"
+        return self.sampler_check.measure(self, old, behaviour, mask, where)
 
     def _score(
         self,
@@ -234,6 +304,11 @@ class RLOOModule(OnlineRLModule):
         local = len(texts)
         return advantages[self.global_rank * local : (self.global_rank + 1) * local], metrics
 
+    @override
+    def teardown(self, stage: str) -> None:
+        self.engine.close()  # a vLLM server stops with the fit
+        super().teardown(stage)
+
     # ---------------------------------------------------------------------------------------------------- loss
     @override
     def compute_loss(
@@ -245,7 +320,20 @@ class RLOOModule(OnlineRLModule):
         logps, entropy = self.completion_logps(self.model, batch, with_entropy=True)
         mask, old, advantages = batch["completion_mask"], batch.get("old_logps"), batch["advantages"]
         clip = {"epsilon": hp.epsilon, "epsilon_high": hp.epsilon_high}
-        loss = rloo_policy_loss(logps, old, advantages, mask, **clip)
+        ratio, sampling = self.sampler_correction.ratio(batch, logps, old)  # rounds of an engine with other numerics
+        loss = rloo_policy_loss(logps, old, advantages, mask, importance_sampling_ratio=ratio, **clip)
         metrics = rloo_loss_metrics(logps, old, advantages, mask, **clip)
+        metrics.update(sampling)
         metrics["entropy"] = masked_mean_entropy(entropy.detach(), mask)
         return loss, metrics
+
+
+def _check_sampler_correction(correction: bool, mode: str, clip_min: float | None, clip_max: float | None) -> None:
+    if mode not in get_args(SequenceSamplingISMode):
+        raise ValueError(
+            f"`RLOOModule(rollout_importance_sampling_mode={mode!r})` is invalid: RLOO's policy ratio is one per "
+            "sequence, and so is the correction of an engine's rounds; choose one of "
+            f"{get_args(SequenceSamplingISMode)}."
+        )
+    if correction:
+        check_sampling_is_options(mode, clip_min, clip_max)

@@ -114,22 +114,24 @@ class GRPOModule(OnlineRLModule):
             See :mod:`lit_trainer.modules.grpo._async` and docs/grpo_async.md.
         rollout_worker_device: the worker's device (``"cpu"``, ``"cuda:1"``); None = this rank's device.
         rollout_worker_threads: the worker's CPU threads (``torch.set_num_threads``); None = the trainer's count.
-        rollout_engine: ``"vllm"`` (:class:`~lit_trainer.generation.vllm.VLLMEngine`, needs ``max_staleness``;
-            docs/vllm.md) or the import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass the worker
-            samples with (None: ``generate``, or continuous batching when asked).
+        rollout_engine: ``"vllm"`` (:class:`~lit_trainer.generation.vllm.VLLMEngine`, docs/vllm.md) or the import
+            path of a :class:`~lit_trainer.generation.RolloutEngine` subclass that samples the rounds: in the rollout
+            worker with ``max_staleness``, else in this process (None: ``generate``, or continuous batching when
+            asked). The rounds of an engine with its own numerics (vLLM) are corrected and checked either way.
         rollout_engine_options: keyword arguments of that engine's class (vLLM: ``python``, ``dtype``,
             ``max_model_len``, ``kv_cache_gib``, ...).
         rollout_importance_sampling_correction: correct stale rounds (and every round of an engine with other
             numerics) by the ratio ``exp(old - behaviour)`` of the trainer's log-probs at the round's start to the
-            worker's, truncated or masked as ``rollout_importance_sampling_mode`` says (TRL's
+            sampler's, truncated or masked as ``rollout_importance_sampling_mode`` says (TRL's
             ``vllm_importance_sampling_correction``).
         rollout_importance_sampling_mode: "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask"
             (TRL's ``vllm_importance_sampling_mode``, default "sequence_mask").
         rollout_importance_sampling_clip_max: upper bound of the ratio (TRL's ``..._clip_max``, formerly ``_cap``).
         rollout_importance_sampling_clip_min: lower bound of the ratio (None = unbounded below).
-        sampler_check_threshold: every round, the worker's log-probs are compared with the trainer's for the same
-            weights version (``sampler_check/logp_gap_mean`` and ``_max``); a mean absolute gap above this warns once
-            (a weight sync that did not reach the worker). None skips the check and its forward pass.
+        sampler_check_threshold: every round of the worker (or of an engine with other numerics), the sampler's
+            log-probs are compared with the trainer's for the same weights version (``sampler_check/logp_gap_mean``
+            and ``_max``); a mean absolute gap above this warns once (a weight sync that did not reach the sampler).
+            None skips the check and its forward pass.
         **kwargs: optimizer, scheduler and clipping options of :class:`~lit_trainer.modules.base.BaseModule`.
 
     Raises:
@@ -388,7 +390,9 @@ class GRPOModule(OnlineRLModule):
             )
         else:
             rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
-            behaviour = None
+            behaviour, staleness = None, 0
+            if not self.engine.same_numerics and decoded is None and completions.logps is not None:
+                behaviour = completions.logps.float() * rows["completion_mask"]  # vLLM in this process
         advantages, metrics = self._score(scoring_batch, completions, decoded)
         metrics.update(tool_metrics)
         rows["advantages"] = advantages

@@ -65,10 +65,11 @@ from lit_trainer.core.stop_request import stop_check, stop_for_failure, stop_in_
 from lit_trainer.data.bad_rows import BadRowError
 from lit_trainer.data.prompt import PROMPT_IDS, PROMPTS
 from lit_trainer.generation import engines as rollout
-from lit_trainer.losses.grpo_masks import SamplingISMode, sampling_importance_ratio, sampling_metrics
+from lit_trainer.losses.grpo_masks import SamplingISMode
 from lit_trainer.modules.grpo._async._errors import WorkerDied, death_message, failure_message
 from lit_trainer.modules.grpo._async._worker import Deferred, RoundRequest, SharedWeights, WorkerSpec, worker_main
 from lit_trainer.modules.online_rl._rollout_buffer import SAMPLING_LOGPS
+from lit_trainer.modules.online_rl._sampler import SamplerCheck, SamplerCorrection
 
 #: seconds the worker gets to finish its request and exit when fitting ends, before it is terminated
 CLOSE_SECONDS = 5.0
@@ -231,7 +232,8 @@ class AsyncRollouts:
         self._resumed = False  # a checkpoint was loaded (on_load_checkpoint), with this state (None: none in it)
         self._restored: dict[str, Any] | None = None
         self._republished: set[int] = set()  # versions published from the checkpoint (not this fit's weights)
-        self._check_warned = False
+        self.correction = SamplerCorrection.from_hparams(vars(options))
+        self.sampler_check = SamplerCheck(options.sampler_check_threshold, "rollout worker")
         self._model_copy: torch.nn.Module | None = None  # taken before FSDP2 shards the policy
 
     @property
@@ -472,20 +474,8 @@ class AsyncRollouts:
         self, batch: dict[str, Tensor], logps: Tensor, old: Tensor | None
     ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """The correction of one buffered micro-batch of a corrected round (None for other rounds) and TRL's
-        ``sampling/...`` metrics: the ratio of the round's starting log-probs (``old``, else this step's own, detached:
-        the same weights) to the worker's."""
-        behaviour = batch.get(SAMPLING_LOGPS)
-        if behaviour is None:
-            return None, {}
-        options, mask = self.options, batch["completion_mask"]
-        start = logps.detach() if old is None else old
-        mode = options.rollout_importance_sampling_mode
-        ratio = sampling_importance_ratio(
-            start, behaviour, mask, mode=mode,
-            clip_min=options.rollout_importance_sampling_clip_min,
-            clip_max=options.rollout_importance_sampling_clip_max,
-        )  # fmt: skip
-        return ratio, sampling_metrics(start, behaviour, mask, ratio, mode)
+        ``sampling/...`` metrics (:meth:`~lit_trainer.modules.online_rl._sampler.SamplerCorrection.ratio`)."""
+        return self.correction.ratio(batch, logps, old)
 
     def _sampler_check(
         self, module: Any, rows: dict[str, Tensor], behaviour: Tensor, staleness: int
@@ -493,9 +483,9 @@ class AsyncRollouts:
         """Compare the worker's log-probs with the trainer's for the weights version that sampled the round, on its
         first ``num_generations`` rows (the worker's first chunk, the same shapes: on the same weights the gap is 0,
         up to float32 rounding): a failed sync shows on any rows, and a few keep the extra forward pass small. For a
-        stale round the trainer loads that version's weights for the pass. Logs ``sampler_check/logp_gap_mean|max``
-        and warns once above ``sampler_check_threshold``."""
-        size, trainer = self.options.num_generations, module.trainer
+        stale round the trainer loads that version's weights for the pass
+        (:class:`~lit_trainer.modules.online_rl._sampler.SamplerCheck`)."""
+        size = self.options.num_generations
         round_index = module._buffer.next_round_index
         first = {k: v[:size] for k, v in rows.items() if isinstance(v, Tensor) and v.dim() >= 1}
         if staleness == 0:
@@ -503,26 +493,9 @@ class AsyncRollouts:
         else:
             with self._weights_of(module.model, round_index - staleness):
                 mine = module.completion_logps(module.model, first)[0]
-        mask = first["completion_mask"].bool()
-        gap = (mine - behaviour[:size]).abs()[mask]
-        stats = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), device=gap.device)])
-        largest = gap.max() if gap.numel() else torch.zeros((), device=gap.device)
-        if trainer.world_size > 1:
-            stats = trainer.strategy.reduce(stats, reduce_op="sum")
-            largest = module.all_gather(largest).max()
-        mean = stats[0] / stats[1].clamp(min=1.0)
-        threshold = self.options.sampler_check_threshold
-        if not self._check_warned and float(mean) > threshold:
-            self._check_warned = True
-            rank_zero_warn(
-                f"[lit_trainer] The rollout worker's log-probs differ from the trainer's for the same weights (round "
-                f"{round_index}, weights of round {round_index - staleness}): mean "
-                f"|delta log p| = {float(mean):.4g} > sampler_check_threshold={threshold}, max {float(largest):.4g}. "
-                "The sampler is not the policy being trained: a weight sync that did not reach the worker (e.g. LoRA "
-                "adapters not loaded), or an engine with other numerics. Check the rollout_engine's load_weights; "
-                "raise the threshold only if the gap is expected."
-            )
-        return {"sampler_check/logp_gap_mean": mean, "sampler_check/logp_gap_max": largest}
+        where = f"round {round_index}, weights of round {round_index - staleness}"
+        sampler = None if self.worker is not None else type(module.engine).__name__  # a synchronous run's engine
+        return self.sampler_check.measure(module, mine, behaviour[:size], first["completion_mask"], where, sampler)
 
     @contextlib.contextmanager
     def _weights_of(self, model: torch.nn.Module, version: int) -> Iterator[None]:
