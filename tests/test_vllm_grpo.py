@@ -54,10 +54,13 @@ class WorkerPid(L.Callback):
 
     def __init__(self) -> None:
         self.pid: int | None = None
+        self.server_log: Path | None = None  # the in-process engine's server log
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         worker = pl_module.async_rollouts.worker
         self.pid = worker.pid if worker is not None else os.getpid()  # a synchronous run: the engine is here
+        server = getattr(pl_module.engine, "server", None)
+        self.server_log = server.log_path if server is not None else self.server_log
 
 
 def _fit(
@@ -82,6 +85,8 @@ def _fit(
     trainer.fit(module, datamodule=data(n=16, batch_size=8), ckpt_path=ckpt_path)
     left = list(Path("/dev/shm").glob(f"lit-vllm-{pid.pid}-*"))
     assert not left, f"the engine's weights were left in shared memory: {left}"
+    assert pid.server_log is None or not pid.server_log.exists(), "a server that stopped cleanly left its log"
+    module.server_log = pid.server_log
     return module
 
 
@@ -129,6 +134,7 @@ def test_synchronous_grpo_samples_with_vllm_in_the_training_process(tmp_path, mo
     assert len(log["sampling/importance_sampling_ratio/mean"].dropna()) >= 3
     assert "async/staleness" not in log
     assert module.engine.reloads == 2 and module.engine.server is None  # after steps 1 and 2; stopped at the end
+    assert module.server_log is not None  # the server ran in this process (its log removed when it stopped)
 
 
 def test_a_vllm_that_never_gets_the_new_weights_is_caught_by_the_sampler_check(tmp_path, monkeypatch):

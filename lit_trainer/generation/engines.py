@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
@@ -303,8 +304,17 @@ class RolloutEngine:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release what the engine holds outside the model (a server process); called when fitting ends. The engine
-        may be used again afterwards (it starts what it needs again)."""
+        """Release what the engine holds outside the model (a server process); called when fitting ends or fails
+        (:class:`CloseEngines`). The engine may be used again afterwards (it starts what it needs again)."""
+
+    def check_fit(self, owner: str, longest_prompt: int | None, max_new_tokens: int) -> None:
+        """Refuse, before training starts, what the engine cannot sample (called at the module's ``setup("fit")``):
+        ``longest_prompt`` tokens of the data (None when the data module does not say) plus ``max_new_tokens``.
+        ``owner`` is the module class the message names. Nothing by default.
+
+        Raises:
+            ValueError: the engine cannot serve this fit (the message names the value and the fix).
+        """
 
     @torch.no_grad()
     def load_weights(self, model: Any, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -348,6 +358,24 @@ class ContinuousBatchingEngine(RolloutEngine):
 ENGINE_NAMES = {"vllm": "lit_trainer.generation.vllm.VLLMEngine"}
 
 
+class CloseEngines(Callback):
+    """Closes rollout engines when fitting fails: Lightning calls no LightningModule hook on an exception, so an
+    engine's server (vLLM) would otherwise run, and its weights stay in shared memory, until the interpreter exits (a
+    notebook, a sweep). The modules' ``teardown`` closes them when fitting ends."""
+
+    def __init__(self, *engines: RolloutEngine) -> None:
+        self.engines = engines
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+def holds_resources(engine: RolloutEngine) -> bool:
+    """Whether ``engine`` overrides :meth:`RolloutEngine.close` (it holds something outside the model)."""
+    return type(engine).close is not RolloutEngine.close
+
+
 def make_engine(
     continuous_batching: bool,
     options: dict[str, Any] | None,
@@ -369,6 +397,11 @@ def make_engine(
     if custom is not None:
         from lit_trainer.core.import_path import import_object
 
+        if custom not in ENGINE_NAMES and "." not in custom:
+            raise ValueError(
+                f"rollout_engine={custom!r} is not an engine: use one of {sorted(ENGINE_NAMES)}, or the import path "
+                "'package.module.Class' of a RolloutEngine subclass."
+            )
         path = ENGINE_NAMES.get(custom, custom)
         cls = import_object(
             path, "rollout_engine", "give 'vllm' or 'package.module.Class' of a RolloutEngine subclass."

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lit_trainer.core import sharding
@@ -63,22 +64,36 @@ def vllm_python(python: str | None = None) -> str:
     Raises:
         FileNotFoundError: none of these has vLLM; the message says how to make an environment that does.
     """
-    how = (
-        f"Create it with `python -m lit_trainer.generation.vllm install {DEFAULT_ENV}` (about 2 minutes and 3.5 GB; "
-        f"vLLM pins an older transformers than lit_trainer's, so it lives in an environment of its own), or name "
-        f"an interpreter with rollout_engine_options={{'python': ...}} or ${PYTHON_ENV}."
-    )
     chosen = python or os.environ.get(PYTHON_ENV)
     if chosen:
         if not Path(chosen).exists():
-            raise FileNotFoundError(f"VLLMEngine: the vLLM interpreter {chosen!r} does not exist. {how}")
+            raise FileNotFoundError(f"VLLMEngine: the vLLM interpreter {chosen!r} does not exist. {_HOW}")
         return str(chosen)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     default = DEFAULT_ENV / "bin" / "python"
     if default.exists():
         return str(default)
-    raise FileNotFoundError(f"VLLMEngine needs a Python environment with vLLM: none at {default.resolve()}. {how}")
+    raise FileNotFoundError(f"VLLMEngine needs a Python environment with vLLM: none at {default.resolve()}. {_HOW}")
+
+
+_HOW = (
+    f"Create it with `python -m lit_trainer.generation.vllm install {DEFAULT_ENV}` (about 2 minutes and 3.5 GB; vLLM "
+    f"pins an older transformers than lit_trainer's, so it lives in an environment of its own), or name an "
+    f"interpreter with rollout_engine_options={{'python': ...}} or ${PYTHON_ENV}."
+)
+
+
+def check_vllm_python(python: str) -> None:
+    """Fail early when ``python`` cannot import vLLM (a look-up, not an import: about 50 ms).
+
+    Raises:
+        FileNotFoundError: it cannot; the message says how to make an environment that can.
+    """
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    result = subprocess.run([python, "-P", "-c", probe], env={**os.environ, "PYTHONPATH": ""}, capture_output=True)
+    if result.returncode != 0:
+        raise FileNotFoundError(f"VLLMEngine: the interpreter {python!r} cannot import vllm. {_HOW}")
 
 
 def install(directory: str | os.PathLike = DEFAULT_ENV, python: str = sys.executable) -> Path:
@@ -251,7 +266,8 @@ class VLLMServer:
     def _failure(self, what: str) -> str:
         self._log.flush()
         tail = "".join(Path(self.log_path).read_text(errors="replace").splitlines(keepends=True)[-30:])
-        return f"{what}. Its log ({self.log_path}) ends with:\n{tail}"
+        hint = f"\n{_HOW}" if "No module named 'vllm'" in tail else ""
+        return f"{what}. Its log ({self.log_path}) ends with:\n{tail}{hint}"
 
     def call(self, verb: str, payload: Any) -> Any:
         """Send one request and return its reply.
@@ -269,7 +285,9 @@ class VLLMServer:
         return value
 
     def close(self) -> None:
-        """Ask the server to stop; kill its process group if it has not within 30 s."""
+        """Ask the server to stop; kill its process group if it has not within 30 s. Its log is removed when it
+        stopped cleanly on this request, and kept when it had failed or had to be killed."""
+        clean = False
         if self.process.poll() is None:
             with contextlib.suppress(Exception):
                 self.call("close", None)
@@ -277,11 +295,14 @@ class VLLMServer:
                 self.connection.close()
             try:
                 self.process.wait(30)
+                clean = self.process.returncode == 0
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, 9)
                 self.process.wait(5)
         self._log.close()
+        if clean:
+            Path(self.log_path).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -329,16 +350,37 @@ class VLLMEngine(RolloutEngine):
         self.reload_seconds = 0.0
 
     # -------------------------------------------------------------------------------- lifecycle
+    def check_fit(self, owner: str, longest_prompt: int | None, max_new_tokens: int) -> None:
+        """Before training: an interpreter that can import vLLM, and a ``max_model_len`` that holds the longest
+        prompt plus the completion budget (vLLM would otherwise end completions early, silently)."""
+        check_vllm_python(vllm_python(self.python))
+        limit = self.options["max_model_len"]
+        if limit is not None and longest_prompt is not None and longest_prompt + max_new_tokens > limit:
+            need = longest_prompt + max_new_tokens
+            raise ValueError(
+                f"{owner}: rollout_engine_options max_model_len={limit} is below the longest prompt ({longest_prompt} "
+                f"tokens) + {max_new_tokens} new tokens = {need}: vLLM would end completions early. Set max_model_len "
+                f"to at least {need}, or lower the completion budget or the data module's `max_length`."
+            )
+
     def _start(self, model: torch.nn.Module) -> None:
         python = vllm_python(self.python)  # fails before any work when there is no vLLM
         shm = Path("/dev/shm")
         self._workdir = Path(tempfile.mkdtemp(prefix=f"lit-vllm-{os.getpid()}-", dir=shm if shm.is_dir() else None))
-        write_checkpoint(model, self._workdir / "weights")
-        self.server = VLLMServer(
-            python, self._workdir / "weights", socket_path=self._workdir / "socket",
-            log_path=Path(tempfile.gettempdir()) / f"{self._workdir.name}.log", **self.options,
-        )  # fmt: skip
         atexit.register(self.close)
+        try:
+            write_checkpoint(model, self._workdir / "weights")
+            self.server = VLLMServer(
+                python, self._workdir / "weights", socket_path=self._workdir / "socket",
+                log_path=Path(tempfile.gettempdir()) / f"{self._workdir.name}.log", **self.options,
+            )  # fmt: skip
+        except BaseException:
+            self.close()  # a server that did not start leaves no weights in shared memory
+            raise
+        rank_zero_info(
+            f"[lit_trainer] vLLM server started in {self.server.start_seconds:.1f} s (pid {self.server.process.pid}, "
+            f"log {self.server.log_path})"
+        )
         self._synced = weights_fingerprint(model)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
@@ -233,6 +234,9 @@ class DistillationModule(BaseModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)  # the student's positions (BaseModule.setup)
         datamodule = getattr(self.trainer, "datamodule", None)
+        if stage == "fit" and self.hparams.lmbda > 0:  # the student samples: e.g. vLLM's environment and length
+            prompt = datamodule.longest_prompt() if callable(getattr(datamodule, "longest_prompt", None)) else None
+            self.rollouts.engine.check_fit(type(self).__name__, prompt, self.hparams.max_new_tokens)
         longest = datamodule.longest_row() if callable(getattr(datamodule, "longest_row", None)) else None
         positions = _positions.max_positions(self.teacher_model)
         if stage == "fit" and longest is not None and positions is not None:  # the teacher scores the same rows
@@ -256,6 +260,13 @@ class DistillationModule(BaseModule):
     def teardown(self, stage: str) -> None:
         super().teardown(stage)
         self.rollouts.engine.close()  # a vLLM server stops with the fit
+
+    @override
+    def configure_callbacks(self) -> list[Callback]:
+        """A vLLM engine is closed when fitting fails, too (:class:`~lit_trainer.generation.engines.CloseEngines`)."""
+        engine = self.rollouts.engine
+        closing = [rollout.CloseEngines(engine)] if rollout.holds_resources(engine) else []
+        return [*super().configure_callbacks(), *closing]
 
     @override
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:

@@ -30,6 +30,7 @@ from contextvars import ContextVar
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import Self, override
 
@@ -170,6 +171,12 @@ class RLOOModule(OnlineRLModule):
         if _LOADING_CHECKPOINT.get():  # a checkpoint of the former RLOOModule (a GRPOModule) lists these options
             for name in _RETIRED_OPTIONS.keys() & kwargs.keys():
                 kwargs.pop(name)
+        elif grpo_only := sorted(_RETIRED_OPTIONS.keys() & kwargs.keys()):
+            raise TypeError(
+                f"RLOOModule() got GRPOModule's option(s) {', '.join(grpo_only)}, which RLOO does not have (its loss "
+                "and advantages are its own, and it samples in the training process). Use GRPOModule for them, or "
+                "drop them."
+            )
         check_options(
             {
                 "epsilon": epsilon, "epsilon_high": epsilon_high, "sampler_check_threshold": sampler_check_threshold,
@@ -179,10 +186,14 @@ class RLOOModule(OnlineRLModule):
             type(self).__name__,
         )  # fmt: skip
         check_clip_range(reward_clip_range)
-        _check_sampler_correction(
-            rollout_importance_sampling_correction, rollout_importance_sampling_mode,
-            rollout_importance_sampling_clip_min, rollout_importance_sampling_clip_max,
-        )  # fmt: skip
+        sampler_options = {
+            "rollout_importance_sampling_correction": rollout_importance_sampling_correction,
+            "rollout_importance_sampling_mode": rollout_importance_sampling_mode,
+            "rollout_importance_sampling_clip_max": rollout_importance_sampling_clip_max,
+            "rollout_importance_sampling_clip_min": rollout_importance_sampling_clip_min,
+            "sampler_check_threshold": sampler_check_threshold,
+        }
+        _check_sampler_correction(sampler_options, rollout_engine)
         super().__init__(
             model,
             reward_funcs=reward_funcs,
@@ -304,11 +315,6 @@ class RLOOModule(OnlineRLModule):
         local = len(texts)
         return advantages[self.global_rank * local : (self.global_rank + 1) * local], metrics
 
-    @override
-    def teardown(self, stage: str) -> None:
-        self.engine.close()  # a vLLM server stops with the fit
-        super().teardown(stage)
-
     # ---------------------------------------------------------------------------------------------------- loss
     @override
     def compute_loss(
@@ -328,12 +334,37 @@ class RLOOModule(OnlineRLModule):
         return loss, metrics
 
 
-def _check_sampler_correction(correction: bool, mode: str, clip_min: float | None, clip_max: float | None) -> None:
+def _check_sampler_correction(options: dict[str, Any], engine: str | None) -> None:
+    """RLOO's sampler-correction options: a sequence mode with valid bounds; set away from their defaults without an
+    engine of its own numerics, they do nothing (warned)."""
+    mode = options["rollout_importance_sampling_mode"]
     if mode not in get_args(SequenceSamplingISMode):
+        why = (
+            "RLOO's policy ratio is one per sequence, and so is the correction of an engine's rounds"
+            if mode in ("token_truncate", "token_mask")
+            else "not a mode"
+        )
         raise ValueError(
-            f"`RLOOModule(rollout_importance_sampling_mode={mode!r})` is invalid: RLOO's policy ratio is one per "
-            "sequence, and so is the correction of an engine's rounds; choose one of "
+            f"`RLOOModule(rollout_importance_sampling_mode={mode!r})` is invalid ({why}): choose one of "
             f"{get_args(SequenceSamplingISMode)}."
         )
-    if correction:
-        check_sampling_is_options(mode, clip_min, clip_max)
+    if options["rollout_importance_sampling_correction"]:
+        check_sampling_is_options(
+            mode, options["rollout_importance_sampling_clip_min"], options["rollout_importance_sampling_clip_max"]
+        )
+    changed = {k: v for k, v in options.items() if v != _SAMPLER_DEFAULTS[k]}
+    if engine is None and changed:
+        rank_zero_warn(
+            f"RLOOModule({', '.join(f'{k}={v!r}' for k, v in changed.items())}) has no effect without "
+            "rollout_engine: these options correct and check the rounds of an engine with its own numerics (vLLM), "
+            "and transformers' rounds are exactly on-policy. Set rollout_engine='vllm', or leave them at their "
+            "defaults.",
+            category=UserWarning,
+        )
+
+
+_SAMPLER_DEFAULTS = {
+    "rollout_importance_sampling_correction": True, "rollout_importance_sampling_mode": "sequence_mask",
+    "rollout_importance_sampling_clip_max": 3.0, "rollout_importance_sampling_clip_min": None,
+    "sampler_check_threshold": 0.05,
+}  # fmt: skip

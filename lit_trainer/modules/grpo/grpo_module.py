@@ -295,7 +295,7 @@ class GRPOModule(OnlineRLModule):
     # ------------------------------------------------------------------------------------------------ lifecycle
     @override
     def configure_callbacks(self) -> list[Callback]:
-        return self.async_rollouts.callbacks()
+        return [*super().configure_callbacks(), *self.async_rollouts.callbacks()]
 
     @override
     def configure_model(self) -> None:
@@ -340,18 +340,23 @@ class GRPOModule(OnlineRLModule):
     @override
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if self._restored_entropy is not None:
-            state, self._restored_entropy = self._restored_entropy, None
-            windows = state["windows"]  # another world size: the interrupted step's entropy window starts empty
-            window = windows[self.global_rank] if len(windows) == self.trainer.world_size else None
-            self._entropy.load_state_dict({**state, "window": window}, self.device)
+        self._apply_restored_entropy()
         self.async_rollouts.start(self)
+
+    def _apply_restored_entropy(self) -> None:
+        """Restore a loaded checkpoint's entropy control once fitting has started and the checkpoint is loaded
+        (either order: see :meth:`OnlineRLModule._apply_restored`)."""
+        if not self._fit_started or self._restored_entropy is None:
+            return
+        state, self._restored_entropy = self._restored_entropy, None
+        windows = state["windows"]  # another world size: the interrupted step's entropy window starts empty
+        window = windows[self.global_rank] if len(windows) == self.trainer.world_size else None
+        self._entropy.load_state_dict({**state, "window": window}, self.device)
 
     @override
     def teardown(self, stage: str) -> None:
         self.async_rollouts.close()
-        self.engine.close()  # an engine's server in this process (vLLM sampling a resampled round), if one started
-        super().teardown(stage)
+        super().teardown(stage)  # the module's own engine (vLLM sampling here), if one started
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -369,6 +374,7 @@ class GRPOModule(OnlineRLModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self._restored_entropy = checkpoint.get(_ENTROPY_KEY)
+        self._apply_restored_entropy()
         if self.async_rollouts.enabled:
             self.async_rollouts.load_state_dict(checkpoint.get(_ASYNC_KEY))
 

@@ -87,7 +87,8 @@ class SamplerCheck:
         """The check of one round: ``mine`` and ``behaviour`` are ``(B, T)`` log-probs of the same tokens (the
         trainer's, the sampler's), ``mask`` the tokens to compare, ``where`` names the round and its weights in the
         warning, ``sampler`` what sampled this round if not the one given at construction. A collective under
-        DDP/FSDP2: every rank calls it for every round."""
+        DDP/FSDP2: every rank calls it for every round. A round with no token to compare on any rank (every
+        completion masked, ``mask_truncated_completions``) logs nothing rather than a gap of 0."""
         gap = (mine - behaviour).abs()[mask.bool()]
         stats = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), device=gap.device)])
         largest = gap.max() if gap.numel() else torch.zeros((), device=gap.device)
@@ -95,7 +96,9 @@ class SamplerCheck:
         if trainer.world_size > 1:
             stats = trainer.strategy.reduce(stats, reduce_op="sum")
             largest = module.all_gather(largest).max()
-        mean = stats[0] / stats[1].clamp(min=1.0)
+        if float(stats[1]) == 0:  # no token to compare on any rank (e.g. every completion masked): no figure
+            return {}
+        mean = stats[0] / stats[1]
         if not self.warned and float(mean) > self.threshold:
             self.warned = True
             rank_zero_warn(

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
@@ -302,6 +303,7 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
         self.rollout_geometry: RolloutGeometry | None = None
         self._buffer: RolloutBuffer | None = None
         self._restored: dict[str, Any] | None = None
+        self._fit_started = False  # on_fit_start ran in this fit (a checkpoint loaded after it is applied at once)
         self._seed = generation_seed
         self.val_metrics.add("reward", MeanMetric(nan_strategy="ignore"))
         self._val_reward_means = [
@@ -345,6 +347,14 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
         self._check_geometry(spg)
         if getattr(datamodule, "image_column", None) is not None:
             self._check_images(datamodule.image_column)
+        longest = datamodule.longest_row() if callable(getattr(datamodule, "longest_row", None)) else None
+        self.engine.check_fit(type(self).__name__, longest, hp.max_completion_length)  # e.g. vLLM's environment
+
+    @override
+    def configure_callbacks(self) -> list[Callback]:
+        """An engine that holds a server (vLLM) is closed when fitting fails, too (:class:`CloseEngines`)."""
+        closing = [rollout.CloseEngines(self.engine)] if rollout.holds_resources(self.engine) else []
+        return [*super().configure_callbacks(), *closing]
 
     def _image_refusals(self) -> dict[str, tuple[bool, str]]:
         """``{option: (used, why it cannot carry images)}`` for :meth:`_check_images`."""
@@ -403,17 +413,33 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
 
     @override
     def on_fit_start(self) -> None:
-        if self._restored is not None and self._buffer is not None:
-            state, self._restored = self._restored, None
-            self._seed = int(state["seed"])
-            ranks = state.get("ranks", [state])  # older checkpoints: one state, with rollouts on a single process
-            if len(ranks) == self.trainer.world_size == int(state["world_size"]):
-                self._buffer.load_state_dict(ranks[self.global_rank], self.device)
-            else:  # another world size: counters only, the interrupted round is regenerated
-                self._buffer.load_state_dict({k: ranks[0][k] for k in ("served", "rounds")}, self.device)
+        super().on_fit_start()
+        self._fit_started = True
+        self._apply_restored()
         if self._seed is None:
             self._seed = torch.initial_seed()
         self.reset_reference_sync()
+
+    def _apply_restored(self) -> None:
+        """Restore a loaded checkpoint's generation seed and round buffer once fitting has started AND the checkpoint
+        is loaded, whichever comes last: Lightning loads it before ``on_fit_start`` for most strategies, and after it
+        for those that restore after their setup (``ModelParallelStrategy``, FSDP2: ``restore_checkpoint_after_setup``),
+        where a restore in ``on_fit_start`` alone never happened."""
+        if not self._fit_started or self._restored is None or self._buffer is None:
+            return
+        state, self._restored = self._restored, None
+        self._seed = int(state["seed"])
+        ranks = state.get("ranks", [state])  # older checkpoints: one state, with rollouts on a single process
+        if len(ranks) == self.trainer.world_size == int(state["world_size"]):
+            self._buffer.load_state_dict(ranks[self.global_rank], self.device)
+        else:  # another world size: counters only, the interrupted round is regenerated
+            self._buffer.load_state_dict({k: ranks[0][k] for k in ("served", "rounds")}, self.device)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self._fit_started = False
+        self.engine.close()  # an engine's server in this process (vLLM), if one started
+        super().teardown(stage)
 
     @override
     def train(self, mode: bool = True) -> Self:
@@ -432,6 +458,7 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self._restored = checkpoint.get(_STATE_KEY)
+        self._apply_restored()  # now when fitting started first (FSDP2), else in on_fit_start
 
     @override
     def _write_logs(self) -> None:

@@ -314,8 +314,14 @@ class AsyncRollouts:
         return {"max_staleness": k, "first": first, "next_round": next_round, "versions": versions}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Keep a loaded checkpoint's :meth:`state_dict` (None when it has none) for :meth:`start`."""
+        """Keep a loaded checkpoint's :meth:`state_dict` (None when it has none) for :meth:`start`; when the worker
+        already runs (a strategy that loads the checkpoint after ``on_fit_start``: ``ModelParallelStrategy``), publish
+        its versions now, before any round is requested."""
         self._resumed, self._restored = True, state
+        if self.worker is not None:
+            self._resumed, self._restored = False, None
+            if self.options.max_staleness:
+                self._republish(self.worker.weights, state)
 
     def _republish(self, weights: SharedWeights, state: dict[str, Any] | None) -> None:
         """Publish the checkpoint's weights versions into the new worker's slots, and restore ``first``; otherwise
