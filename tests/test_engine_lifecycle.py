@@ -76,6 +76,39 @@ def test_a_vllm_server_that_cannot_start_leaves_no_weights_in_shared_memory():
     assert engine.server is None
 
 
+def test_a_vllm_start_interrupted_by_ctrl_c_kills_the_server(monkeypatch):
+    """Ctrl-C while the server starts (simulated: the first wait of the start raises KeyboardInterrupt) kills it: left
+    starting, it would load the model and then wait forever for a connection, holding its KV cache."""
+    from lit_trainer.generation import vllm as vllm_module
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    engine = VLLMEngine(python=vllm_python(), threads=1)
+    prompts = torch.tensor([[5, 6, 7]])
+    config = engines.sampling_config(0, [1], max_completion_length=2, temperature=1.0, top_p=1.0, top_k=0,
+                                     min_p=None, repetition_penalty=1.0)  # fmt: skip
+    monkeypatch.setattr(vllm_module.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(tiny_llama(0), prompts, torch.ones_like(prompts), config, [1])
+    monkeypatch.undo()
+    assert not _children_running("vllm_server") and not list(Path("/dev/shm").glob(f"lit-vllm-{os.getpid()}-*"))
+
+
+def _children_running(name: str) -> list[int]:
+    """Pids of this process's living children whose command line contains ``name`` (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # the process ended while read
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and name in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def _rloo_vllm(**engine_options: Any) -> RLOOModule:
     return RLOOModule(
         tiny_model(), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[length_reward], num_generations=4,
@@ -103,6 +136,10 @@ def test_option_messages_name_the_option_and_the_class():
         RLOOModule("tiny", reward_funcs=[length_reward], max_staleness=1)
     with pytest.warns(UserWarning, match="sampler_check_threshold=0.5\\) has no effect without rollout_engine"):
         RLOOModule("tiny", reward_funcs=[length_reward], sampler_check_threshold=0.5)
+    # VESPO needs a per-token correction, which every round of vLLM gets (in this process too: no max_staleness)
+    with pytest.raises(ValueError, match="loss_type='vespo'.*rollout_engine='vllm'.*token_truncate"):
+        grpo(loss_type="vespo", rollout_engine="vllm")
+    grpo(loss_type="vespo", rollout_engine=f"{__name__}.ClosingEngine")  # the trainer's numerics: nothing corrected
 
 
 def test_the_sampler_check_logs_nothing_when_nothing_was_compared():

@@ -84,6 +84,20 @@ def test_vllm_samples_with_the_trainers_numerics_and_repeats_a_seeded_round(engi
 
 
 @pytest.mark.slow
+def test_greedy_decoding_gives_generates_greedy_tokens(engine, model):
+    """``do_sample=False`` (a validation round with tools goes through the engine) is vLLM's temperature 0: the same
+    tokens as transformers' greedy ``generate`` (it was refused before)."""
+    config = _config()
+    config.do_sample, config.temperature = False, 1.0
+    with engines.seeded_rng(0, torch.device("cpu")):
+        greedy = engine.generate(model, PROMPTS, MASK, config, [1])
+        expected = engines.GenerateEngine().generate(model, PROMPTS, MASK, config, [1])
+    assert greedy.mask.sum() > 3 * 3
+    assert torch.equal(greedy.mask, expected.mask)
+    assert torch.equal(greedy.ids * greedy.mask, expected.ids * expected.mask)
+
+
+@pytest.mark.slow
 def test_changed_weights_reach_vllm_tied_head_included(engine, model):
     """An optimizer-like in-place update (no call to the engine) is noticed and reloaded through vLLM's own reload;
     the tied LM head is part of it (vLLM's in-place reload does not re-tie a head written under the embeddings' name
@@ -129,6 +143,9 @@ def test_a_changed_lora_adapter_changes_vllms_logprobs(engine, model):
 def test_sampling_params_refuse_what_vllm_would_do_differently():
     config = _config()
     params = sampling_params(config, [1, 2])
+    config.do_sample = False
+    assert sampling_params(config, [1])["temperature"] == 0.0  # vLLM's greedy
+    config.do_sample = True
     assert params["stop_token_ids"] == [1, 2] and params["temperature"] == TEMPERATURE and params["top_k"] == 0
     config.suppress_tokens = [5]
     with pytest.raises(ValueError, match="suppress_tokens"):

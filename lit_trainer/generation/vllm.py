@@ -150,7 +150,7 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
                 "adapters only. Use use_dora=False, or rollout_engine=None."
             )
         delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters), start=0)
-        weights[f"{name}.weight"] = sharding.full(layer.base_layer.weight + delta)
+        weights[f"{name}.weight"] = _on_cpu(sharding.full(layer.base_layer.weight + delta))
     for name, tensor in base.state_dict(keep_vars=False).items():
         if "modules_to_save" in name:
             raise ValueError(
@@ -161,8 +161,13 @@ def export_weights(model: torch.nn.Module) -> dict[str, Tensor]:
             continue
         name = name.replace(".base_layer.", ".")
         if name not in weights:
-            weights[name] = sharding.full(tensor)
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in weights.items()}
+            weights[name] = _on_cpu(sharding.full(tensor))
+    return weights
+
+
+def _on_cpu(tensor: Tensor) -> Tensor:
+    """A CPU copy of its own (a gathered tensor leaves the device at once: one whole tensor there at a time)."""
+    return tensor.detach().to("cpu", copy=True).contiguous()
 
 
 def write_checkpoint(model: torch.nn.Module, directory: Path) -> None:
@@ -191,7 +196,9 @@ def weights_fingerprint(model: torch.nn.Module) -> Tensor:
     sums = [torch.stack([p.sum(dtype=torch.float64), torch.dot(p.reshape(-1), p.reshape(-1)).double()]) for p in params]
     fingerprint = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
     if sharding.is_sharded(model):
-        torch.distributed.all_reduce(fingerprint)  # the DTensors' device: the ranks' process group runs on it
+        if torch.distributed.get_backend() == "nccl":  # the process group's device (shards may be offloaded to CPU)
+            fingerprint = fingerprint.to(torch.device("cuda", torch.cuda.current_device()))
+        torch.distributed.all_reduce(fingerprint)
     return fingerprint.cpu()
 
 
@@ -244,15 +251,26 @@ class VLLMServer:
             command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = started + start_timeout
-        while not socket_path.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(self._failure(f"the vLLM server exited with code {self.process.returncode}"))
-            if time.perf_counter() > deadline:
-                self.process.kill()
-                raise TimeoutError(self._failure(f"the vLLM server did not start within {start_timeout:.0f} s"))
-            time.sleep(0.1)
-        self.connection = self._connect(socket_path, key, deadline)
+        try:
+            while not socket_path.exists():
+                if self.process.poll() is not None:
+                    raise RuntimeError(self._failure(f"the vLLM server exited with code {self.process.returncode}"))
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(self._failure(f"the vLLM server did not start within {start_timeout:.0f} s"))
+                time.sleep(0.1)
+            self.connection = self._connect(socket_path, key, deadline)
+        except BaseException:  # also Ctrl-C during the start: a server left starting would load and wait forever
+            self._kill()
+            raise
         self.start_seconds = time.perf_counter() - started
+
+    def _kill(self) -> None:
+        """Kill the server's process group and close its log (kept: the server did not stop cleanly)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, 9)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+        self._log.close()
 
     def _connect(self, socket_path: Path, key: bytes, deadline: float) -> Any:
         while True:  # the socket file appears just before the server listens on it
@@ -297,9 +315,7 @@ class VLLMServer:
                 self.process.wait(30)
                 clean = self.process.returncode == 0
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, 9)
-                self.process.wait(5)
+                self._kill()
         self._log.close()
         if clean:
             Path(self.log_path).unlink(missing_ok=True)
@@ -448,12 +464,11 @@ def sampling_params(config: Any, eos_ids: Sequence[int]) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields of a sampling ``GenerationConfig``: the same budget, temperature, nucleus,
     top-k, min-p and repetition penalty, stopping at the EOS ids (included in the output, as ``generate``).
 
+    A greedy config (``do_sample=False``: a validation round with tools) is vLLM's temperature 0, greedy too.
+
     Raises:
-        ValueError: a greedy config (vLLM's temperature 0 is greedy, but GRPO rounds sample), or options vLLM would
-            treat differently (``suppress_tokens``, ``bad_words_ids``...).
+        ValueError: options vLLM would treat differently (``suppress_tokens``, ``bad_words_ids``...).
     """
-    if not config.do_sample:
-        raise ValueError("VLLMEngine samples (do_sample=True); greedy decoding is not a GRPO round.")
     unsupported = [
         k
         for k in ("suppress_tokens", "bad_words_ids", "sequence_bias", "no_repeat_ngram_size")
@@ -465,7 +480,7 @@ def sampling_params(config: Any, eos_ids: Sequence[int]) -> dict[str, Any]:
         )
     return {
         "max_tokens": int(config.max_new_tokens),
-        "temperature": float(config.temperature),
+        "temperature": float(config.temperature) if config.do_sample else 0.0,
         "top_p": float(config.top_p if config.top_p is not None else 1.0),
         "top_k": int(config.top_k or 0),
         "min_p": float(config.min_p or 0.0),

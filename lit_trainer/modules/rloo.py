@@ -254,8 +254,9 @@ class RLOOModule(OnlineRLModule):
         rows["advantages"] = advantages
         if stored:
             rows["old_logps"] = old
-        if not self.engine.same_numerics and decoded is None and completions.logps is not None:
-            metrics.update(self._sampler_terms(rows, completions.logps.float() * rows["completion_mask"], old))
+        behaviour = self._engine_logps(rows, completions, decoded)
+        if behaviour is not None:
+            metrics.update(self._sampler_terms(rows, behaviour, old))
         self._buffer_round(rows, metrics)
 
     def _sampler_terms(self, rows: dict[str, Tensor], behaviour: Tensor, old: Tensor | None) -> dict[str, Tensor]:

@@ -1,6 +1,7 @@
 """GRPO on 2 CPU ranks (gloo) resumes exactly under DDP and under FSDP2 (``ModelParallelStrategy``), in ONE launch
 (Lightning's launcher re-executes this file for rank 1): asynchronous at ``max_staleness=1`` (DDP and FSDP2), and
-synchronous from a checkpoint inside a round (FSDP2, ``steps_per_generation=2``: the buffered round is in it).
+synchronous from a checkpoint inside a round (FSDP2, ``steps_per_generation=2``: the buffered round is in it; GRPO
+with its adaptive entropy bonus, and RLOO).
 
 Usage: python ddp_grpo_async_resume.py OUT_DIR. Per case: an uninterrupted fit of ``STEPS`` optimizer steps, and a fit
 that writes a checkpoint at its stop step (a file under DDP, a distributed checkpoint folder under FSDP2) followed by a
@@ -26,6 +27,7 @@ if __name__ == "__main__":
     from helpers.models import tiny_llama
     from lit_trainer.data.prompt import PromptDataModule
     from lit_trainer.modules.grpo import GRPOModule
+    from lit_trainer.modules.rloo import RLOOModule
 
     disable_progress_bars()
     out = sys.argv[1]
@@ -47,7 +49,8 @@ if __name__ == "__main__":
 
     def run(strategy, steps, options, root=None, stop=None, ckpt_path=None):
         L.seed_everything(0)
-        module = GRPOModule(
+        options = dict(options)
+        module = options.pop("module_class", GRPOModule)(
             tiny_llama(0), tokenizer=transformers.ByT5Tokenizer(), reward_funcs=[token_sum], num_generations=4,
             max_completion_length=4, learning_rate=1e-2, scheduler="constant", max_grad_norm=0.0, generation_seed=0,
             **options,
@@ -70,10 +73,13 @@ if __name__ == "__main__":
         return weights, staleness.values, trainer.global_rank
 
     asynchronous = {"max_staleness": 1, "rollout_worker_threads": 1}
+    entropy = {"entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_target": 10.0, "entropy_coef_delta": 0.05}
     cases = (
         ("ddp", lambda: "ddp", asynchronous, 2),
         ("sharded", common.model_parallel, asynchronous, 2),
-        ("sharded_sync_mid_round", common.model_parallel, {"steps_per_generation": 2}, 3),
+        # with GRPO's adaptive entropy bonus: its coefficient moves every step and is part of the checkpoint
+        ("sharded_sync_mid_round", common.model_parallel, {"steps_per_generation": 2, **entropy}, 3),
+        ("rloo_sharded_mid_round", common.model_parallel, {"steps_per_generation": 2, "module_class": RLOOModule}, 3),
     )
     results = {}
     for name, strategy, options, stop in cases:  # a fresh strategy per fit: one that has run a fit is not reused

@@ -272,6 +272,14 @@ class GRPOModule(OnlineRLModule):
         self._restored_entropy: dict[str, Any] | None = None
         self._normaliser: StepNormaliser | None = None
         self.async_rollouts = AsyncRollouts(AsyncOptions.from_hparams(self.hparams))  # inactive without max_staleness
+        mode = rollout_importance_sampling_mode
+        corrected = rollout_importance_sampling_correction and not self.engine.same_numerics
+        if loss_type == "vespo" and corrected and mode.startswith("sequence"):  # every round of such an engine
+            raise ValueError(
+                f"`GRPOModule(loss_type='vespo', rollout_importance_sampling_mode={mode!r})` with "
+                f"rollout_engine={rollout_engine!r}: VESPO folds a per-token ratio into its weights (as TRL); use "
+                "'token_truncate' or 'token_mask'."
+            )
 
     @override
     def _rollout_engine_path(self) -> str | None:
@@ -396,9 +404,7 @@ class GRPOModule(OnlineRLModule):
             )
         else:
             rows, completions, scoring_batch, decoded, tool_metrics = self._generate_rows(batch, can_stop)
-            behaviour, staleness = None, 0
-            if not self.engine.same_numerics and decoded is None and completions.logps is not None:
-                behaviour = completions.logps.float() * rows["completion_mask"]  # vLLM in this process
+            behaviour, staleness = self._engine_logps(rows, completions, decoded), 0  # vLLM in this process
         advantages, metrics = self._score(scoring_batch, completions, decoded)
         metrics.update(tool_metrics)
         rows["advantages"] = advantages

@@ -146,9 +146,8 @@ def _check_grpo_pairs(options: dict[str, Any], owner: str) -> None:
             f"`{owner}(rollout_importance_sampling_mode={mode!r})` clips the ratio, but both bounds are None: set "
             "rollout_importance_sampling_clip_max (e.g. 3.0) or rollout_importance_sampling_clip_min."
         )
-    # stale rounds of the worker, and every round of an engine with its own numerics (vLLM, in either process)
-    sampled_elsewhere = options["max_staleness"] is not None or options.get("rollout_engine") is not None
-    corrects = sampled_elsewhere and options["rollout_importance_sampling_correction"]
+    # stale rounds of the worker (an engine with its own numerics, in this process: GRPOModule checks its engine)
+    corrects = options["max_staleness"] is not None and options["rollout_importance_sampling_correction"]
     if options["loss_type"] == "vespo" and corrects and mode.startswith("sequence"):
         raise ValueError(
             f"`{owner}(loss_type='vespo', rollout_importance_sampling_mode={mode!r})`: VESPO folds a per-token "

@@ -64,8 +64,8 @@ class SamplerCorrection:
 
 class SamplerCheck:
     """The sampler check: the mean and largest ``|trainer log-prob - sampler log-prob|`` of a round's tokens under the
-    same weights, over all ranks (``sampler_check/logp_gap_mean`` and ``_max``), with one warning per fit when the
-    mean passes ``threshold``.
+    same weights, over all ranks (``sampler_check/logp_gap_mean`` and ``_max``), with one warning (per module, over
+    all its fits) when the mean passes ``threshold``.
 
     Args:
         threshold: the mean gap per token above which it warns (None: the check is off).

@@ -324,6 +324,7 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        self._fit_started = False  # a new run of the trainer (a failed fit calls no teardown)
         if stage != "fit":
             return
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -588,6 +589,15 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
         if should_stop is not None:
             stop_in_step(self.trainer)  # raises when the run stops here; the partial round is dropped
         return sampled
+
+    def _engine_logps(self, rows: dict[str, Tensor], completions: rollout.Completions, decoded: Any) -> Tensor | None:
+        """The engine's own log-probs of a plain round's completion tokens (vLLM's ``Completions.logps``): the
+        behaviour log-probs that round's correction and sampler check use. None for an engine with the trainer's
+        numerics, for a round with tools or a ``rollout_func`` (``decoded``: no engine log-probs of the whole
+        completions), and for an engine that returns none."""
+        if self.engine.same_numerics or decoded is not None or completions.logps is None:
+            return None
+        return completions.logps.float() * rows["completion_mask"]
 
     def _sample_round(self, batch: dict[str, Any], seed: int, should_stop: Any = None) -> Round:
         """Sample one round's rows on the RNG seeded with ``seed``: ``self.rollouts``'s

@@ -426,7 +426,7 @@ class AsyncRollouts:
         device = module.device
         if resampled:  # the read-ahead guessed another batch: generate this round here, on the current weights
             rows, completions, scoring, decoded, tool_metrics = module._generate_rows(batch, can_stop)
-            behaviour, staleness = None, 0
+            behaviour, staleness = module._engine_logps(rows, completions, decoded), 0  # vLLM's, else none needed
         else:
             rows, completions, scoring, decoded, tool_metrics = (
                 _to_device(result[k], device) for k in ("rows", "completions", "batch", "decoded", "tool_metrics")
