@@ -371,9 +371,11 @@ class CloseEngines(Callback):
             engine.close()
 
 
-def holds_resources(engine: RolloutEngine) -> bool:
-    """Whether ``engine`` overrides :meth:`RolloutEngine.close` (it holds something outside the model)."""
-    return type(engine).close is not RolloutEngine.close
+def close_on_failure(*engines: RolloutEngine) -> list[Callback]:
+    """What a module's ``configure_callbacks`` adds for its engines: a :class:`CloseEngines` for those that hold
+    something outside the model (they override :meth:`RolloutEngine.close`), nothing when none does."""
+    holding = [e for e in engines if type(e).close is not RolloutEngine.close]
+    return [CloseEngines(*holding)] if holding else []
 
 
 def make_engine(

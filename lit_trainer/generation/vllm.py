@@ -57,6 +57,14 @@ SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 DEFAULT_ENV = Path(".venv-vllm")
 
 
+#: how to get an interpreter with vLLM (the end of every message that lacks one)
+_HOW = (
+    f"Create it with `python -m lit_trainer.generation.vllm install {DEFAULT_ENV}` (about 2 minutes and 3.5 GB; vLLM "
+    f"pins an older transformers than lit_trainer's, so it lives in an environment of its own), or name an "
+    f"interpreter with rollout_engine_options={{'python': ...}} or ${PYTHON_ENV}."
+)
+
+
 def vllm_python(python: str | None = None) -> str:
     """The interpreter that runs the vLLM server: ``python``, else ``$LIT_TRAINER_VLLM_PYTHON``, else this one when
     it can import vLLM, else ``.venv-vllm/bin/python`` in the working directory.
@@ -75,13 +83,6 @@ def vllm_python(python: str | None = None) -> str:
     if default.exists():
         return str(default)
     raise FileNotFoundError(f"VLLMEngine needs a Python environment with vLLM: none at {default.resolve()}. {_HOW}")
-
-
-_HOW = (
-    f"Create it with `python -m lit_trainer.generation.vllm install {DEFAULT_ENV}` (about 2 minutes and 3.5 GB; vLLM "
-    f"pins an older transformers than lit_trainer's, so it lives in an environment of its own), or name an "
-    f"interpreter with rollout_engine_options={{'python': ...}} or ${PYTHON_ENV}."
-)
 
 
 def check_vllm_python(python: str) -> None:

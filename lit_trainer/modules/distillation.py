@@ -264,9 +264,7 @@ class DistillationModule(BaseModule):
     @override
     def configure_callbacks(self) -> list[Callback]:
         """A vLLM engine is closed when fitting fails, too (:class:`~lit_trainer.generation.engines.CloseEngines`)."""
-        engine = self.rollouts.engine
-        closing = [rollout.CloseEngines(engine)] if rollout.holds_resources(engine) else []
-        return [*super().configure_callbacks(), *closing]
+        return [*super().configure_callbacks(), *rollout.close_on_failure(self.rollouts.engine)]
 
     @override
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:

@@ -25,6 +25,7 @@ rollouts, ...) are not RLOOModule's: passing one is an unexpected keyword.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, ClassVar, Literal, get_args
@@ -213,12 +214,6 @@ class RLOOModule(OnlineRLModule):
         self.sampler_correction = SamplerCorrection.from_hparams(self.hparams)
         self.sampler_check = SamplerCheck(sampler_check_threshold, type(self.engine).__name__)
 
-    def _rollout_engine_path(self) -> str | None:
-        return self.hparams.rollout_engine
-
-    def _rollout_engine_options(self) -> dict[str, Any] | None:
-        return self.hparams.rollout_engine_options
-
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
         """Lightning's ``load_from_checkpoint``; a checkpoint written while RLOOModule was a GRPOModule subclass
@@ -353,7 +348,8 @@ def _check_sampler_correction(options: dict[str, Any], engine: str | None) -> No
         check_sampling_is_options(
             mode, options["rollout_importance_sampling_clip_min"], options["rollout_importance_sampling_clip_max"]
         )
-    changed = {k: v for k, v in options.items() if v != _SAMPLER_DEFAULTS[k]}
+    defaults = inspect.signature(RLOOModule.__init__).parameters
+    changed = {k: v for k, v in options.items() if v != defaults[k].default}
     if engine is None and changed:
         rank_zero_warn(
             f"RLOOModule({', '.join(f'{k}={v!r}' for k, v in changed.items())}) has no effect without "
@@ -362,10 +358,3 @@ def _check_sampler_correction(options: dict[str, Any], engine: str | None) -> No
             "defaults.",
             category=UserWarning,
         )
-
-
-_SAMPLER_DEFAULTS = {
-    "rollout_importance_sampling_correction": True, "rollout_importance_sampling_mode": "sequence_mask",
-    "rollout_importance_sampling_clip_max": 3.0, "rollout_importance_sampling_clip_min": None,
-    "sampler_check_threshold": 0.05,
-}  # fmt: skip

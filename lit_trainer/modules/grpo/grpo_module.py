@@ -272,22 +272,17 @@ class GRPOModule(OnlineRLModule):
         self._restored_entropy: dict[str, Any] | None = None
         self._normaliser: StepNormaliser | None = None
         self.async_rollouts = AsyncRollouts(AsyncOptions.from_hparams(self.hparams))  # inactive without max_staleness
+        # corrected rounds: stale ones of the worker, and every round of an engine with its own numerics (vLLM)
         mode = rollout_importance_sampling_mode
-        corrected = rollout_importance_sampling_correction and not self.engine.same_numerics
-        if loss_type == "vespo" and corrected and mode.startswith("sequence"):  # every round of such an engine
+        corrected = rollout_importance_sampling_correction and (
+            max_staleness is not None or not self.engine.same_numerics
+        )
+        if loss_type == "vespo" and corrected and mode.startswith("sequence"):
             raise ValueError(
                 f"`GRPOModule(loss_type='vespo', rollout_importance_sampling_mode={mode!r})` with "
-                f"rollout_engine={rollout_engine!r}: VESPO folds a per-token ratio into its weights (as TRL); use "
-                "'token_truncate' or 'token_mask'."
+                f"max_staleness={max_staleness!r}, rollout_engine={rollout_engine!r}: VESPO folds a per-token ratio "
+                "into its weights (as TRL); use 'token_truncate' or 'token_mask'."
             )
-
-    @override
-    def _rollout_engine_path(self) -> str | None:
-        return self.hparams.rollout_engine  # the worker's engine class samples this process's rounds too
-
-    @override
-    def _rollout_engine_options(self) -> dict[str, Any] | None:
-        return self.hparams.rollout_engine_options
 
     def behaviour_scorer(self) -> Callable[[Any, dict[str, Tensor]], Tensor]:
         """The forward the rollout worker runs for the behaviour log-probs of its rounds: ``scorer(model, rows)`` ->

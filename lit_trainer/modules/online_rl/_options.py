@@ -146,10 +146,3 @@ def _check_grpo_pairs(options: dict[str, Any], owner: str) -> None:
             f"`{owner}(rollout_importance_sampling_mode={mode!r})` clips the ratio, but both bounds are None: set "
             "rollout_importance_sampling_clip_max (e.g. 3.0) or rollout_importance_sampling_clip_min."
         )
-    # stale rounds of the worker (an engine with its own numerics, in this process: GRPOModule checks its engine)
-    corrects = options["max_staleness"] is not None and options["rollout_importance_sampling_correction"]
-    if options["loss_type"] == "vespo" and corrects and mode.startswith("sequence"):
-        raise ValueError(
-            f"`{owner}(loss_type='vespo', rollout_importance_sampling_mode={mode!r})`: VESPO folds a per-token "
-            "ratio into its weights (as TRL); use 'token_truncate' or 'token_mask'."
-        )

@@ -96,14 +96,15 @@ class SamplerCheck:
         if trainer.world_size > 1:
             stats = trainer.strategy.reduce(stats, reduce_op="sum")
             largest = module.all_gather(largest).max()
-        if float(stats[1]) == 0:  # no token to compare on any rank (e.g. every completion masked): no figure
+        total, count = stats.tolist()  # one host sync a round
+        if count == 0:  # no token to compare on any rank (e.g. every completion masked): no figure
             return {}
         mean = stats[0] / stats[1]
-        if not self.warned and float(mean) > self.threshold:
+        if not self.warned and total / count > self.threshold:
             self.warned = True
             rank_zero_warn(
                 f"[lit_trainer] The {sampler or self.sampler}'s log-probs differ from the trainer's for the same "
-                f"weights ({where}): mean |delta log p| = {float(mean):.4g} > "
+                f"weights ({where}): mean |delta log p| = {total / count:.4g} > "
                 f"sampler_check_threshold={self.threshold}, max {float(largest):.4g}. The sampler is not the policy "
                 "being trained: a weight sync that did not reach it (e.g. LoRA adapters not loaded), or an engine "
                 "with other numerics. Check the rollout_engine's weight loading; raise the threshold only if the gap "

@@ -312,13 +312,14 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
         ]  # one per function, even when two share a name
 
     def _rollout_engine_path(self) -> str | None:
-        """Import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass to sample with (None: ``generate``,
-        or continuous batching when asked); read once, in ``__init__``."""
-        return None
+        """Import path of a :class:`~lit_trainer.generation.RolloutEngine` subclass to sample with, or ``"vllm"``: the
+        subclass's ``rollout_engine`` option (GRPO's, RLOO's; None: ``generate``, or continuous batching when asked);
+        read once, in ``__init__``."""
+        return self.hparams.get("rollout_engine")
 
     def _rollout_engine_options(self) -> dict[str, Any] | None:
-        """Keyword arguments of that engine's class (read once, in ``__init__``)."""
-        return None
+        """Keyword arguments of that engine's class: the subclass's ``rollout_engine_options`` option."""
+        return self.hparams.get("rollout_engine_options")
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -354,8 +355,7 @@ class OnlineRLModule(ReferenceSyncMixin, BaseModule):
     @override
     def configure_callbacks(self) -> list[Callback]:
         """An engine that holds a server (vLLM) is closed when fitting fails, too (:class:`CloseEngines`)."""
-        closing = [rollout.CloseEngines(self.engine)] if rollout.holds_resources(self.engine) else []
-        return [*super().configure_callbacks(), *closing]
+        return [*super().configure_callbacks(), *rollout.close_on_failure(self.engine)]
 
     def _image_refusals(self) -> dict[str, tuple[bool, str]]:
         """``{option: (used, why it cannot carry images)}`` for :meth:`_check_images`."""
